@@ -1,0 +1,63 @@
+"""What CUDA GPUs this machine has, without importing torch (slow) or vLLM."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+# vLLM's GPTQ/Marlin W4A16 kernels and FlashAttention 2 need Ampere (sm80) or newer.
+MIN_COMPUTE_CAPABILITY = (8, 0)
+MIN_MEMORY_GIB_27B = 24
+
+REQUIREMENT = (
+    "an NVIDIA GPU with CUDA, compute capability 8.0 or newer (RTX 3090/4090/5090, A100, "
+    "H100/H200), 24 GB or more for the 27B model, and the NVIDIA driver (nvidia-smi)"
+)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    compute_capability: tuple[int, int]
+    memory_gib: float
+    driver: str
+
+    @property
+    def sm(self) -> str:
+        return f"sm{self.compute_capability[0]}{self.compute_capability[1]}"
+
+
+class NoGpu(Exception):
+    """No usable CUDA GPU; the message says why."""
+
+
+def list_gpus() -> list[Gpu]:
+    """GPUs nvidia-smi reports. Raises NoGpu with the reason when there are none."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        raise NoGpu("nvidia-smi not found: no NVIDIA driver on this machine")
+    query = "index,name,compute_cap,memory.total,driver_version"
+    try:
+        result = subprocess.run(
+            [smi, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise NoGpu(f"nvidia-smi failed: {error}") from None
+    if result.returncode != 0:
+        raise NoGpu(f"nvidia-smi failed: {(result.stderr or result.stdout).strip()}")
+    gpus = [parse_smi_line(line) for line in result.stdout.splitlines() if line.strip()]
+    if not gpus:
+        raise NoGpu("nvidia-smi lists no GPU")
+    return gpus
+
+
+def parse_smi_line(line: str) -> Gpu:
+    index, name, capability, memory_mib, driver = (part.strip() for part in line.split(","))
+    major, minor = capability.split(".")
+    return Gpu(int(index), name, (int(major), int(minor)), float(memory_mib) / 1024, driver)

@@ -1,0 +1,319 @@
+"""Settings -> (argv, env) for `vllm serve`: a pure function every launcher calls.
+
+`build_launch` reads nothing from disk and starts nothing, so tests (and `--print-argv`) see
+exactly what a server would run. The shell launchers in single-user/ and batch/, the systemd
+units and the container entrypoint all end in `hyperqwen serve MODE`, which calls it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hyperqwen.settings import LoadedSettings, Mode, Settings, knobs
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Defaults a mode (and, in single mode, CTX) gives the knobs the user left unset."""
+
+    max_len: int
+    max_seqs: int
+    kv_cache_dtype: str
+    max_batched_tokens: int
+    # GDN recurrent state. float32 is what Qwen3.5's config asks for (mamba_ssm_dtype); it is
+    # ~150 MB per sequence at the 27B geometry, so batch mode halves it to fit 64 slots.
+    ssm_cache_dtype: str
+
+
+SINGLE_PROFILES: dict[str, Profile] = {
+    "fast": Profile(65536, 4, "auto", 8192, "float32"),
+    "long": Profile(131072, 4, "fp8", 8192, "float32"),
+    "huge": Profile(262144, 1, "fp8", 4096, "float32"),
+}
+BATCH_PROFILE = Profile(150000, 64, "fp8", 8192, "bfloat16")
+DEFAULT_DRAFT_TOKENS = {"mtp": 3, "ngram": 4}
+
+
+def profile_for(settings: Settings, mode: Mode) -> Profile:
+    if mode == "single":
+        return SINGLE_PROFILES[settings.CTX]
+    return BATCH_PROFILE
+
+
+# Short spellings vLLM's parser accepts for flags the launcher sets; a test checks each
+# against vLLM's own parser, so this list cannot go stale silently.
+FLAG_ALIASES = {
+    "-tp": "--tensor-parallel-size",
+    "-sc": "--speculative-config",
+    "-cc": "--compilation-config",
+}
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    argv: list[str]
+    env: dict[str, str]
+    """Variables to add to the inherited environment (the API key travels here, not in argv)."""
+    warnings: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    model_path: Path = Path()
+    served_name: str = ""
+
+
+def is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def model_path(settings: Settings) -> Path:
+    """MODEL is a folder name inside MODELS_DIR, or a path when it contains a slash."""
+    if "/" in settings.MODEL:
+        return Path(settings.MODEL)
+    return settings.MODELS_DIR / settings.MODEL
+
+
+def speculative_config(settings: Settings) -> dict | None:
+    if settings.SPEC == "off":
+        return None
+    config: dict = {
+        "method": settings.SPEC,
+        "num_speculative_tokens": settings.DRAFT_TOKENS or DEFAULT_DRAFT_TOKENS[settings.SPEC],
+    }
+    if settings.SPEC == "ngram":
+        # Match 2-5 token n-grams of the prompt: long enough to avoid spurious copies.
+        config.update(prompt_lookup_min=2, prompt_lookup_max=5)
+    else:
+        config["draft_sample_method"] = settings.DRAFT_SAMPLE
+    return config
+
+
+def compilation_config(max_tokens_per_step: int) -> dict:
+    # Full CUDA graphs for decode-only batches (GDN layers need them to be fast), piecewise for
+    # mixed ones; capture only the batch sizes this profile can produce: faster start, less
+    # graph memory on a 24 GB card.
+    return {
+        "cudagraph_mode": "FULL_AND_PIECEWISE",
+        "max_cudagraph_capture_size": max_tokens_per_step,
+    }
+
+
+def _flag_name(token: str) -> str | None:
+    """The canonical long flag a token sets, or None for values."""
+    if not token.startswith("-") or token == "-" or _is_number(token):
+        return None
+    name = token.split("=", 1)[0]
+    name = FLAG_ALIASES.get(name, name)
+    # vLLM accepts --max_model_len, --no-enable-x and --compilation-config.key=value too.
+    name = name.split(".", 1)[0].replace("_", "-")
+    if name.startswith("--no-"):
+        name = "--" + name[len("--no-") :]
+    return name
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def build_launch(
+    loaded: LoadedSettings,
+    mode: Mode,
+    api_key: str | None,
+    in_container: bool = False,
+) -> LaunchPlan:
+    """The argv and environment of `vllm serve` for these settings. Pure: no I/O."""
+    settings = loaded.settings
+    profile = profile_for(settings, mode)
+    warnings: list[str] = []
+
+    host, host_warnings, notices = choose_host(settings, api_key, in_container, loaded.explicit)
+    warnings += host_warnings
+    path = model_path(settings)
+    served_name = path.name
+    max_seqs = settings.MAX_SEQS or profile.max_seqs
+    kv_dtype = settings.KV if mode == "batch" else profile.kv_cache_dtype
+
+    # (flag, value or None, knob that decided it) — the knob names feed the shadow warning.
+    flags: list[tuple[str, str | None, str]] = [
+        ("--host", host, "HOST"),
+        ("--port", str(settings.PORT), "PORT"),
+        ("--served-model-name", served_name, "MODEL"),
+        ("--max-model-len", str(settings.MAX_LEN or profile.max_len), "MAX_LEN"),
+        ("--max-num-seqs", str(max_seqs), "MAX_SEQS"),
+        (
+            "--max-num-batched-tokens",
+            str(profile.max_batched_tokens),
+            "CTX" if mode == "single" else "mode batch",
+        ),
+        ("--gpu-memory-utilization", f"{settings.GPU_UTIL:g}", "GPU_UTIL"),
+        ("--tensor-parallel-size", str(settings.GPU_COUNT), "GPU_COUNT"),
+        ("--kv-cache-dtype", kv_dtype, "KV" if mode == "batch" else "CTX"),
+        ("--mamba-ssm-cache-dtype", profile.ssm_cache_dtype, f"mode {mode}"),
+        (
+            "--enable-prefix-caching"
+            if settings.PREFIX_CACHE == "1"
+            else "--no-enable-prefix-caching",
+            None,
+            "PREFIX_CACHE",
+        ),
+        # Clients see how much of each prompt came from the prefix cache.
+        ("--enable-prompt-tokens-details", None, "always"),
+    ]
+    if settings.KV_MEM:
+        flags.append(("--kv-cache-memory-bytes", settings.KV_MEM, "KV_MEM"))
+    if settings.VISION == "0":
+        flags.append(("--language-model-only", None, "VISION"))
+    if settings.TOOLS == "1":
+        flags.append(("--enable-auto-tool-choice", None, "TOOLS"))
+        flags.append(("--tool-call-parser", settings.TOOL_PARSER, "TOOL_PARSER"))
+    if settings.REASONING_PARSER:
+        flags.append(("--reasoning-parser", settings.REASONING_PARSER, "REASONING_PARSER"))
+    if settings.REQ_METRICS == "1":
+        flags.append(("--enable-per-request-metrics", None, "REQ_METRICS"))
+
+    tokens_per_step = max_seqs
+    spec = speculative_config(settings) if mode == "single" else None
+    if spec:
+        flags.append(("--speculative-config", json.dumps(spec, separators=(",", ":")), "SPEC"))
+        tokens_per_step = max_seqs * (1 + spec["num_speculative_tokens"])
+    flags.append(
+        (
+            "--compilation-config",
+            json.dumps(compilation_config(tokens_per_step), separators=(",", ":")),
+            f"mode {mode}",
+        )
+    )
+
+    argv = ["vllm", "serve", str(path)]
+    for flag, value, _ in flags:
+        argv.append(flag)
+        if value is not None:
+            argv.append(value)
+
+    extra = shlex.split(settings.EXTRA_ARGS)
+    warnings += _shadow_warnings(extra, flags)
+    argv += extra
+
+    warnings += _ignored_knob_warnings(settings, mode, loaded.explicit)
+
+    env: dict[str, str] = {}
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+    return LaunchPlan(argv, env, warnings, notices, host, path, served_name)
+
+
+def choose_host(
+    settings: Settings,
+    api_key: str | None,
+    in_container: bool,
+    explicit: frozenset[str],
+) -> tuple[str, list[str], list[str]]:
+    """The bind address, with warnings and notices about who can reach it."""
+    warnings: list[str] = []
+    notices: list[str] = []
+    if in_container:
+        # Inside the container only the published port is reachable; BIND decides exposure.
+        host = settings.HOST or "0.0.0.0"
+        if not api_key and not is_loopback(settings.BIND):
+            warnings.append(
+                f"BIND={settings.BIND} publishes the API beyond this machine WITHOUT an API key: "
+                "anyone who can reach it can use it. Set VLLM_API_KEY (or api_key.txt), or "
+                "BIND=127.0.0.1."
+            )
+        return host, warnings, notices
+    if "HOST" in explicit and settings.HOST:
+        if not api_key and not is_loopback(settings.HOST):
+            warnings.append(
+                f"HOST={settings.HOST} listens beyond this machine WITHOUT an API key: anyone "
+                "who can reach the port can use it. Set VLLM_API_KEY (or api_key.txt), or "
+                "unset HOST."
+            )
+        return settings.HOST, warnings, notices
+    if api_key:
+        notices.append("API key set: listening on all interfaces (0.0.0.0).")
+        return "0.0.0.0", warnings, notices
+    notices.append(
+        "No API key: listening on 127.0.0.1 only. Set VLLM_API_KEY (or api_key.txt) to serve "
+        "other machines."
+    )
+    return "127.0.0.1", warnings, notices
+
+
+def _shadow_warnings(extra: list[str], flags: list[tuple[str, str | None, str]]) -> list[str]:
+    set_by = {_flag_name(flag): knob for flag, _, knob in flags}
+    warnings = []
+    for token in extra:
+        name = _flag_name(token)
+        if name == "--api-key":
+            warnings.append(
+                "EXTRA_ARGS passes --api-key: the key then shows in process lists and logs. "
+                "Use VLLM_API_KEY or api_key.txt instead."
+            )
+        elif name in set_by:
+            warnings.append(
+                f"EXTRA_ARGS sets {name}, which the launcher sets from {set_by[name]}; "
+                "EXTRA_ARGS wins (it comes last)."
+            )
+    return warnings
+
+
+def _ignored_knob_warnings(settings: Settings, mode: Mode, explicit: frozenset[str]) -> list[str]:
+    warnings = []
+    for info in knobs():
+        if info.name in explicit and mode not in info.modes:
+            warnings.append(
+                f"{info.name} is a {'/'.join(info.modes)}-mode knob; ignored in {mode} mode."
+            )
+    if mode == "single" and settings.SPEC == "off":
+        for name in ("DRAFT_TOKENS", "DRAFT_SAMPLE"):
+            if name in explicit:
+                warnings.append(f"{name} is ignored with SPEC=off.")
+    if mode == "single" and settings.SPEC == "ngram" and "DRAFT_SAMPLE" in explicit:
+        warnings.append("DRAFT_SAMPLE is ignored with SPEC=ngram (n-gram drafts are not sampled).")
+    if settings.TOOLS == "0" and "TOOL_PARSER" in explicit:
+        warnings.append("TOOL_PARSER is ignored with TOOLS=0.")
+    return warnings
+
+
+REDACTED = "***"
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """argv with any --api-key value hidden (only EXTRA_ARGS can put one there)."""
+    shown, hide_next = [], False
+    for token in argv:
+        if hide_next:
+            shown.append(REDACTED)
+            hide_next = False
+        elif _flag_name(token) == "--api-key":
+            hide_next = "=" not in token
+            shown.append(token.split("=", 1)[0] + ("=" + REDACTED if "=" in token else ""))
+        else:
+            shown.append(token)
+    return shown
+
+
+def effective_config_lines(loaded: LoadedSettings, api_key: str | None) -> list[str]:
+    """One line per knob, the key shown only as set(N chars)/unset."""
+    lines = []
+    for info in knobs():
+        value = getattr(loaded.settings, info.name)
+        if info.secret or info.name == "API_KEY_FILE":
+            continue
+        source = loaded.sources.get(info.name, "default")
+        lines.append(f"  {info.name}={'' if value is None else value}  ({source})")
+    key_state = f"set ({len(api_key)} chars)" if api_key else "unset"
+    lines.append(f"  VLLM_API_KEY: {key_state}")
+    return lines

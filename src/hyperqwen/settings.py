@@ -1,0 +1,345 @@
+"""Every serving knob in one place: default, allowed values, help text and what it becomes.
+
+The pydantic model below is the single source of truth. The launcher (`launch.py`), the
+generated `.env.example`, the knob tables in `single-user/README.md` and `batch/README.md` and
+the redacted startup print all read it; a test fails when the generated files drift.
+
+Knobs are read from the process environment and from a `.env` file (python-dotenv); the
+environment wins. A knob left unset takes its profile default, which depends on the mode
+(`single` or `batch`) and, in single mode, on `CTX`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from dotenv import dotenv_values
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+Mode = Literal["single", "batch"]
+MODES: tuple[Mode, ...] = ("single", "batch")
+BOTH: tuple[Mode, ...] = MODES
+SINGLE: tuple[Mode, ...] = ("single",)
+BATCH: tuple[Mode, ...] = ("batch",)
+
+SpecMethod = Literal["mtp", "ngram", "off"]
+ContextProfile = Literal["fast", "long", "huge"]
+KvCacheDtype = Literal["auto", "fp8"]
+DraftSample = Literal["greedy", "probabilistic"]
+Switch = Literal["0", "1"]
+
+PINNED_VLLM = "0.26.0"
+DEFAULT_PORT = 18020
+
+
+def knob(
+    default: Any,
+    help: str,
+    becomes: str,
+    modes: tuple[Mode, ...] = BOTH,
+    secret: bool = False,
+    **constraints: Any,
+) -> Any:
+    """A Field that also records which modes read it, what it becomes and whether it is secret."""
+    return Field(
+        default,
+        description=help,
+        json_schema_extra={"becomes": becomes, "modes": list(modes), "secret": secret},
+        **constraints,
+    )
+
+
+class Settings(BaseModel):
+    """The effective configuration of one server. Field names are the environment variable names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    # --- network and access -------------------------------------------------------------
+    PORT: int = knob(
+        DEFAULT_PORT, "TCP port the OpenAI-compatible API listens on.", "--port", ge=1, le=65535
+    )
+    HOST: str | None = knob(
+        None,
+        "Address vLLM binds to. Unset: 127.0.0.1 without an API key, 0.0.0.0 with one "
+        "(in the container: 0.0.0.0, exposure decided by BIND). Set it to override; a "
+        "non-loopback HOST without a key starts with a loud warning.",
+        "--host",
+    )
+    BIND: str = knob(
+        "127.0.0.1",
+        "Host address docker compose publishes the port on (compose only). Use 0.0.0.0 to "
+        "reach the server from other machines, together with VLLM_API_KEY.",
+        "docker-compose.yml ports",
+    )
+    VLLM_API_KEY: str | None = knob(
+        None,
+        "API key clients must send (Authorization: Bearer KEY). Passed to vLLM through the "
+        "environment, never on the command line, never printed.",
+        "env VLLM_API_KEY",
+        secret=True,
+    )
+    API_KEY_FILE: Path = knob(
+        Path("api_key.txt"),
+        "File read for the API key when VLLM_API_KEY is unset (first line, stripped). "
+        "A missing file means no key.",
+        "env VLLM_API_KEY",
+    )
+
+    # --- model ------------------------------------------------------------------------
+    MODELS_DIR: Path = knob(
+        Path("models"), "Folder that holds prepared models.", "model path prefix"
+    )
+    MODEL: str = knob(
+        "Qwen3.8-27B-W4A16-hq",
+        "Model to serve: a folder name inside MODELS_DIR, or a path to a model folder. "
+        "Its folder name is the model id clients use (--served-model-name).",
+        "vllm serve PATH, --served-model-name",
+    )
+    MAX_LEN: int | None = knob(
+        None,
+        "Longest prompt + answer in tokens. Default: single 65536/131072/262144 for "
+        "CTX=fast/long/huge; batch 150000.",
+        "--max-model-len",
+        ge=256,
+    )
+    MAX_SEQS: int | None = knob(
+        None,
+        "Requests decoded at once (slots). Default: single 4 (1 with CTX=huge); batch 64.",
+        "--max-num-seqs",
+        ge=1,
+        le=1024,
+    )
+    GPU_UTIL: float = knob(
+        0.90,
+        "Fraction of GPU memory vLLM may take (weights + cache + activations). Lower it if a "
+        "desktop shares the card.",
+        "--gpu-memory-utilization",
+        gt=0.05,
+        le=0.99,
+    )
+    KV_MEM: str | None = knob(
+        None,
+        "Fixed KV-cache size in bytes; when set, vLLM sizes the cache from it instead of "
+        "GPU_UTIL. Suffixes as vLLM reads them: K/M/G/T = powers of 1024 (6G = 6 GiB), "
+        "k/m/g/t = powers of 1000 (decimals allowed: 6.5g).",
+        "--kv-cache-memory-bytes",
+        pattern=r"^(\d+[KMGT]?|\d+(\.\d+)?[kmgt])$",
+    )
+    GPU_COUNT: int = knob(
+        1, "GPUs to shard the model over (tensor parallel).", "--tensor-parallel-size", ge=1, le=8
+    )
+    EXTRA_ARGS: str = knob(
+        "",
+        "Extra vLLM arguments, split like a shell would, appended last: they win over every "
+        "flag the launcher sets (the launcher warns when one does).",
+        "appended to argv",
+    )
+
+    # --- API features -------------------------------------------------------------------
+    TOOLS: Switch = knob(
+        "1",
+        "Let the model call tools (OpenAI tools / tool_choice=auto).",
+        "--enable-auto-tool-choice --tool-call-parser TOOL_PARSER",
+    )
+    TOOL_PARSER: str = knob(
+        "qwen3_coder", "vLLM tool-call parser (when TOOLS=1).", "--tool-call-parser", min_length=1
+    )
+    REASONING_PARSER: str = knob(
+        "qwen3",
+        "vLLM reasoning parser that splits <think> text into reasoning_content; empty disables.",
+        "--reasoning-parser",
+    )
+    PREFIX_CACHE: Switch = knob(
+        "1",
+        "Reuse the KV cache and recurrent state of a shared prompt prefix (system prompts, "
+        "multi-turn chats).",
+        "--enable-prefix-caching / --no-enable-prefix-caching",
+    )
+    VISION: Switch = knob(
+        "0",
+        "Load the vision tower and accept images. 0 serves text only and frees its memory.",
+        "--language-model-only when 0",
+    )
+    REQ_METRICS: Switch = knob(
+        "0",
+        "Add per-request timing metrics (queue, prefill, decode) to API responses.",
+        "--enable-per-request-metrics",
+    )
+
+    # --- single mode ---------------------------------------------------------------------
+    CTX: ContextProfile = knob(
+        "fast",
+        "Context profile. fast: 64k tokens, bf16 KV cache; long: 128k, fp8 KV; huge: 256k, "
+        "fp8 KV, one slot.",
+        "--max-model-len, --kv-cache-dtype, --max-num-batched-tokens defaults",
+        modes=SINGLE,
+    )
+    SPEC: SpecMethod = knob(
+        "mtp",
+        "Speculative decoding. mtp: the model's own multi-token-prediction layer drafts; "
+        "ngram: drafts by copying from the prompt (no extra weights); off: none.",
+        "--speculative-config",
+        modes=SINGLE,
+    )
+    DRAFT_TOKENS: int | None = knob(
+        None,
+        "Tokens drafted per step. Default: 3 for mtp, 4 for ngram.",
+        "--speculative-config num_speculative_tokens",
+        modes=SINGLE,
+        ge=1,
+        le=8,
+    )
+    DRAFT_SAMPLE: DraftSample = knob(
+        "greedy",
+        "How the drafter picks tokens: greedy (argmax) or probabilistic (samples; can accept "
+        "more at temperature > 0, costs memory for draft logits).",
+        "--speculative-config draft_sample_method",
+        modes=SINGLE,
+    )
+
+    # --- batch mode ----------------------------------------------------------------------
+    KV: KvCacheDtype = knob(
+        "fp8",
+        "KV-cache dtype in batch mode. fp8 halves cache memory (more concurrent context); "
+        "auto keeps the model dtype (bf16).",
+        "--kv-cache-dtype",
+        modes=BATCH,
+    )
+
+    @field_validator("HOST")
+    @classmethod
+    def _host_not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must be an address such as 127.0.0.1 or 0.0.0.0, or unset")
+        return value
+
+
+@dataclass(frozen=True)
+class KnobInfo:
+    """What the docs, the .env template and the checks need to know about one knob."""
+
+    name: str
+    default: Any
+    help: str
+    becomes: str
+    modes: tuple[Mode, ...]
+    secret: bool
+    allowed: str
+
+
+def _literal_values(annotation: Any) -> list[str]:
+    if get_origin(annotation) is Literal:
+        return [str(value) for value in get_args(annotation)]
+    return [value for arg in get_args(annotation) for value in _literal_values(arg)]
+
+
+def _allowed_text(annotation: Any, metadata: list[Any]) -> str:
+    literal_values = _literal_values(annotation)
+    if literal_values:
+        return " | ".join(literal_values)
+    bounds = []
+    for item in metadata:
+        for attr, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if getattr(item, attr, None) is not None:
+                bounds.append(f"{symbol} {getattr(item, attr)}")
+        if getattr(item, "pattern", None):
+            return "bytes, e.g. 6G (GiB) or 6.5g (10^9)"
+    kinds = {int: "integer", float: "number", str: "text", Path: "path"}
+    base = next((kinds[a] for a in (get_args(annotation) or (annotation,)) if a in kinds), "text")
+    return base + (" " + ", ".join(bounds) if bounds else "")
+
+
+def knobs() -> list[KnobInfo]:
+    """All knobs in declaration order."""
+    infos = []
+    for name, info in Settings.model_fields.items():
+        extra = info.json_schema_extra or {}
+        infos.append(
+            KnobInfo(
+                name=name,
+                default=info.default,
+                help=info.description or "",
+                becomes=str(extra["becomes"]),
+                modes=tuple(extra["modes"]),
+                secret=bool(extra["secret"]),
+                allowed=_allowed_text(info.annotation, info.metadata),
+            )
+        )
+    return infos
+
+
+class SettingsError(Exception):
+    """Invalid knob values; the message names each knob, the bad value and what is allowed."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class LoadedSettings:
+    settings: Settings
+    explicit: frozenset[str]
+    """Knobs the user set (environment or .env), as opposed to defaults."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where each explicit knob came from: 'environment' or the .env path."""
+
+
+def load_settings(
+    environ: Mapping[str, str] | None = None,
+    env_file: Path | None = None,
+) -> LoadedSettings:
+    """Read knobs from `env_file` (default $ENV_FILE or ./.env) and the environment, which wins.
+
+    Empty strings count as unset, so `HOST=` in .env means "use the default".
+    """
+    environ = os.environ if environ is None else environ
+    if env_file is None:
+        env_file = Path(environ.get("ENV_FILE", ".env"))
+    names = set(Settings.model_fields)
+    values: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    if env_file.is_file():
+        for key, value in dotenv_values(env_file).items():
+            if key in names and value not in (None, ""):
+                values[key], sources[key] = value, str(env_file)
+    for key in names:
+        value = environ.get(key)
+        if value not in (None, ""):
+            values[key], sources[key] = value, "environment"
+    try:
+        settings = Settings.model_validate(values)
+    except ValidationError as error:
+        raise SettingsError(_explain(error, values)) from None
+    return LoadedSettings(settings, frozenset(values), sources)
+
+
+def _explain(error: ValidationError, values: Mapping[str, str]) -> str:
+    allowed = {info.name: info.allowed for info in knobs()}
+    lines = []
+    for problem in error.errors():
+        name = str(problem["loc"][0]) if problem["loc"] else "?"
+        if name not in allowed:
+            continue
+        secret = Settings.model_fields[name].json_schema_extra["secret"]  # type: ignore[index]
+        shown = "(hidden)" if secret else repr(values.get(name))
+        lines.append(
+            f"{name}={shown} is not valid: {problem['msg']}. Allowed: {allowed[name]}. "
+            f"Fix it in the environment or in .env."
+        )
+    return "\n".join(lines)
+
+
+def resolve_api_key(settings: Settings) -> tuple[str | None, str]:
+    """The API key and where it came from: VLLM_API_KEY, else the first line of API_KEY_FILE."""
+    if settings.VLLM_API_KEY:
+        return settings.VLLM_API_KEY, "VLLM_API_KEY"
+    path = settings.API_KEY_FILE
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        key = lines[0].strip() if lines else ""
+        if key:
+            return key, str(path)
+    return None, "unset"

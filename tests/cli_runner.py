@@ -1,0 +1,23 @@
+"""Run the real `hyperqwen` CLI in a subprocess with a clean environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hyperqwen(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    """Only PATH, PYTHONPATH and what the test sets reach the child: no stray knobs."""
+    base = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run(
+        [sys.executable, "-m", "hyperqwen.cli", *args],
+        env={**base, **env},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )

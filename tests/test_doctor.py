@@ -1,0 +1,85 @@
+"""`hyperqwen doctor` on this CPU-only machine, and each check against real inputs."""
+
+from __future__ import annotations
+
+import json
+
+from cli_runner import hyperqwen
+
+from hyperqwen import doctor
+from hyperqwen.gpu import NoGpu, parse_smi_line
+from hyperqwen.settings import LoadedSettings, Settings
+
+
+def test_doctor_explains_a_cpu_only_machine(tmp_path):
+    result = hyperqwen("doctor", env={"MODELS_DIR": str(tmp_path / "models")}, cwd=tmp_path)
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("OK    python") for line in lines)
+    assert any(line.startswith("OK    vllm       0.26.0") for line in lines)
+    gpu = next(i for i, line in enumerate(lines) if line.startswith("FAIL  gpu"))
+    assert "nvidia-smi not found" in lines[gpu]
+    assert "fix: serving needs an NVIDIA GPU" in lines[gpu + 1]
+    assert any(line.startswith("FAIL  model") for line in lines)
+    assert any("hyperqwen prepare" in line for line in lines)
+    assert any(line.startswith("OK    access     bind 127.0.0.1, no key") for line in lines)
+    assert lines[-1] == "FAIL above: fix those before serving"
+
+
+def test_doctor_reports_bad_settings(tmp_path):
+    result = hyperqwen("doctor", env={"CTX": "enormous"}, cwd=tmp_path)
+    assert result.returncode == 1
+    assert "FAIL  settings   CTX='enormous' is not valid" in result.stdout
+
+
+def test_python_versions():
+    assert doctor.check_python((3, 12)).status == "OK"
+    assert doctor.check_python((3, 10)).status == "FAIL"
+    assert doctor.check_python((3, 13)).status == "FAIL"
+
+
+def test_gpu_lines_from_nvidia_smi_output():
+    rows = {
+        "h200": "0, NVIDIA H200, 9.0, 143771, 580.95.05",
+        "3090": "1, NVIDIA GeForce RTX 3090, 8.6, 24576, 575.57.08",
+        "3060": "2, NVIDIA GeForce RTX 3060, 8.6, 12288, 575.57.08",
+        "t4": "3, Tesla T4, 7.5, 15360, 535.1",
+    }
+    checks = doctor.check_gpu(lambda: [parse_smi_line(row) for row in rows.values()])
+    assert [c.status for c in checks] == ["OK", "OK", "WARN", "FAIL"]
+    assert "sm86, 24.0 GiB" in checks[1].detail
+    assert "8.0" in checks[3].fix
+
+    def no_gpu():
+        raise NoGpu("nvidia-smi lists no GPU")
+
+    (check,) = doctor.check_gpu(no_gpu)
+    assert check.status == "FAIL" and "nvidia-smi lists no GPU" in check.detail
+
+
+def test_model_folder_states(tmp_path):
+    loaded = LoadedSettings(Settings(MODELS_DIR=tmp_path, MODEL="m"), frozenset())
+    model, disk = doctor.check_model(loaded)
+    assert model.status == "FAIL" and "hyperqwen prepare" in model.fix
+    assert disk.detail.endswith(f"free at {tmp_path}")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    assert doctor.check_model(loaded)[0].status == "WARN"
+    (tmp_path / "m" / doctor.PREPARED_MARKER).write_text(json.dumps({"steps": []}))
+    assert doctor.check_model(loaded)[0].status == "OK"
+
+
+def test_exposure_posture(tmp_path):
+    open_host = LoadedSettings(
+        Settings(HOST="0.0.0.0", API_KEY_FILE=tmp_path / "k"), frozenset({"HOST"})
+    )
+    check = doctor.check_exposure(open_host, in_container=False)
+    assert check.status == "WARN" and "WITHOUT an API key" in check.fix
+    (tmp_path / "k").write_text("secret-key\n")
+    check = doctor.check_exposure(open_host, in_container=False)
+    assert check.status == "OK" and "secret" not in check.detail
+    assert check.detail == f"bind 0.0.0.0, key set ({tmp_path / 'k'})"
+    published = LoadedSettings(
+        Settings(BIND="0.0.0.0", API_KEY_FILE=tmp_path / "none"), frozenset({"BIND"})
+    )
+    assert doctor.check_exposure(published, in_container=True).status == "WARN"

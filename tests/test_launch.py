@@ -1,0 +1,218 @@
+"""Settings -> argv: every profile combination must be accepted by vLLM 0.26.0's own parser."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from hyperqwen.launch import FLAG_ALIASES, build_launch, redact_argv
+from hyperqwen.settings import LoadedSettings, Settings
+
+
+def loaded(**values: str) -> LoadedSettings:
+    return LoadedSettings(Settings.model_validate(values), frozenset(values))
+
+
+@pytest.fixture(scope="session")
+def vllm_serve():
+    """vLLM's real `vllm serve` parser and validator, built on the CPU platform."""
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    platforms._current_platform = CpuPlatform()
+    from vllm.entrypoints.cli import serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm")
+    subparsers = parser.add_subparsers(dest="subparser")
+    (command,) = serve.cmd_init()
+    command.subparser_init(subparsers)
+
+    def parse(argv: list[str]):
+        assert argv[0] == "vllm"
+        args = parser.parse_args(argv[1:])
+        command.validate(args)
+        return args
+
+    parse.parser = parser
+    return parse
+
+
+SINGLE_COMBOS = [
+    dict(CTX=ctx, SPEC=spec, DRAFT_SAMPLE=sample)
+    for ctx, spec, sample in itertools.product(
+        ("fast", "long", "huge"), ("mtp", "ngram", "off"), ("greedy", "probabilistic")
+    )
+]
+SWITCH_COMBOS = [
+    dict(TOOLS=t, PREFIX_CACHE=p, VISION=v, REQ_METRICS=r)
+    for t, p, v, r in itertools.product("01", "01", "01", "01")
+]
+
+
+@pytest.mark.parametrize("values", SINGLE_COMBOS, ids=lambda v: "-".join(v.values()))
+def test_single_profiles_parse(vllm_serve, values):
+    plan = build_launch(loaded(**values), "single", api_key=None)
+    args = vllm_serve(plan.argv)
+    expected_len = {"fast": 65536, "long": 131072, "huge": 262144}[values["CTX"]]
+    assert args.model_tag == "models/Qwen3.8-27B-W4A16-hq"
+    assert args.max_model_len == expected_len
+    assert args.max_num_seqs == (1 if values["CTX"] == "huge" else 4)
+    assert args.kv_cache_dtype == ("auto" if values["CTX"] == "fast" else "fp8")
+    assert args.mamba_ssm_cache_dtype == "float32"
+    spec = args.speculative_config
+    if values["SPEC"] == "off":
+        assert spec is None
+    else:
+        assert spec["method"] == values["SPEC"]
+        assert spec["num_speculative_tokens"] == {"mtp": 3, "ngram": 4}[values["SPEC"]]
+        tokens = args.max_num_seqs * (1 + spec["num_speculative_tokens"])
+        assert args.compilation_config.max_cudagraph_capture_size == tokens
+
+
+@pytest.mark.parametrize("values", SWITCH_COMBOS, ids=lambda v: "".join(v.values()))
+@pytest.mark.parametrize("mode", ["single", "batch"])
+def test_switches_parse(vllm_serve, mode, values):
+    args = vllm_serve(build_launch(loaded(**values), mode, api_key="k").argv)
+    assert args.enable_auto_tool_choice is (values["TOOLS"] == "1")
+    assert args.tool_call_parser == ("qwen3_coder" if values["TOOLS"] == "1" else None)
+    assert args.enable_prefix_caching is (values["PREFIX_CACHE"] == "1")
+    assert bool(args.language_model_only) is (values["VISION"] == "0")
+    assert bool(args.enable_per_request_metrics) is (values["REQ_METRICS"] == "1")
+    assert args.enable_prompt_tokens_details is True
+    assert args.api_key is None  # the key travels in the environment
+
+
+def test_batch_profile_parses(vllm_serve):
+    args = vllm_serve(
+        build_launch(
+            loaded(KV="auto", MAX_SEQS="32", GPU_COUNT="2", KV_MEM="6G", MAX_LEN="32768"),
+            "batch",
+            None,
+        ).argv
+    )
+    assert (args.max_num_seqs, args.tensor_parallel_size, args.max_model_len) == (32, 2, 32768)
+    assert args.kv_cache_dtype == "auto"
+    assert args.kv_cache_memory_bytes == 6 * 2**30
+    assert args.speculative_config is None
+    assert args.mamba_ssm_cache_dtype == "bfloat16"
+    assert args.compilation_config.max_cudagraph_capture_size == 32
+
+
+def test_speculative_and_compilation_json_accepted_by_vllm_config_classes(vllm_serve):
+    from vllm.config import CompilationConfig, SpeculativeConfig
+
+    for spec in ("mtp", "ngram"):
+        args = vllm_serve(build_launch(loaded(SPEC=spec), "single", None).argv)
+        compilation = args.compilation_config
+        assert isinstance(compilation, CompilationConfig)
+        assert compilation.cudagraph_mode.name == "FULL_AND_PIECEWISE"
+        # The keys must be real SpeculativeConfig fields: a typo would be silently dropped
+        # by our own JSON but rejected here.
+        fields = set(SpeculativeConfig.__dataclass_fields__)
+        assert set(args.speculative_config) <= fields
+    ngram = SpeculativeConfig(
+        **vllm_serve(build_launch(loaded(SPEC="ngram"), "single", None).argv).speculative_config
+    )
+    assert (ngram.method, ngram.prompt_lookup_min, ngram.prompt_lookup_max) == ("ngram", 2, 5)
+
+
+def test_extra_args_come_last_and_win(vllm_serve):
+    plan = build_launch(
+        loaded(
+            EXTRA_ARGS="--max-model-len 4096 --load-format dummy -tp 1 "
+            "--max_num_seqs=2 --no-enable-prefix-caching"
+        ),
+        "single",
+        None,
+    )
+    args = vllm_serve(plan.argv)
+    assert args.max_model_len == 4096 and args.max_num_seqs == 2
+    assert args.load_format == "dummy" and args.enable_prefix_caching is False
+    shadowed = [w for w in plan.warnings if w.startswith("EXTRA_ARGS sets")]
+    assert [w.split()[2].rstrip(",") for w in shadowed] == [
+        "--max-model-len",
+        "--tensor-parallel-size",
+        "--max-num-seqs",
+        "--enable-prefix-caching",
+    ]
+    assert "from MAX_LEN" in shadowed[0]
+
+
+def test_extra_args_api_key_warned_and_redacted():
+    plan = build_launch(loaded(EXTRA_ARGS="--api-key hunter2 --api-key=hunter3"), "batch", None)
+    assert any("--api-key" in w and "VLLM_API_KEY" in w for w in plan.warnings)
+    shown = "\n".join(redact_argv(plan.argv))
+    assert "hunter" not in shown and "--api-key\n***" in shown and "--api-key=***" in shown
+
+
+def test_flag_aliases_match_vllm(vllm_serve):
+    actions = vllm_serve.parser._subparsers._group_actions[0].choices["serve"]
+    for short, long in FLAG_ALIASES.items():
+        assert actions._option_string_actions[short] is actions._option_string_actions[long]
+
+
+@pytest.mark.parametrize(
+    ("values", "key", "container", "host", "warns"),
+    [
+        ({}, None, False, "127.0.0.1", False),
+        ({}, "k", False, "0.0.0.0", False),
+        ({"HOST": "127.0.0.1"}, "k", False, "127.0.0.1", False),
+        ({"HOST": "0.0.0.0"}, None, False, "0.0.0.0", True),
+        ({"HOST": "192.168.1.5"}, "k", False, "192.168.1.5", False),
+        ({"HOST": "::1"}, None, False, "::1", False),
+        ({}, None, True, "0.0.0.0", False),
+        ({"BIND": "0.0.0.0"}, None, True, "0.0.0.0", True),
+        ({"BIND": "0.0.0.0"}, "k", True, "0.0.0.0", False),
+    ],
+)
+def test_bind_and_key_matrix(values, key, container, host, warns):
+    plan = build_launch(loaded(**values), "single", key, in_container=container)
+    assert plan.host == host
+    assert any("WITHOUT an API key" in w for w in plan.warnings) is warns
+    assert ("VLLM_API_KEY" in plan.env) is bool(key)
+    assert key is None or key not in plan.argv
+
+
+@pytest.mark.parametrize(
+    ("mode", "values", "expected"),
+    [
+        ("batch", {"SPEC": "ngram"}, "SPEC is a single-mode knob; ignored in batch mode."),
+        ("batch", {"CTX": "long"}, "CTX is a single-mode knob; ignored in batch mode."),
+        ("single", {"KV": "auto"}, "KV is a batch-mode knob; ignored in single mode."),
+        ("single", {"SPEC": "off", "DRAFT_TOKENS": "2"}, "DRAFT_TOKENS is ignored with SPEC=off."),
+        ("single", {"TOOLS": "0", "TOOL_PARSER": "hermes"}, "TOOL_PARSER is ignored with TOOLS=0."),
+    ],
+)
+def test_ignored_knobs_warn(mode, values, expected):
+    assert expected in build_launch(loaded(**values), mode, None).warnings
+
+
+def test_defaults_warn_about_nothing():
+    for mode in ("single", "batch"):
+        assert build_launch(loaded(), mode, None).warnings == []
+
+
+def test_model_path_and_served_name():
+    plan = build_launch(loaded(MODELS_DIR="/srv/models", MODEL="tiny"), "single", None)
+    assert plan.argv[2] == "/srv/models/tiny" and plan.served_name == "tiny"
+    plan = build_launch(loaded(MODEL="/data/other-model"), "batch", None)
+    assert plan.argv[2] == "/data/other-model" and plan.served_name == "other-model"
+    assert plan.argv[plan.argv.index("--served-model-name") + 1] == "other-model"
+
+
+def test_draft_overrides_reach_speculative_config(vllm_serve):
+    args = vllm_serve(
+        build_launch(
+            loaded(DRAFT_TOKENS="5", DRAFT_SAMPLE="probabilistic", MAX_SEQS="2"), "single", None
+        ).argv
+    )
+    assert args.speculative_config == {
+        "method": "mtp",
+        "num_speculative_tokens": 5,
+        "draft_sample_method": "probabilistic",
+    }
+    assert args.compilation_config.max_cudagraph_capture_size == 12
+    assert json.loads(json.dumps(args.speculative_config))
