@@ -1,0 +1,53 @@
+"""Shared fixtures: a pristine vLLM tree unpacked from the pinned wheel."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from hyperqwen.settings import PINNED_VLLM
+
+
+def wheel_cache_dir() -> Path:
+    """Downloaded wheels live in $HYPERQWEN_CACHE/wheels (default ~/.cache/hyperqwen/wheels)."""
+    return Path(os.environ.get("HYPERQWEN_CACHE", "~/.cache/hyperqwen")).expanduser() / "wheels"
+
+
+@pytest.fixture(scope="session")
+def vllm_wheel() -> Path:
+    """The pinned vLLM wheel, downloaded once (no dependencies) and reused from the cache."""
+    cache = wheel_cache_dir()
+    pattern = f"vllm-{PINNED_VLLM}-*.whl"
+    if not any(cache.glob(pattern)):
+        cache.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "pip", "download", f"vllm=={PINNED_VLLM}"]
+        done = subprocess.run(
+            [*command, "--no-deps", "-d", str(cache)], capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            pytest.fail(
+                f"could not download vllm=={PINNED_VLLM} into {cache} (needs PyPI access, or "
+                f"put the wheel there by hand):\n{done.stderr[-2000:]}"
+            )
+    return sorted(cache.glob(pattern))[-1]
+
+
+@pytest.fixture(scope="session")
+def pristine_vllm_dir(vllm_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel's vllm/ package, unpacked once per session. Read it, never write it."""
+    root = tmp_path_factory.mktemp("pristine-vllm")
+    with zipfile.ZipFile(vllm_wheel) as wheel:
+        wheel.extractall(root, members=[n for n in wheel.namelist() if n.startswith("vllm/")])
+    return root / "vllm"
+
+
+@pytest.fixture
+def vllm_tree_copy(pristine_vllm_dir: Path, tmp_path: Path) -> Path:
+    """A private, writable copy of the pristine vllm/ package (its parent is a fresh folder)."""
+    return Path(shutil.copytree(pristine_vllm_dir, tmp_path / "site-packages" / "vllm"))
