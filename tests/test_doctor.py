@@ -17,6 +17,9 @@ def test_doctor_explains_a_cpu_only_machine(tmp_path):
     lines = result.stdout.splitlines()
     assert any(line.startswith("OK    python") for line in lines)
     assert any(line.startswith("OK    vllm       0.26.0") for line in lines)
+    # Applied after install.sh; on a pristine vLLM the fix names the command.
+    patches = next(i for i, line in enumerate(lines) if line[6:13] == "patches")
+    assert lines[patches].startswith("OK") or "fix: hyperqwen patches apply" in lines[patches + 1]
     gpu = next(i for i, line in enumerate(lines) if line.startswith("FAIL  gpu"))
     assert "nvidia-smi not found" in lines[gpu]
     assert "fix: serving needs an NVIDIA GPU" in lines[gpu + 1]

@@ -1,0 +1,143 @@
+"""`hyperqwen synth`: write a Qwen3.5-architecture checkpoint of any size with random weights."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+DESCRIPTION = """\
+Write a Qwen3.5-architecture checkpoint (vLLM model class qwen3_5) with seeded random
+weights, in exactly the on-disk format of the public W4A16 base: compressed-tensors
+pack-quantized int4 (group size 128, symmetric) for the decoder's linears; bf16 for the
+embedding, lm_head, the MTP head and the Gated DeltaNet in_proj_a/in_proj_b; sharded
+safetensors with an index; config.json, generation_config.json and the real Qwen3.5
+tokenizer with a thinking + tool-calling chat template.
+
+Use it to test serving code without the real checkpoint:
+  * --preset tiny builds a 4-layer model in seconds that vLLM really loads and runs;
+  * --preset 27b --config-only writes just the real model's config and tokenizer, for
+    speed runs with `vllm serve DIR --load-format dummy` (vLLM fills the weights itself);
+  * --preset 27b alone writes all ~18.5 GB of weights: slow (about a quarter of an hour on
+    two CPU cores), but it holds only one shard in memory at a time.
+
+The directory is built next to OUT_DIR and renamed into place when complete; an existing
+non-empty OUT_DIR is left alone unless you pass --force. Text-only checkpoint: serve it with
+--language-model-only (there are no vision tower weights)."""
+
+
+def _epilog() -> str:
+    from hyperqwen.checkpoint.geometry import PRESETS
+
+    names = list(PRESETS)
+    rows = [f"  {'key':<26}" + "".join(f"{name:>12}" for name in names)]
+    for field in fields(PRESETS[names[0]]):
+        values = "".join(f"{getattr(PRESETS[name], field.name)!s:>12}" for name in names)
+        rows.append(f"  {field.name:<26}{values}")
+    return (
+        "geometry keys for --set (preset values):\n"
+        + "\n".join(rows)
+        + """
+
+examples:
+  hyperqwen synth /tmp/qwen-tiny --preset tiny
+  vllm serve /tmp/qwen-tiny --language-model-only --enforce-eager --max-model-len 2048
+
+  hyperqwen synth /tmp/qwen-27b-shape --preset 27b --config-only
+  vllm serve /tmp/qwen-27b-shape --load-format dummy --language-model-only
+
+  hyperqwen synth /tmp/qwen-wide --preset tiny --set hidden_size=512 --set num_hidden_layers=8
+"""
+    )
+
+
+def add_subcommand(subparsers) -> None:
+    from hyperqwen.checkpoint.geometry import PRESETS
+    from hyperqwen.checkpoint.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
+
+    def shard_size(text: str) -> int:
+        try:
+            return parse_size(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parser = subparsers.add_parser(
+        "synth",
+        help="write a random-weight Qwen3.5 checkpoint (tiny for tests, 27b shape for speed runs)",
+        description=DESCRIPTION,
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="checkpoint directory")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="tiny",
+        help="starting geometry: tiny (seconds on a CPU) or 27b (the real model) [tiny]",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override one geometry key (repeatable); keys are listed below",
+    )
+    parser.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write config, generation config and tokenizer but no weights "
+        "(for `vllm serve --load-format dummy`)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="random seed; same seed, same weights [0]"
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        type=shard_size,
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help=f"largest safetensors shard, e.g. 500MB, 2GB, 4GiB [{DEFAULT_MAX_SHARD_SIZE}]",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="replace OUT_DIR if it exists and is not empty"
+    )
+    parser.set_defaults(func=run)
+
+
+def _size(num_bytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if num_bytes < 1000:
+            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{num_bytes:.0f} B"
+        num_bytes /= 1000
+    return f"{num_bytes:.1f} TB"
+
+
+def run(args: argparse.Namespace) -> int:
+    from hyperqwen.checkpoint.geometry import PRESETS, GeometryError
+    from hyperqwen.checkpoint.synthesize import synthesize
+    from hyperqwen.checkpoint.w4a16 import FormatError
+
+    try:
+        geometry = PRESETS[args.preset].with_overrides(args.overrides)
+        result = synthesize(
+            args.out_dir,
+            geometry,
+            seed=args.seed,
+            config_only=args.config_only,
+            max_shard_bytes=args.max_shard_size,
+            force=args.force,
+        )
+    except (GeometryError, FormatError, FileExistsError) as error:
+        print(f"hyperqwen synth: error: {error}", file=sys.stderr)
+        return 2
+    kind = "config + tokenizer only" if args.config_only else "W4A16 weights"
+    print(
+        f"wrote {result.directory} ({args.preset}, {result.parameters / 1e9:.2f} B parameters, "
+        f"{kind})"
+    )
+    for name, size in result.files.items():
+        print(f"  {name:<40} {_size(size):>10}")
+    print(f"total {_size(sum(result.files.values()))} in {result.seconds:.1f} s")
+    return 0
