@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,23 +36,20 @@ def log_dir(tmp_path: Path) -> Path:
     return target
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @contextlib.contextmanager
-def hyperqwen_server(mode: str, env: dict[str, str], log: Path) -> Iterator[str]:
-    """`hyperqwen serve MODE` in its own process group; yields the base URL once /health is 200."""
-    port = env.get("PORT", "18020")
-    base = f"http://127.0.0.1:{port}"
-    full_env = {
-        **os.environ,
-        "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}",
-        **env,
-    }
+def running_server(
+    command: list[str], base: str, log: Path, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """Run `command` in its own process group; yield `base` once /health is 200, then stop it."""
     with log.open("w") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "hyperqwen.cli", "serve", mode],
-            env=full_env,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -76,6 +74,15 @@ def hyperqwen_server(mode: str, env: dict[str, str], log: Path) -> Iterator[str]
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+def hyperqwen_server(mode: str, env: dict[str, str], log: Path):
+    """`hyperqwen serve MODE` with these knobs (PORT among them) as a running_server."""
+    base = f"http://127.0.0.1:{env.get('PORT', '18020')}"
+    pythonpath = f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"
+    full_env = {**os.environ, "PYTHONPATH": pythonpath, **env}
+    command = [sys.executable, "-m", "hyperqwen.cli", "serve", mode]
+    return running_server(command, base, log, full_env)
 
 
 def chat(base: str, model: str, key: str | None = None, max_tokens: int = 16) -> dict:

@@ -4,37 +4,24 @@ Run on the GPU host: `pytest -m gpu tests/test_synth_gpu.py`. The server log is 
 $HYPERQWEN_TEST_LOGS when set (else the test's tmp dir).
 """
 
-import contextlib
-import json
 import os
-import signal
-import socket
-import subprocess
+import shlex
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import requests
 import torch
+from gpu_server import TRITON_GDN, free_port, running_server
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
 
 pytestmark = pytest.mark.gpu
 
-STARTUP_TIMEOUT_S = 540
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
 def vllm_server(model_dir: Path, log: Path):
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable,
         "-m",
@@ -54,38 +41,9 @@ def vllm_server(model_dir: Path, log: Path):
         # a tiny model needs little memory; the rest of the GPU stays free for other servers
         "--gpu-memory-utilization",
         "0.2",
-        # GDN prefill on Hopper defaults to FlashInfer (JIT-compiled); Triton is what the
-        # users' Ampere/Ada cards run.
-        "--additional-config",
-        json.dumps({"gdn_prefill_backend": "triton"}),
+        *shlex.split(TRITON_GDN),
     ]
-    base = f"http://127.0.0.1:{port}"
-    with log.open("w") as sink:
-        server = subprocess.Popen(
-            command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while True:
-                if server.poll() is not None:
-                    pytest.fail(
-                        f"vllm serve exited {server.returncode}:\n{log.read_text()[-6000:]}"
-                    )
-                if time.monotonic() > deadline:
-                    pytest.fail(f"vllm serve not healthy after {STARTUP_TIMEOUT_S} s; log: {log}")
-                with contextlib.suppress(requests.ConnectionError):
-                    if requests.get(f"{base}/health", timeout=5).status_code == 200:
-                        break
-                time.sleep(2)
-            yield base
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.pid, signal.SIGINT)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+    return running_server(command, f"http://127.0.0.1:{port}", log)
 
 
 def test_vllm_serves_the_tiny_checkpoint_from_files(tmp_path):

@@ -1,0 +1,26 @@
+"""A regular (non-editable) install carries what the code needs outside the package."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+
+from cli_runner import ROOT
+
+
+def test_wheel_carries_the_patch_series(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("hyperqwen-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    data = "hyperqwen-0.1.0.data/data/share/hyperqwen/patches/"
+    series = (ROOT / "patches" / "series").read_text().split()
+    listed = [name for name in series if name.endswith(".patch")]
+    assert f"{data}series" in names
+    assert {f"{data}{name}" for name in listed} <= names
+    assert "hyperqwen/cli.py" in names
