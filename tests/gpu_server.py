@@ -16,6 +16,15 @@ from pathlib import Path
 import pytest
 import requests
 
+from hyperqwen.patches import (
+    PatchState,
+    apply_series,
+    check_series,
+    default_vllm_dir,
+    load_series,
+    series_status,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 # The 27B-geometry server needs ~4 min cold; a tiny one ~1.5 min (torch.compile, CUDA graphs).
 STARTUP_TIMEOUT_S = 600
@@ -34,6 +43,45 @@ def log_dir(tmp_path: Path) -> Path:
     target = Path(os.environ.get("HYPERQWEN_TEST_LOGS", tmp_path))
     target.mkdir(parents=True, exist_ok=True)
     return target
+
+
+PATCHED_VLLM_ENV = "HYPERQWEN_PATCHED_VLLM"
+STOCK_VLLM_ENV = "HYPERQWEN_STOCK_VLLM"
+
+
+def patched_vllm_parent(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The parent folder of a patched `vllm/`: $HYPERQWEN_PATCHED_VLLM (checked), else a copy of
+    the `vllm/` this Python would import, with the series applied (the original stays as is)."""
+    if configured := os.environ.get(PATCHED_VLLM_ENV):
+        vllm_dir = Path(configured) / "vllm"
+        applied, summary = series_status(vllm_dir, ROOT / "patches")
+        if not applied:
+            pytest.fail(
+                f"{PATCHED_VLLM_ENV}={configured}: {summary}. Apply the series there "
+                f"(hyperqwen patches apply {vllm_dir}) or unset {PATCHED_VLLM_ENV} to let the "
+                "test patch a copy of the importable vLLM"
+            )
+        return Path(configured)
+    target = tmp_path_factory.mktemp("gpu-patched") / "vllm"
+    shutil.copytree(default_vllm_dir(), target, symlinks=True)
+    apply_series(load_series(ROOT / "patches"), target)
+    return target.parent
+
+
+def stock_vllm_parent() -> Path:
+    """The parent folder of a pristine `vllm/`: $HYPERQWEN_STOCK_VLLM, else the importable one,
+    which must then have none of the series applied."""
+    parent = Path(os.environ.get(STOCK_VLLM_ENV, default_vllm_dir().parent))
+    checks = check_series(load_series(ROOT / "patches"), parent / "vllm")
+    if any(check.state != PatchState.MISSING for check in checks):
+        pytest.fail(f"{parent / 'vllm'} is not stock vLLM; set {STOCK_VLLM_ENV} to a pristine copy")
+    return parent
+
+
+def with_vllm_first(parent: Path) -> dict[str, str]:
+    """This environment with `parent` (holding a vllm/ package) first on PYTHONPATH."""
+    path = os.pathsep.join(filter(None, [str(parent), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def free_port() -> int:

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import random
 import shlex
-import shutil
 import subprocess
 import sys
 import threading
@@ -35,14 +33,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from gpu_server import TRITON_GDN, free_port, log_dir, require_gpu, running_server
-
-from hyperqwen.patches import apply_series, default_vllm_dir, load_series, series_status
+from gpu_server import (
+    TRITON_GDN,
+    free_port,
+    log_dir,
+    patched_vllm_parent,
+    require_gpu,
+    running_server,
+    with_vllm_first,
+)
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[1]
-PATCHED_VLLM_ENV = "HYPERQWEN_PATCHED_VLLM"
 KEY = "sk-hyperqwen-gpu-test"
 MODEL_NAME = "qwen-tiny"
 KEEP_ALIVE_S = 0.02
@@ -65,23 +67,6 @@ def _tail(log: Path) -> str:
     return log.read_text(errors="replace")[-6000:]
 
 
-def _patched_parent(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if configured := os.environ.get(PATCHED_VLLM_ENV):
-        vllm_dir = Path(configured) / "vllm"
-        applied, summary = series_status(vllm_dir, ROOT / "patches")
-        if not applied:
-            pytest.fail(
-                f"{PATCHED_VLLM_ENV}={configured}: {summary}. Apply the series there "
-                f"(hyperqwen patches apply {vllm_dir}) or unset {PATCHED_VLLM_ENV} to let the "
-                "test patch a copy of the importable vLLM"
-            )
-        return Path(configured)
-    target = tmp_path_factory.mktemp("gpu-patched") / "vllm"
-    shutil.copytree(default_vllm_dir(), target, symlinks=True)
-    apply_series(load_series(ROOT / "patches"), target)
-    return target.parent
-
-
 def _call(port: int, method: str, target: str, headers: dict | None = None, body=None):
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
@@ -102,7 +87,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     from hyperqwen.checkpoint.geometry import PRESETS
     from hyperqwen.checkpoint.synthesize import synthesize
 
-    patched_parent = _patched_parent(tmp_path_factory)
+    patched_parent = patched_vllm_parent(tmp_path_factory)
     checkpoint = synthesize(
         tmp_path_factory.mktemp("tiny-qwen") / "checkpoint",
         PRESETS["tiny"],
@@ -110,10 +95,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         progress=False,
     ).directory
     env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(patched_parent), os.environ.get("PYTHONPATH")])
-        ),
+        **with_vllm_first(patched_parent),
         "PYTHONUNBUFFERED": "1",
         "VLLM_SERVER_DEV_MODE": "1",  # for /pause and /resume
         "VLLM_ENGINE_STALL_SENTINEL_S": str(STALL_THRESHOLD_S),

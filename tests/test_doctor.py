@@ -43,14 +43,20 @@ def test_python_versions():
 
 def test_gpu_lines_from_nvidia_smi_output():
     rows = {
-        "h200": "0, NVIDIA H200, 9.0, 143771, 580.95.05",
-        "3090": "1, NVIDIA GeForce RTX 3090, 8.6, 24576, 575.57.08",
-        "3060": "2, NVIDIA GeForce RTX 3060, 8.6, 12288, 575.57.08",
-        "t4": "3, Tesla T4, 7.5, 15360, 535.1",
+        "h200": "0, NVIDIA H200, 9.0, 143771, 580.95.05, 700.00",
+        "3090": "1, NVIDIA GeForce RTX 3090, 8.6, 24576, 575.57.08, 350.00",
+        "3060": "2, NVIDIA GeForce RTX 3060, 8.6, 12288, 575.57.08, [N/A]",
+        "t4": "3, Tesla T4, 7.5, 15360, 535.1, 70.00",
     }
     checks = doctor.check_gpu(lambda: [parse_smi_line(row) for row in rows.values()])
     assert [c.status for c in checks] == ["OK", "OK", "WARN", "FAIL"]
     assert "sm86, 24.0 GiB" in checks[1].detail
+    assert [parse_smi_line(row).power_limit for row in rows.values()] == [
+        "700.00 W",
+        "350.00 W",
+        "[N/A]",
+        "70.00 W",
+    ]
     assert "8.0" in checks[3].fix
 
     def no_gpu():

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from hyperqwen.launch import FLAG_ALIASES, build_launch, redact_argv
+from hyperqwen.patches import series_status
 from hyperqwen.settings import LoadedSettings, Settings
 
 
@@ -17,7 +18,17 @@ def loaded(**values: str) -> LoadedSettings:
 
 @pytest.fixture(scope="session")
 def vllm_serve():
-    """vLLM's real `vllm serve` parser and validator, built on the CPU platform."""
+    """vLLM's real `vllm serve` parser and validator, built on the CPU platform.
+
+    The launcher targets the patched vLLM (e.g. --sse-keep-alive-interval comes from the
+    series), so the importable vLLM must have the series applied, as install.sh does.
+    """
+    applied, detail = series_status()
+    if not applied:
+        pytest.fail(
+            f"the vLLM this Python imports is not patched ({detail}): "
+            "run `hyperqwen patches apply` (install.sh does)"
+        )
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform
 
@@ -82,6 +93,7 @@ def test_switches_parse(vllm_serve, mode, values):
     assert bool(args.language_model_only) is (values["VISION"] == "0")
     assert bool(args.enable_per_request_metrics) is (values["REQ_METRICS"] == "1")
     assert args.enable_prompt_tokens_details is True
+    assert args.sse_keep_alive_interval == 15.0
     assert args.api_key is None  # the key travels in the environment
 
 

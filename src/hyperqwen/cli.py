@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from hyperqwen import docs, doctor, patches, synth
+from hyperqwen import bench, docs, doctor, patches, synth
 from hyperqwen.gpu import REQUIREMENT, NoGpu, list_gpus
 from hyperqwen.launch import build_launch, effective_config_lines, redact_argv
 from hyperqwen.settings import MODES, SettingsError, load_settings, resolve_api_key
@@ -166,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     patches.add_subcommand(sub)
     synth.add_subcommand(sub)
+    bench.add_subcommand(sub)
     return parser
 
 

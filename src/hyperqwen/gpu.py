@@ -23,6 +23,8 @@ class Gpu:
     compute_capability: tuple[int, int]
     memory_gib: float
     driver: str
+    power_limit: str
+    """As nvidia-smi reports it, e.g. "450.00 W"; "[N/A]" on cards that hide it."""
 
     @property
     def sm(self) -> str:
@@ -38,7 +40,7 @@ def list_gpus() -> list[Gpu]:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         raise NoGpu("nvidia-smi not found: no NVIDIA driver on this machine")
-    query = "index,name,compute_cap,memory.total,driver_version"
+    query = "index,name,compute_cap,memory.total,driver_version,power.limit"
     try:
         result = subprocess.run(
             [smi, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
@@ -58,6 +60,7 @@ def list_gpus() -> list[Gpu]:
 
 
 def parse_smi_line(line: str) -> Gpu:
-    index, name, capability, memory_mib, driver = (part.strip() for part in line.split(","))
+    index, name, capability, memory_mib, driver, power = (part.strip() for part in line.split(","))
     major, minor = capability.split(".")
-    return Gpu(int(index), name, (int(major), int(minor)), float(memory_mib) / 1024, driver)
+    watts = f"{power} W" if power.replace(".", "", 1).isdigit() else power
+    return Gpu(int(index), name, (int(major), int(minor)), float(memory_mib) / 1024, driver, watts)

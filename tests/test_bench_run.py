@@ -1,0 +1,431 @@
+"""`hyperqwen bench run` end to end against a real local HTTP server speaking vLLM's protocol.
+
+The server (FastAPI on uvicorn, in a background thread on a free port) streams OpenAI
+completions and chat completions with fixed timing: TTFT = PREFILL_S + PREFILL_S_PER_TOKEN x
+prompt tokens, then a verify step every STEP_S producing TOKENS_PER_STEP tokens (one bonus
+token + accepted drafts), with an SSE keep-alive comment between steps. Its spec-decode
+counters are written by vLLM's own SpecDecodingProm; it also counts preemptions (one per
+request), records every prompt, the in-flight count at each request's start, and emulates a
+prefix cache (cached tokens = longest common prefix with an earlier prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import prometheus_client
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from hyperqwen.bench import add_subcommand
+from hyperqwen.bench.rows import Row, parse_row
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "bench-test-key"
+MODEL = "fake-qwen"
+MAX_MODEL_LEN = 4096
+PREFILL_S = 0.040
+PREFILL_S_PER_TOKEN = 0.00002
+STEP_S = 0.010
+DRAFT_TOKENS = 3
+TOKENS_PER_STEP = 2
+TOKEN_TEXT = "t "
+
+
+@dataclass
+class FakeVllm:
+    """State and timing of the fake server; tests read what it recorded."""
+
+    speculative: bool = True
+    fail_from: int | None = None
+    """Requests from this index on get HTTP 500, as from a dead engine."""
+    prompts: list[object] = field(default_factory=list)
+    in_flight_at_start: list[int] = field(default_factory=list)
+    in_flight: int = 0
+
+    def __post_init__(self) -> None:
+        from vllm.v1.spec_decode.metrics import SpecDecodingProm
+
+        self.registry = prometheus_client.CollectorRegistry()
+        labels, engines = ["model_name", "engine"], {0: [MODEL, "0"], 1: [MODEL, "1"]}
+
+        class IsolatedSpecDecodingProm(SpecDecodingProm):
+            _counter_cls = functools.partial(prometheus_client.Counter, registry=self.registry)
+
+        spec_config = types.SimpleNamespace(num_speculative_tokens=DRAFT_TOKENS)
+        self.spec = IsolatedSpecDecodingProm(spec_config, labels, engines)
+        preemptions = prometheus_client.Counter(
+            "vllm:num_preemptions", "Preemptions.", labels, registry=self.registry
+        )
+        self.preemptions = {index: preemptions.labels(*values) for index, values in engines.items()}
+
+    def reset(self, speculative: bool, fail_from: int | None = None) -> None:
+        self.speculative = speculative
+        self.fail_from = fail_from
+        self.prompts.clear()
+        self.in_flight_at_start.clear()
+
+    def cached_tokens(self, prompt: list) -> int:
+        best = 0
+        for earlier in self.prompts[:-1]:
+            common = 0
+            for mine, theirs in zip(prompt, earlier, strict=False):
+                if mine != theirs:
+                    break
+                common += 1
+            best = max(best, common)
+        return best
+
+
+def build_app(fake: FakeVllm) -> FastAPI:
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    app = FastAPI()
+
+    def authorized(request: Request) -> bool:
+        return request.headers.get("authorization") == f"Bearer {API_KEY}"
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": "0.26.0"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(prometheus_client.generate_latest(fake.registry).decode())
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        if not authorized(request):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return {"object": "list", "data": [{"id": MODEL, "max_model_len": MAX_MODEL_LEN}]}
+
+    async def stream(request: Request, chat: bool):
+        if not authorized(request):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        body = await request.json()
+        if fake.fail_from is not None and len(fake.prompts) >= fake.fail_from:
+            return JSONResponse({"error": "EngineDeadError"}, status_code=500)
+        assert body["stream"] and body["stream_options"] == {"include_usage": True}
+        # One "token" per character of chat text (a stand-in tokenizer), token ids as given.
+        prompt = list(body["messages"][-1]["content"]) if chat else list(body["prompt"])
+        fake.prompts.append(body["messages"][-1]["content"] if chat else body["prompt"])
+        cached = fake.cached_tokens(prompt)
+        engine = len(fake.prompts) % 2
+        fake.preemptions[engine].inc()
+        fake.in_flight += 1
+        fake.in_flight_at_start.append(fake.in_flight)
+        max_tokens = body["max_tokens"]
+
+        def event(text: str | None, finish: str | None = None) -> str:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish}
+            return f"data: {json.dumps({'choices': [choice], 'usage': None})}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                await asyncio.sleep(PREFILL_S + PREFILL_S_PER_TOKEN * len(prompt))
+                if chat:  # vLLM's first chat chunk carries the role, then the first token
+                    role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+                    yield f"data: {json.dumps({'choices': [role]})}\n\n"
+                yield event(TOKEN_TEXT)
+                made = 1
+                while made < max_tokens:
+                    yield ": keep-alive\n\n"
+                    await asyncio.sleep(STEP_S)
+                    step = min(TOKENS_PER_STEP, max_tokens - made)
+                    if fake.speculative:
+                        stats = SpecDecodingStats.new(DRAFT_TOKENS)
+                        stats.observe_draft(DRAFT_TOKENS, step - 1)
+                        fake.spec.observe(stats, engine)
+                    made += step
+                    yield event(TOKEN_TEXT * step)
+                yield event(None, "length")
+                usage = {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": made,
+                    "total_tokens": len(prompt) + made,
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                }
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                fake.in_flight -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await stream(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await stream(request, chat=True)
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[FakeVllm, int]]:
+    fake = FakeVllm()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(build_app(fake), log_level="warning", lifespan="off")
+    runner = uvicorn.Server(config)
+    thread = threading.Thread(target=runner.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not runner.started:
+        assert time.monotonic() < deadline, "the fake server did not start"
+        time.sleep(0.02)
+    yield fake, port
+    runner.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+def bench(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="hyperqwen")
+    add_subcommand(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", "run", *argv])
+    return args.func(args)
+
+
+@pytest.fixture
+def env_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server) -> Path:
+    """A .env giving PORT and API_KEY_FILE, as a user's would; no stray knobs from outside."""
+    for name in ("VLLM_API_KEY", "PORT", "API_KEY_FILE", "ENV_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "api_key.txt").write_text(API_KEY + "\n")
+    path = tmp_path / ".env"
+    path.write_text(f"PORT={server[1]}\nAPI_KEY_FILE={tmp_path / 'api_key.txt'}\n")
+    return path
+
+
+def rows_of(output: str) -> list:
+    return [parse_row(line) for line in output.splitlines() if line.startswith("ROW ")]
+
+
+def split_by_row(values: list, rows: list) -> list[tuple[list, list]]:
+    """Per row: (warm-up part, measured part) of what the server recorded in request order."""
+    parts, start = [], 0
+    for row in rows:
+        warm = values[start : start + row.C]
+        measured = values[start + row.C : start + row.C + row.n]
+        parts.append((warm, measured))
+        start += row.C + row.n
+    assert start == len(values), "the server saw other requests than warm-up + measured"
+    return parts
+
+
+def test_single_run_measures_what_the_server_does(server, env_file, tmp_path, capsys) -> None:
+    fake, _ = server
+    fake.reset(speculative=True)
+    out = tmp_path / "results" / "single.json"
+    code = bench(
+        "single",
+        "--env-file",
+        str(env_file),
+        "--cohorts",
+        "1,3",
+        "--rounds",
+        "2",
+        "--input-len",
+        "64",
+        "--output-len",
+        "21",
+        "--prefill",
+        "1024,2048,8192",
+        "--prefill-requests",
+        "2",
+        "--out",
+        str(out),
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "skipping prefill 8192: max_model_len is 4096" in captured.err
+    assert "# vllm: 0.26.0" in captured.out
+    assert "# gpu: not measured" in captured.out  # no nvidia-smi on the CPU test machine
+    rows = rows_of(captured.out)
+    assert [(row.data, row.C) for row in rows] == [
+        ("sharegpt", 1),
+        ("sharegpt", 3),
+        ("random", 1),
+        ("random", 3),
+        ("prefill", 1),
+        ("prefill", 1),
+    ]
+    parts = split_by_row(fake.prompts, rows)
+    in_flight = split_by_row(fake.in_flight_at_start, rows)
+
+    decode_rows = rows[:4]
+    for row, (warm, measured), (_, flights) in zip(
+        decode_rows, parts[:4], in_flight[:4], strict=True
+    ):
+        assert row.mode == "single" and row.prompt == "salted"
+        assert len(warm) == row.C and row.n == row.C * 2  # the warm-up pass is not in n
+        assert max(flights) == row.C  # the cohort really had C requests in flight
+        assert row.out_tok == 21
+        # Timing: TTFT = prefill; then 10 steps of 2 tokens, 10 ms apart -> 5 ms per token.
+        expected_ttft_ms = 1000 * (PREFILL_S + PREFILL_S_PER_TOKEN * row.in_tok)
+        assert expected_ttft_ms <= row.ttft_p50_ms < expected_ttft_ms + 25
+        assert row.ttft_p50_ms <= row.ttft_p99_ms < expected_ttft_ms + 40
+        assert 5.0 <= row.tpot_ms < 7.0
+        assert 140 < row.decode_tok_s_per_stream <= 200
+        assert row.tokens_per_step == pytest.approx(TOKENS_PER_STEP)
+        assert row.preemptions == row.n  # one per measured request: warm-up ones excluded
+        assert row.cache_hit_pct < 5  # salted: the cache finds (almost) nothing
+        # Salting: every prompt the server saw starts differently.
+        starts = [str(prompt[:4]) for prompt in [*warm, *measured]]
+        assert len(set(starts)) == len(starts)
+
+    random_rows = [row for row in rows if row.data == "random"]
+    assert all(row.in_tok == 64 for row in random_rows)
+    assert random_rows[1].decode_tok_s_total > 2 * random_rows[0].decode_tok_s_total
+
+    prefill_rows = rows[4:]
+    assert [row.in_tok for row in prefill_rows] == [1024, 2048]
+    for row in prefill_rows:
+        expected_ms = 1000 * (PREFILL_S + PREFILL_S_PER_TOKEN * row.in_tok)
+        assert expected_ms <= row.ttft_p50_ms < expected_ms + 25
+        assert row.out_tok == 1 and row.tpot_ms is None and row.tokens_per_step is None
+
+    document = json.loads(out.read_text())
+    assert [Row(**values) for values in document["rows"]] == rows
+    assert document["header"]["vllm"] == "0.26.0"
+    assert document["command"][:4] == ["hyperqwen", "bench", "run", "single"]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shared_batch_run_hits_the_cache_and_reports_no_speculation(
+    server, env_file, tmp_path, capsys
+) -> None:
+    fake, _ = server
+    fake.reset(speculative=False)
+    code = bench(
+        "batch",
+        "--env-file",
+        str(env_file),
+        "--cohorts",
+        "2",
+        "--rounds",
+        "2",
+        "--input-len",
+        "200",
+        "--output-len",
+        "3",
+        "--shared",
+        "--random-tokens",
+        "--prefill",
+        "none",
+        "--out",
+        str(tmp_path / "batch.json"),
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    (row,) = rows_of(captured.out)
+    assert (row.mode, row.data, row.prompt, row.C, row.n) == ("batch", "random", "shared", 2, 4)
+    assert row.tokens_per_step is None  # no drafts counted: "-"
+    assert "tokens_per_step=-" in captured.out
+    assert row.cache_hit_pct > 90  # all but the salt comes from the (emulated) cache
+    prompts = fake.prompts
+    assert len(prompts) == 6
+    assert all(prompt[:-4] == prompts[0][:-4] for prompt in prompts)
+    assert len({tuple(prompt[-4:]) for prompt in prompts}) == 6
+    # No prefill rows: the plot still draws (an empty panel once broke the axis limits).
+    assert (tmp_path / "batch.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_without_matplotlib_the_json_is_still_written(
+    server, env_file, tmp_path, capsys, monkeypatch
+) -> None:
+    server[0].reset(speculative=True)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now fails
+    out = tmp_path / "plain.json"
+    argv = ("--cohorts", "1", "--rounds", "1", "--output-len", "2", "--prefill", "none")
+    code = bench("single", "--env-file", str(env_file), "--random-tokens", *argv, "--out", str(out))
+    assert code == 0
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert len(json.loads(out.read_text())["rows"]) == 1
+    assert not out.with_suffix(".png").exists()
+
+
+def test_wrong_key_and_no_server_fail_with_the_fix(server, env_file, tmp_path, capsys) -> None:
+    (tmp_path / "api_key.txt").write_text("not-the-key\n")
+    assert bench("single", "--env-file", str(env_file), "--random-tokens") == 1
+    assert "HTTP 401, the server wants an API key" in capsys.readouterr().err
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free_port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{free_port}"
+    assert bench("single", "--url", url, "--random-tokens", "--env-file", str(env_file)) == 1
+    error = capsys.readouterr().err
+    assert f"no server answers at {url}" in error and "hyperqwen serve" in error
+
+
+def test_a_failure_mid_run_keeps_the_rows_measured_before(
+    server, env_file, tmp_path, capsys
+) -> None:
+    server[0].reset(speculative=True, fail_from=2)  # row 1: warm-up + 1 request; row 2 fails
+    out = tmp_path / "partial.json"
+    argv = ("--cohorts", "1,2", "--rounds", "1", "--output-len", "2", "--prefill", "none")
+    code = bench("single", "--env-file", str(env_file), "--random-tokens", *argv, "--out", str(out))
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "HTTP 500" in captured.err and f"1 measured row(s) kept in {out}" in captured.err
+    assert [row["C"] for row in json.loads(out.read_text())["rows"]] == [1]
+    assert len(rows_of(captured.out)) == 1
+
+
+def test_unknown_model_lists_the_served_ones(server, env_file, capsys) -> None:
+    code = bench("single", "--env-file", str(env_file), "--random-tokens", "--model", "other")
+    assert code == 1
+    assert f"the server has: {MODEL}" in capsys.readouterr().err
+
+
+def test_help_teaches_with_examples(capsys) -> None:
+    with pytest.raises(SystemExit):
+        bench("--help")
+    text = capsys.readouterr().out
+    assert "hyperqwen bench run single" in text and "--shared" in text and "Exit codes" in text
+
+
+def test_run_benchmarks_sh_hands_everything_to_hyperqwen_bench_run(tmp_path: Path) -> None:
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    recorder = venv_bin / "hyperqwen"
+    recorder.write_text('#!/bin/sh\nprintf "%s|" "$PWD" "$@"\n')
+    recorder.chmod(0o755)
+    done = subprocess.run(
+        ["bash", str(ROOT / "bench" / "run_benchmarks.sh"), "single", "--out", "a b.json"],
+        env={"PATH": os.environ["PATH"], "HYPERQWEN_VENV": str(tmp_path / "venv")},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{ROOT}|bench|run|single|--out|a b.json|"
