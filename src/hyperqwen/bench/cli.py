@@ -7,11 +7,20 @@ import sys
 import time
 from pathlib import Path
 
+from hyperqwen.bench.ab import add_ab_subcommand
 from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.header import collect_header, format_header
+from hyperqwen.bench.options import (
+    DATE_FORMAT,
+    DEFAULT_PREFILL,
+    _int_list,
+    _positive,
+    build_plan,
+)
 from hyperqwen.bench.plot import PlotUnavailable, write_plot
+from hyperqwen.bench.quality import add_quality_subcommands
 from hyperqwen.bench.rows import Row, format_row
-from hyperqwen.bench.run import BenchPlan, run_bench, served_model, write_results
+from hyperqwen.bench.run import run_bench, served_model, write_results
 from hyperqwen.bench.workload import (
     SALT_TOKENS,
     DatasetMissing,
@@ -22,29 +31,6 @@ from hyperqwen.settings import MODES, SettingsError, load_settings, resolve_api_
 
 EXIT_BENCH_FAILED = 1
 EXIT_BAD_INPUT = 2
-DEFAULT_COHORTS = {"single": "1,2,4,8", "batch": "1,64"}
-DEFAULT_PREFILL = "1024,8192,32768"
-DATE_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    """'1,2,4' -> (1, 2, 4); '' or 'none' -> ()."""
-    if text.strip().lower() in ("", "none"):
-        return ()
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers, e.g. 1,2,4") from None
-    if any(value < 1 for value in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: every number must be 1 or more")
-    return values
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be 1 or more")
-    return value
 
 
 def equivalent_command(args: argparse.Namespace, cohorts: tuple[int, ...], url: str) -> list[str]:
@@ -57,31 +43,6 @@ def equivalent_command(args: argparse.Namespace, cohorts: tuple[int, ...], url: 
     command += ["--temperature", f"{args.temperature:g}", "--seed", str(args.seed)]
     command += ["--shared"] * args.shared + ["--random-tokens"] * args.random_tokens
     return command + (["--model", args.model] if args.model else [])
-
-
-def build_plan(args: argparse.Namespace, max_model_len: int | None) -> BenchPlan:
-    """The rows to run; prefill lengths the server cannot hold are dropped with a note."""
-    prefill = args.prefill
-    if max_model_len:
-        if args.input_len + args.output_len > max_model_len:
-            raise BenchError(
-                f"--input-len + --output-len = {args.input_len + args.output_len} exceeds the "
-                f"server's max_model_len {max_model_len}"
-            )
-        prefill = tuple(length for length in args.prefill if length < max_model_len)
-        for length in sorted(set(args.prefill) - set(prefill)):
-            print(f"skipping prefill {length}: max_model_len is {max_model_len}", file=sys.stderr)
-    return BenchPlan(
-        mode=args.mode,
-        cohorts=args.cohorts or _int_list(DEFAULT_COHORTS[args.mode]),
-        rounds=args.rounds,
-        datasets=("random",) if args.random_tokens else ("sharegpt", "random"),
-        input_len=args.input_len,
-        output_len=args.output_len,
-        shared=args.shared,
-        prefill_lens=prefill,
-        prefill_requests=args.prefill_requests,
-    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -273,3 +234,5 @@ def add_subcommand(subparsers) -> None:
         "bench-results/MODE-DATE-TIME.json)",
     )
     run.set_defaults(func=cmd_run)
+    add_quality_subcommands(actions)
+    add_ab_subcommand(actions)

@@ -1,0 +1,643 @@
+"""`hyperqwen bench ab`: stock vLLM against the HyperQwen build, one command, one GPU host.
+
+Serves the stock vllm/ tree (--stock-vllm, first on PYTHONPATH) with the model and the user's
+flags, measures it with the rows of `bench run`, stops it; then serves the patched tree
+(--patched-vllm) with the same model and flags plus the project's profile (the argv
+`hyperqwen serve MODE` would run), measures and stops it; then prints patched/stock ratios.
+Startup-to-healthy time and weight memory (vLLM's "Model loading took X GiB" line) are rows
+too. A GPU host command may be capped at minutes, so the halves can run apart: --phase stock
+saves its half in --state, --phase patched adds the other and writes the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import requests
+from tqdm import tqdm
+
+from hyperqwen.bench.client import BenchClient, BenchError
+from hyperqwen.bench.header import git_commit, gpu_facts, server_version
+from hyperqwen.bench.options import (
+    DATE_FORMAT,
+    DEFAULT_COHORTS,
+    DEFAULT_PREFILL,
+    _int_list,
+    _positive,
+    build_plan,
+)
+from hyperqwen.bench.plot import PlotUnavailable
+from hyperqwen.bench.results import (
+    ComparisonRow,
+    add_results_subcommands,
+    comparison_row,
+    format_comparison,
+    result_document,
+    write_ratio_plot,
+)
+from hyperqwen.bench.rows import Row, format_row
+from hyperqwen.bench.run import run_bench, served_model
+from hyperqwen.bench.workload import SALT_TOKENS, RequestFactory
+from hyperqwen.launch import build_launch
+from hyperqwen.patches import (
+    PatchSeriesError,
+    PatchState,
+    check_series,
+    load_series,
+    series_status,
+)
+from hyperqwen.settings import MODES, SettingsError, load_settings
+
+STATE_SCHEMA = 1
+SIDES = ("stock", "patched")
+PHASES = ("stock", "patched", "both")
+DEFAULT_SERVER_COMMAND = "{python} -m vllm.entrypoints.cli.main {args}"
+SERVER_HOST = "127.0.0.1"
+PREVIEW_PORT = 8000  # any valid port: the argv is only inspected, never run
+DEFAULT_STARTUP_TIMEOUT_S = 900
+STOP_GRACE_S = 60
+HEALTH_POLL_S = 0.5
+WEIGHTS_LINE = re.compile(r"Model loading took ([0-9.]+) GiB")
+SPEC_FLAGS = ("--speculative-config", "-sc")
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+# The options that define a comparison: both phases must agree on every one.
+PLAN_OPTIONS = (
+    "model",
+    "mode",
+    "env_file",
+    "input_len",
+    "output_len",
+    "cohorts",
+    "rounds",
+    "prefill",
+    "prefill_requests",
+    "temperature",
+    "seed",
+    "synthetic_acceptance",
+    "vllm_args",
+    "server_command",
+)
+
+
+class ABError(Exception):
+    """The comparison cannot go on; the message names the option or file and the fix."""
+
+
+@dataclass(frozen=True)
+class SideResult:
+    """One measured server: how it was started, how long it took, what it did."""
+
+    side: str
+    vllm_parent: str
+    command: list[str]
+    patches: str
+    version: str
+    startup_s: float
+    weight_gib: float | None
+    rows: list[Row]
+    log: str
+
+    @classmethod
+    def from_json(cls, values: dict) -> SideResult:
+        return cls(**{**values, "rows": [Row(**row) for row in values["rows"]]})
+
+
+# --- server argv -----------------------------------------------------------------------------
+
+
+def stock_serve_argv(model: Path, port: int) -> list[str]:
+    """`vllm serve` of the model with vLLM's own defaults: only the address and model name."""
+    address = ["--host", SERVER_HOST, "--port", str(port)]
+    return ["serve", str(model), *address, "--served-model-name", model.name]
+
+
+def profile_serve_argv(model: Path, port: int, mode: str, env_file: str | None) -> list[str]:
+    """The argv `hyperqwen serve MODE` would run for this model (knobs from env/.env), local."""
+    overrides = {"MODEL": str(model), "PORT": str(port), "HOST": SERVER_HOST}
+    try:
+        loaded = load_settings({**os.environ, **overrides}, Path(env_file) if env_file else None)
+    except SettingsError as error:
+        raise ABError(f"the project's profile cannot be built:\n{error}") from None
+    return build_launch(loaded, mode, api_key=None).argv[1:]  # drop "vllm"
+
+
+def _spec_value_positions(argv: list[str]) -> list[tuple[int, str]]:
+    """(index, prefix) of every --speculative-config value: `FLAG VALUE` or `FLAG=VALUE`."""
+    positions = []
+    for index, token in enumerate(argv):
+        flag, equals, _ = token.partition("=")
+        if flag in SPEC_FLAGS:
+            positions.append((index, flag + "=") if equals else (index + 1, ""))
+    return positions
+
+
+def speculates(argv: list[str]) -> bool:
+    return bool(_spec_value_positions(argv))
+
+
+def with_synthetic_acceptance(argv: list[str], rates: tuple[float, ...]) -> list[str]:
+    """argv with vLLM 0.26's synthetic rejection sampling in every --speculative-config.
+
+    rejection_sample_method "synthetic" accepts drafts at the given per-position rates
+    whatever the weights say, so dummy weights still measure speculative decoding.
+    """
+    # Imported here: vLLM's config module is slow to import and only this check needs it.
+    from vllm.config.speculative import SpeculativeConfig
+
+    patched = list(argv)
+    for index, prefix in _spec_value_positions(argv):
+        if index >= len(argv):
+            raise ABError("--speculative-config at the end of the flags has no value")
+        config = json.loads(argv[index][len(prefix) :])
+        drafts = config.get("num_speculative_tokens")
+        try:
+            SpeculativeConfig._resolve_synthetic_acceptance_rates(drafts, list(rates), None)
+        except (ValueError, TypeError) as error:
+            raise ABError(
+                f"--synthetic-acceptance {','.join(map(str, rates))}: {error} (the server "
+                f"drafts {drafts} tokens: give that many rates, each in [0, 1], non-increasing)"
+            ) from None
+        config.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=list(rates))
+        patched[index] = prefix + json.dumps(config, separators=(",", ":"))
+    return patched
+
+
+def base_argv(side: str, args: argparse.Namespace, port: int) -> list[str]:
+    """The `vllm serve ...` arguments of one side before synthetic acceptance."""
+    model = Path(args.model)
+    if side == "stock":
+        base = stock_serve_argv(model, port)
+    else:
+        base = profile_serve_argv(model, port, args.mode, args.env_file)
+    return base + shlex.split(args.vllm_args)
+
+
+def serve_argv(side: str, args: argparse.Namespace, port: int) -> list[str]:
+    argv = base_argv(side, args, port)
+    if args.synthetic_acceptance and speculates(argv):
+        argv = with_synthetic_acceptance(argv, args.synthetic_acceptance)
+    return argv
+
+
+def check_synthetic_acceptance(args: argparse.Namespace) -> None:
+    """Synthetic rates need a side that speculates; say so before any server starts."""
+    if not args.synthetic_acceptance:
+        return
+    sides = [side for side in SIDES if speculates(base_argv(side, args, PREVIEW_PORT))]
+    if not sides:
+        raise ABError(
+            "--synthetic-acceptance needs speculative decoding on at least one side: use "
+            "--mode single (SPEC=mtp or ngram) or pass --speculative-config in --vllm-args"
+        )
+    if len(sides) == 1:
+        print(f"note: only the {sides[0]} side speculates; the rates apply to it", flush=True)
+
+
+# --- running one side ------------------------------------------------------------------------
+
+
+def check_vllm_tree(side: str, parent: Path) -> str:
+    """A one-line patch state of parent/vllm; ABError when it is not what the side needs."""
+    vllm_dir = parent / "vllm"
+    flag = f"--{side}-vllm"
+    if not (vllm_dir / "__init__.py").is_file():
+        raise ABError(f"{flag} {parent}: no vllm/ package there; give the folder that holds vllm/")
+    try:
+        if side == "patched":
+            applied, summary = series_status(vllm_dir)
+            if not applied:
+                raise ABError(
+                    f"{flag} {parent}: {summary}. Apply the series: hyperqwen patches apply "
+                    f"{vllm_dir}"
+                )
+            return summary
+        checks = check_series(load_series(), vllm_dir)
+    except PatchSeriesError as error:
+        raise ABError(f"{flag} {parent}: {error}") from None
+    touched = [check.patch.name for check in checks if check.state != PatchState.MISSING]
+    if touched:
+        raise ABError(
+            f"{flag} {parent}: not stock vLLM ({', '.join(touched)} found); give a pristine "
+            "copy, e.g. unpacked from the vllm==0.26.0 wheel"
+        )
+    return f"none of the {len(checks)} patches of the series applied"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((SERVER_HOST, 0))
+        return probe.getsockname()[1]
+
+
+def server_command(template: str, side: str, argv: list[str], port: int) -> list[str]:
+    text = template.format(
+        python=shlex.quote(sys.executable), args=shlex.join(argv), port=port, side=side
+    )
+    return shlex.split(text)
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGINT the server's process group (vLLM shuts down cleanly), SIGKILL what lingers."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGINT)
+    deadline = time.monotonic() + STOP_GRACE_S
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=STOP_GRACE_S)
+    # Engine-core workers share the group and hold GPU memory until they exit too.
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+@contextlib.contextmanager
+def running_server(
+    command: list[str], env: dict[str, str], log: Path, base: str, timeout_s: float
+) -> Iterator[float]:
+    """Start `command`; yield the seconds it took until /health answered 200; stop it."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as sink:
+        start = time.monotonic()
+        process = subprocess.Popen(
+            command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            with tqdm(
+                total=round(timeout_s), desc=f"waiting for {base}/health", unit="s", leave=False
+            ) as bar:
+                while True:
+                    waited = time.monotonic() - start
+                    bar.update(round(waited) - bar.n)
+                    if process.poll() is not None:
+                        raise ABError(
+                            f"the server exited with {process.returncode} before it was "
+                            f"healthy; its log ({log}) ends:\n{log.read_text()[-3000:]}"
+                        )
+                    if waited > timeout_s:
+                        raise ABError(
+                            f"not healthy after {timeout_s:g} s (--startup-timeout); log: {log}"
+                        )
+                    with contextlib.suppress(requests.RequestException):
+                        if requests.get(f"{base}/health", timeout=5).status_code == 200:
+                            break
+                    time.sleep(HEALTH_POLL_S)
+            yield time.monotonic() - start
+        finally:
+            _stop_group(process)
+
+
+def weight_gib(log_text: str) -> float | None:
+    """The largest "Model loading took X GiB" of the log (one per tensor-parallel rank)."""
+    found = [float(value) for value in WEIGHTS_LINE.findall(log_text)]
+    return max(found) if found else None
+
+
+def run_side(side: str, args: argparse.Namespace, workdir: Path) -> SideResult:
+    parent = Path(getattr(args, f"{side}_vllm")).resolve()
+    patches = check_vllm_tree(side, parent)
+    port = args.port or free_port()
+    argv = serve_argv(side, args, port)
+    command = server_command(args.server_command, side, argv, port)
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_API_KEY"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(parent), env.get("PYTHONPATH")]))
+    log = workdir / f"{side}-server.log"
+    base = f"http://{SERVER_HOST}:{port}"
+    print(f"== {side}: {shlex.join(command)}\n   (vllm/ from {parent}; log {log})", flush=True)
+    rows: list[Row] = []
+    with running_server(command, env, log, base, args.startup_timeout) as startup_s:
+        print(f"   healthy after {startup_s:.1f} s", flush=True)
+        client = BenchClient(base, None, args.timeout)
+        model, max_model_len = served_model(client, None)
+        version = server_version(client)
+        factory = RequestFactory(model, seed=args.seed, temperature=args.temperature)
+
+        def keep(row: Row) -> None:
+            rows.append(row)
+            print(format_row(row), flush=True)
+
+        run_bench(client, factory, build_plan(args, max_model_len), keep)
+    return SideResult(
+        side=side,
+        vllm_parent=str(parent),
+        command=command,
+        patches=patches,
+        version=version,
+        startup_s=round(startup_s, 2),
+        weight_gib=weight_gib(log.read_text(errors="replace")),
+        rows=rows,
+        log=str(log),
+    )
+
+
+# --- comparing -------------------------------------------------------------------------------
+
+
+def side_figures(side: SideResult) -> dict[str, tuple[str, float | None]]:
+    """Row name -> (unit, value): per cohort, per prefill length, startup and weights."""
+    figures: dict[str, tuple[str, float | None]] = {}
+    for row in side.rows:
+        if row.data == "prefill":
+            figures[f"prefill{row.in_tok}_ttft_p50"] = ("ms", row.ttft_p50_ms)
+            continue
+        prefix = f"c{row.C}"
+        figures[f"{prefix}_decode"] = ("tok/s", row.decode_tok_s_per_stream)
+        figures[f"{prefix}_decode_total"] = ("tok/s", row.decode_tok_s_total)
+        figures[f"{prefix}_ttft_p50"] = ("ms", row.ttft_p50_ms)
+        figures[f"{prefix}_tpot"] = ("ms", row.tpot_ms)
+        figures[f"{prefix}_tokens_per_step"] = ("tokens", row.tokens_per_step)
+    figures["startup_to_healthy"] = ("s", side.startup_s)
+    figures["weight_memory"] = ("GiB", side.weight_gib)
+    return figures
+
+
+def compare(stock: SideResult, patched: SideResult) -> list[ComparisonRow]:
+    """One row per figure either side measured, in the order they were measured."""
+    stock_figures, patched_figures = side_figures(stock), side_figures(patched)
+    rows = []
+    for name in dict.fromkeys([*stock_figures, *patched_figures]):
+        unit, stock_value = stock_figures.get(name, (patched_figures[name][0], None))
+        patched_value = patched_figures.get(name, (unit, None))[1]
+        if stock_value is not None or patched_value is not None:
+            rows.append(comparison_row(name, unit, stock_value, patched_value))
+    return rows
+
+
+def model_fact(model: Path, vllm_args: str) -> str:
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    architectures = ", ".join(config.get("architectures") or ["architecture not given"])
+    dummy = " with dummy weights" if "dummy" in shlex.split(vllm_args) else ""
+    return f"{model.name} ({architectures}){dummy}"
+
+
+def equivalent_command(plan: dict, stock_parent: str, patched_parent: str) -> str:
+    """The one command that repeats the whole comparison."""
+    command = ["hyperqwen", "bench", "ab", plan["model"], "--mode", plan["mode"]]
+    command += ["--stock-vllm", stock_parent, "--patched-vllm", patched_parent]
+    command += ["--input-len", str(plan["input_len"]), "--output-len", str(plan["output_len"])]
+    command += ["--cohorts", ",".join(map(str, plan["cohorts"])), "--rounds", str(plan["rounds"])]
+    command += ["--prefill", ",".join(map(str, plan["prefill"])) or "none"]
+    command += ["--prefill-requests", str(plan["prefill_requests"])]
+    command += ["--temperature", f"{plan['temperature']:g}", "--seed", str(plan["seed"])]
+    if plan["synthetic_acceptance"]:
+        rates = ",".join(f"{rate:g}" for rate in plan["synthetic_acceptance"])
+        command += ["--synthetic-acceptance", rates]
+    if plan["vllm_args"]:
+        command.append(f"--vllm-args={plan['vllm_args']}")
+    if plan["env_file"]:
+        command += ["--env-file", plan["env_file"]]
+    if plan["server_command"] != DEFAULT_SERVER_COMMAND:
+        command += ["--server-command", plan["server_command"]]
+    return shlex.join(command)
+
+
+def build_result(state: dict) -> tuple[dict, list[ComparisonRow]]:
+    stock = SideResult.from_json(state["stock"])
+    patched = SideResult.from_json(state["patched"])
+    plan = state["plan"]
+    rows = compare(stock, patched)
+    facts = {
+        "gpu": gpu_facts()["gpu"],
+        "vllm": f"stock {stock.version} ({stock.patches}); "
+        f"patched {patched.version} ({patched.patches})",
+        "commit": git_commit(),
+        "date": state["date"],
+        "command": equivalent_command(plan, stock.vllm_parent, patched.vllm_parent),
+        "model": model_fact(Path(plan["model"]), plan["vllm_args"]),
+    }
+    document = result_document(
+        facts, rows, plan=plan, stock=state["stock"], patched=state["patched"]
+    )
+    return document, rows
+
+
+# --- phases and state ------------------------------------------------------------------------
+
+
+def plan_of(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in PLAN_OPTIONS}
+
+
+def _jsonable(value):
+    return json.loads(json.dumps(value, default=list))
+
+
+def load_state(path: Path, plan: dict) -> dict:
+    """The saved state of --phase stock, checked against this run's options."""
+    if not path.is_file():
+        raise ABError(f"--state {path}: no such file; run --phase stock first (same options)")
+    state = json.loads(path.read_text(encoding="utf-8"))
+    if state.get("schema") != STATE_SCHEMA or not state.get("stock"):
+        raise ABError(f"--state {path}: holds no stock half; run --phase stock first")
+    saved, current = state["plan"], _jsonable(plan)
+    differing = [name for name in PLAN_OPTIONS if saved.get(name) != current[name]]
+    if differing:
+        shown = "; ".join(
+            f"{name}: {saved.get(name)!r} then, {current[name]!r} now" for name in differing
+        )
+        raise ABError(
+            f"--state {path} was measured with other options ({shown}). Pass the same options "
+            "as --phase stock did, or measure the stock half again"
+        )
+    return state
+
+
+def save_state(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        raise ABError(
+            f"{model}: no config.json; give a model folder (a config-only one from `hyperqwen "
+            "synth --preset 27b --config-only` works with --vllm-args='--load-format dummy')"
+        )
+    if min((args.input_len, *args.prefill)) <= SALT_TOKENS:
+        raise ABError(f"--input-len and --prefill lengths must be more than {SALT_TOKENS} tokens")
+    for side in SIDES if args.phase == "both" else (args.phase,):
+        if not getattr(args, f"{side}_vllm"):
+            raise ABError(f"--phase {args.phase} needs --{side}-vllm PARENT_DIR")
+    try:
+        shlex.split(args.vllm_args)
+        server_command(args.server_command, "stock", [], 0)
+    except (ValueError, KeyError, IndexError) as error:
+        raise ABError(f"--vllm-args or --server-command cannot be read: {error}") from None
+
+
+def cmd_ab(args: argparse.Namespace) -> int:
+    args.model = str(Path(args.model).resolve())
+    workdir = Path(args.workdir)
+    state_path = Path(args.state) if args.state else workdir / "ab-state.json"
+    out = Path(args.out) if args.out else workdir / "ab-result.json"
+    try:
+        validate_args(args)
+        check_synthetic_acceptance(args)
+        plan = _jsonable(plan_of(args))
+        if args.phase == "patched":
+            state = load_state(state_path, plan)
+        else:
+            date = time.strftime(DATE_FORMAT)
+            state = {"schema": STATE_SCHEMA, "date": date, "plan": plan, "stock": None}
+            state["stock"] = _jsonable(asdict(run_side("stock", args, workdir)))
+            save_state(state_path, state)
+            print(f"saved the stock half in {state_path}", flush=True)
+            if args.phase == "stock":
+                return 0
+        state["patched"] = _jsonable(asdict(run_side("patched", args, workdir)))
+        save_state(state_path, state)
+        document, rows = build_result(state)
+    except (ABError, BenchError) as error:
+        print(f"hyperqwen bench ab: {error}", file=sys.stderr)
+        return EXIT_FAILED if isinstance(error, BenchError) else EXIT_BAD_INPUT
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    print("\n".join(format_comparison(rows)))
+    plot = out.with_suffix(".png")
+    try:
+        write_ratio_plot(plot, rows, f"{document['model']}: patched / stock, {document['gpu']}")
+    except PlotUnavailable as reason:
+        print(f"wrote {out}; {reason}", file=sys.stderr)
+        return 0
+    print(f"wrote {out} and {plot}; publish with: hyperqwen bench publish {out} --name NAME")
+    return 0
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give rates like 0.77,0.55,0.40") from None
+
+
+AB_DESCRIPTION = """\
+Compare stock vLLM 0.26.0 with the HyperQwen build on this GPU host, one server at a time:
+  1. stock:   vllm serve MODEL + --vllm-args, with --stock-vllm's vllm/ first on PYTHONPATH
+  2. patched: the argv of `hyperqwen serve MODE` for MODEL (knobs from the environment/.env)
+              + --vllm-args, with --patched-vllm's vllm/ first on PYTHONPATH
+Each is started, timed to a healthy /health, measured with the random-token rows of
+`hyperqwen bench run` (cohorts, then prefill lengths) and stopped. Then a table of
+patched/stock ratios with both absolute figures, a result JSON (--out) and a PNG beside it.
+The stock tree must carry none of the patch series, the patched one all of it.
+
+--synthetic-acceptance sets vLLM's rejection_sample_method "synthetic" with these
+per-position acceptance rates in the --speculative-config of every side that speculates
+(single mode speculates with MTP): dummy weights then measure speculative decoding as a
+trained drafter at those rates would.
+
+A 27B server needs minutes to start; where one command may run only ~10 minutes, run the
+halves apart with the same options: --phase stock, then --phase patched (the state file
+carries the stock half across).
+
+Examples:
+  hyperqwen synth --preset 27b --config-only --out models/synth-27b
+  hyperqwen bench ab models/synth-27b --mode single --stock-vllm /opt/vllm-stock \\
+      --patched-vllm .venv/lib/python3.12/site-packages --vllm-args='--load-format dummy' \\
+      --cohorts 1,4 --input-len 128 --output-len 512 --synthetic-acceptance 0.77,0.55,0.40
+  hyperqwen bench ab models/synth-27b --mode batch --cohorts 1,64 --phase stock ...
+  hyperqwen bench ab models/synth-27b --mode batch --cohorts 1,64 --phase patched ...
+Exit codes: 0 done, 1 a server failed while measured, 2 bad options, trees or start."""
+
+
+def add_ab_subcommand(actions) -> None:
+    """Add `ab`, `publish` and `docs` to the `hyperqwen bench` actions (its subparsers)."""
+    ab = actions.add_parser(
+        "ab",
+        help="stock vLLM vs the HyperQwen build on this GPU: ratios of every row",
+        description=AB_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ab.add_argument("model", metavar="MODEL_DIR", help="model folder (config.json at least)")
+    ab.add_argument(
+        "--mode", choices=MODES, default="single", help="the project's profile (default single)"
+    )
+    ab.add_argument("--stock-vllm", metavar="PARENT_DIR", help="folder holding a stock vllm/")
+    ab.add_argument("--patched-vllm", metavar="PARENT_DIR", help="folder holding a patched vllm/")
+    ab.add_argument(
+        "--phase",
+        choices=PHASES,
+        default="both",
+        help="both (default); stock: measure and save the stock half in --state; patched: "
+        "measure the patched half and write the result",
+    )
+    ab.add_argument("--workdir", default="ab-work", help="server logs and state (default ab-work)")
+    ab.add_argument("--state", metavar="PATH", help="state file (default WORKDIR/ab-state.json)")
+    ab.add_argument("--out", metavar="PATH", help="result JSON (default WORKDIR/ab-result.json)")
+    ab.add_argument(
+        "--vllm-args",
+        default="",
+        metavar="'FLAGS'",
+        help="vLLM flags for both sides, appended last; write --vllm-args='--load-format dummy'",
+    )
+    ab.add_argument(
+        "--synthetic-acceptance",
+        type=_rates,
+        metavar="RATES",
+        help="per-position draft acceptance rates, one per drafted token, non-increasing",
+    )
+    ab.add_argument("--env-file", metavar="FILE", help="knobs of the profile (default ./.env)")
+    ab.add_argument(
+        "--cohorts",
+        type=_int_list,
+        metavar="LIST",
+        help=f"concurrent streams per row (default single {DEFAULT_COHORTS['single']}, "
+        f"batch {DEFAULT_COHORTS['batch']})",
+    )
+    ab.add_argument("--rounds", type=_positive, default=3, metavar="N", help="default 3")
+    ab.add_argument(
+        "--input-len", type=_positive, default=128, metavar="TOKENS", help="default 128"
+    )
+    ab.add_argument(
+        "--output-len", type=_positive, default=512, metavar="TOKENS", help="default 512"
+    )
+    ab.add_argument(
+        "--prefill",
+        type=_int_list,
+        default=_int_list(DEFAULT_PREFILL),
+        metavar="LIST",
+        help=f"prefill (TTFT) prompt lengths or none (default {DEFAULT_PREFILL})",
+    )
+    ab.add_argument("--prefill-requests", type=_positive, default=3, metavar="N", help="default 3")
+    ab.add_argument("--temperature", type=float, default=0.0, metavar="T", help="default 0")
+    ab.add_argument("--seed", type=int, default=0, metavar="N", help="prompt seed (default 0)")
+    ab.add_argument(
+        "--port", type=int, default=0, help="server port (default: a free one per side)"
+    )
+    ab.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=DEFAULT_STARTUP_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"seconds a server may take to become healthy (default {DEFAULT_STARTUP_TIMEOUT_S})",
+    )
+    ab.add_argument(
+        "--timeout", type=float, default=600.0, metavar="SECONDS", help="per-request read timeout"
+    )
+    ab.add_argument(
+        "--server-command",
+        default=DEFAULT_SERVER_COMMAND,
+        metavar="TEMPLATE",
+        help="how a server starts: {python} this interpreter, {args} the quoted `serve ...` "
+        "arguments, {port}, {side} (stock|patched); default %(default)r",
+    )
+    ab.set_defaults(func=cmd_ab, random_tokens=True, shared=False)
+    add_results_subcommands(actions)

@@ -1,0 +1,58 @@
+"""Option parsing and run planning shared by the bench commands (`run`, `ab`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hyperqwen.bench.client import BenchError
+from hyperqwen.bench.run import BenchPlan
+
+DATE_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
+DEFAULT_COHORTS = {"single": "1,2,4,8", "batch": "1,64"}
+DEFAULT_PREFILL = "1024,8192,32768"
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4); '' or 'none' -> ()."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers, e.g. 1,2,4") from None
+    if any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every number must be 1 or more")
+    return values
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be 1 or more")
+    return value
+
+
+def build_plan(args: argparse.Namespace, max_model_len: int | None) -> BenchPlan:
+    """The rows to run; prefill lengths the server cannot hold are dropped with a note."""
+    prefill = args.prefill
+    if max_model_len:
+        if args.input_len + args.output_len > max_model_len:
+            raise BenchError(
+                f"--input-len + --output-len = {args.input_len + args.output_len} exceeds the "
+                f"server's max_model_len {max_model_len}"
+            )
+        prefill = tuple(length for length in args.prefill if length < max_model_len)
+        for length in sorted(set(args.prefill) - set(prefill)):
+            print(f"skipping prefill {length}: max_model_len is {max_model_len}", file=sys.stderr)
+    return BenchPlan(
+        mode=args.mode,
+        cohorts=args.cohorts or _int_list(DEFAULT_COHORTS[args.mode]),
+        rounds=args.rounds,
+        datasets=("random",) if args.random_tokens else ("sharegpt", "random"),
+        input_len=args.input_len,
+        output_len=args.output_len,
+        shared=args.shared,
+        prefill_lens=prefill,
+        prefill_requests=args.prefill_requests,
+    )

@@ -1,0 +1,116 @@
+"""A stand-in for `vllm serve` that `hyperqwen bench ab` can start as a real process on the CPU.
+
+Run as `python openai_test_server.py --fake-config FILE --side SIDE serve MODEL --port P ...`:
+it reads the flags vLLM would (--port, --served-model-name, --max-model-len,
+--speculative-config) and ignores the others, then behaves as configured for SIDE in FILE
+({"stock": {...}, "patched": {...}}: startup_s, weight_gib, prefill_ms, step_ms). It sleeps
+startup_s before listening, logs vLLM's "Model loading took X GiB" line, and streams
+/v1/completions with one verify step every step_ms. Each step makes one token plus the
+drafts accepted: with synthetic_acceptance_rates r the mean is 1 + sum(r), as vLLM's synthetic
+rejection sampler, spread evenly (no randomness); the spec-decode counters count them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+import prometheus_client
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fake-config", required=True)
+    parser.add_argument("--side", required=True)
+    parser.add_argument("serve")
+    parser.add_argument("model")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--speculative-config")
+    args, _vllm_flags = parser.parse_known_args(argv)
+    with open(args.fake_config, encoding="utf-8") as file:
+        behaviour = json.load(file)[args.side]
+    return args, behaviour
+
+
+def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
+    spec = json.loads(args.speculative_config) if args.speculative_config else None
+    drafts = spec["num_speculative_tokens"] if spec else 0
+    accepted_per_step = sum(spec.get("synthetic_acceptance_rates") or []) if spec else 0.0
+    model = args.served_model_name or args.model
+    registry = prometheus_client.CollectorRegistry()
+    counters = {
+        name: prometheus_client.Counter(f"vllm:spec_decode_{name}", name, registry=registry)
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    }
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": f"0.26.0 ({args.side} test server)"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(prometheus_client.generate_latest(registry).decode())
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model, "max_model_len": args.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> StreamingResponse:
+        body = await request.json()
+        prompt, max_tokens = body["prompt"], body["max_tokens"]
+
+        def chunk(text: str) -> str:
+            choice = {"index": 0, "text": text, "finish_reason": None}
+            return f"data: {json.dumps({'choices': [choice]})}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            await asyncio.sleep(behaviour["prefill_ms"] / 1000)
+            yield chunk("t ")
+            made, owed = 1, 0.0
+            while made < max_tokens:
+                await asyncio.sleep(behaviour["step_ms"] / 1000)
+                owed += accepted_per_step
+                accepted = min(int(owed), max_tokens - made - 1)
+                owed -= int(owed)
+                if drafts:
+                    counters["num_drafts"].inc()
+                    counters["num_draft_tokens"].inc(drafts)
+                    counters["num_accepted_tokens"].inc(accepted)
+                made += 1 + accepted
+                yield chunk("t " * (1 + accepted))
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": made}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def main() -> None:
+    args, behaviour = parse_args()
+    # vLLM loads weights and compiles before it listens; /health is unreachable meanwhile.
+    time.sleep(behaviour["startup_s"])
+    print(
+        f"Model loading took {behaviour['weight_gib']:.2f} GiB memory and 0.5 seconds", flush=True
+    )
+    uvicorn.run(build_app(args, behaviour), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

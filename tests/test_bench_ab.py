@@ -1,0 +1,333 @@
+"""`hyperqwen bench ab`, `publish` and `docs`: result schema, ratios, the generated docs, and
+whole comparisons on the CPU whose "servers" are real processes (tests/openai_test_server.py)
+started from real stock and patched vllm/ trees of the pinned wheel."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hyperqwen.bench.ab import add_ab_subcommand, profile_serve_argv, with_synthetic_acceptance
+from hyperqwen.bench.results import (
+    BENCHMARKS_DOC,
+    RESULTS_DIR,
+    ComparisonRow,
+    ResultFileError,
+    load_result,
+    ratio,
+    render_benchmarks,
+    validate_result,
+)
+from hyperqwen.patches import SERIES_DIR_ENV, _series_names, apply_series, load_series
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_SERVER = ROOT / "tests" / "openai_test_server.py"
+RATES = "0.77,0.55,0.40"
+BEHAVIOUR = {
+    "stock": {"startup_s": 0.2, "weight_gib": 14.0, "prefill_ms": 50, "step_ms": 20},
+    "patched": {"startup_s": 2.0, "weight_gib": 13.0, "prefill_ms": 50, "step_ms": 16},
+}
+VALID = {
+    "schema": 1,
+    "gpu": "NVIDIA H200 (sm_90, 141 GiB)",
+    "vllm": "stock 0.26.0; patched 0.26.0 (all 7 patches)",
+    "commit": "abc123def456",
+    "date": "2026-01-02T03:04:05+0000",
+    "command": "hyperqwen bench ab models/synth-27b --mode single",
+    "model": "synth-27b (Qwen3_5ForConditionalGeneration) with dummy weights",
+    "rows": [
+        {"name": "c1_decode", "unit": "tok/s", "stock": 40.0, "patched": 100.0, "ratio": 2.5},
+        {"name": "c1_tokens_per_step", "unit": "tokens", "stock": None, "patched": 2.7},
+        {"name": "weight_memory", "unit": "GiB", "stock": 14.0, "patched": 13.0, "ratio": 0.929},
+    ],
+}
+VALID["rows"][1]["ratio"] = None
+
+
+def hyperqwen_bench(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="hyperqwen")
+    bench = parser.add_subparsers(dest="command").add_parser("bench")
+    add_ab_subcommand(bench.add_subparsers(dest="bench_command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return args.func(args)
+
+
+# --- ratios and the schema -------------------------------------------------------------------
+
+
+def test_ratio_is_patched_over_stock_and_none_without_both() -> None:
+    assert ratio(40.0, 100.0) == 2.5
+    assert ratio(3.0, 1.0) == 0.333
+    assert ratio(None, 5.0) is None and ratio(5.0, None) is None and ratio(0.0, 5.0) is None
+
+
+def test_a_valid_result_passes_and_each_missing_field_is_named() -> None:
+    assert [row.name for row in validate_result(VALID, "x.json")] == [
+        "c1_decode",
+        "c1_tokens_per_step",
+        "weight_memory",
+    ]
+    for field in ("gpu", "vllm", "commit", "date", "command", "model", "rows"):
+        broken = {key: value for key, value in VALID.items() if key != field}
+        with pytest.raises(ResultFileError, match=f"x.json lacks {field} "):
+            validate_result(broken, "x.json")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda doc: doc["rows"][0].pop("unit"), r"rows\[0\] \(c1_decode\) lacks unit"),
+        (lambda doc: doc["rows"][0].update(ratio=3.0), "ratio 3.0 but patched/stock is 2.5"),
+        (lambda doc: doc["rows"][0].update(stock="40"), r"stock='40': a number or null"),
+        (lambda doc: doc["rows"].append(dict(doc["rows"][0])), "row names repeat"),
+        (lambda doc: doc.update(date="yesterday"), "must start YYYY-MM-DD"),
+        (lambda doc: doc.update(rows=[]), "rows must be a non-empty list"),
+    ],
+)
+def test_broken_results_fail_with_the_reason(change, message) -> None:
+    document = copy.deepcopy(VALID)
+    change(document)
+    with pytest.raises(ResultFileError, match=message):
+        validate_result(document, "x.json")
+
+
+# --- publish and the docs --------------------------------------------------------------------
+
+
+def test_the_committed_benchmarks_doc_matches_docs_results() -> None:
+    assert BENCHMARKS_DOC.read_text(encoding="utf-8") == render_benchmarks(RESULTS_DIR), (
+        "docs/benchmarks.md is out of date: run `hyperqwen bench docs`"
+    )
+    if not list(RESULTS_DIR.glob("*.json")):
+        assert "no published runs yet" in BENCHMARKS_DOC.read_text().lower()
+
+
+def test_publish_names_the_file_by_date_and_docs_show_every_fact(tmp_path, capsys) -> None:
+    results, doc = tmp_path / "results", tmp_path / "benchmarks.md"
+    source = tmp_path / "run" / "ab-result.json"
+    source.parent.mkdir()
+    source.write_text(json.dumps(VALID))
+    source.with_suffix(".png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    where = ("--results-dir", str(results))
+
+    assert hyperqwen_bench("docs", *where, "--doc", str(doc)) == 0
+    assert "no published runs yet" in doc.read_text().lower()
+    assert hyperqwen_bench("docs", *where, "--doc", str(doc), "--check") == 0
+
+    assert hyperqwen_bench("publish", str(source), "--name", "h200-27b", *where) == 0
+    published = results / "2026-01-02-h200-27b.json"
+    assert load_result(published)[0] == VALID
+    assert published.with_suffix(".png").is_file()
+    assert hyperqwen_bench("publish", str(source), "--name", "h200-27b", *where) == 2
+    assert "exists already" in capsys.readouterr().err
+    assert hyperqwen_bench("publish", str(source), "--name", "Bad Name", *where) == 2
+
+    assert hyperqwen_bench("docs", *where, "--doc", str(doc), "--check") == 1
+    assert "out of date" in capsys.readouterr().err
+    assert hyperqwen_bench("docs", *where, "--doc", str(doc)) == 0
+    text = doc.read_text()
+    for fact in ("gpu", "vllm", "commit", "date", "model", "command"):
+        assert VALID[fact] in text
+    assert "| c1_decode | tok/s | 40 | 100 | 2.500 |" in text
+    assert "| c1_tokens_per_step | tokens | - | 2.7 | - |" in text
+    assert "no published runs yet" not in text.lower()
+    assert "(results/2026-01-02-h200-27b.png)" in text
+
+    (results / "2026-01-03-broken.json").write_text(json.dumps({"rows": []}))
+    assert hyperqwen_bench("docs", *where, "--doc", str(doc)) == 2
+    assert "2026-01-03-broken.json lacks gpu" in capsys.readouterr().err
+
+
+# --- server argv -----------------------------------------------------------------------------
+
+
+def test_synthetic_acceptance_lands_in_vllms_speculative_config(tmp_path) -> None:
+    env_file = tmp_path / "empty.env"
+    env_file.write_text("")
+    argv = profile_serve_argv(tmp_path / "model", 8000, "single", str(env_file))
+    assert argv[:2] == ["serve", str(tmp_path / "model")]
+    patched = with_synthetic_acceptance(argv, (0.77, 0.55, 0.40))
+    config = json.loads(patched[patched.index("--speculative-config") + 1])
+    assert config["method"] == "mtp" and config["num_speculative_tokens"] == 3
+    assert config["rejection_sample_method"] == "synthetic"
+    assert config["synthetic_acceptance_rates"] == [0.77, 0.55, 0.40]
+
+    inline = ['--speculative-config={"method":"ngram","num_speculative_tokens":2}']
+    (done,) = with_synthetic_acceptance(inline, (0.5, 0.25))
+    assert json.loads(done.removeprefix("--speculative-config="))["synthetic_acceptance_rates"] == [
+        0.5,
+        0.25,
+    ]
+    # vLLM's own rules: one rate per drafted token, non-increasing.
+    with pytest.raises(Exception, match="must have length 3"):
+        with_synthetic_acceptance(argv, (0.5, 0.4))
+    with pytest.raises(Exception, match="non-increasing"):
+        with_synthetic_acceptance(argv, (0.3, 0.5, 0.6))
+
+
+# --- whole comparisons with real server processes ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def series_dir(tmp_path_factory) -> Iterator[Path]:
+    """The committed series alone (diffs being written beside it are left out), for both the
+    test and `bench ab` (through $HYPERQWEN_PATCHES_DIR)."""
+    folder = tmp_path_factory.mktemp("series")
+    shutil.copyfile(ROOT / "patches" / "series", folder / "series")
+    for patch in _series_names(ROOT / "patches" / "series"):
+        shutil.copyfile(ROOT / "patches" / patch, folder / patch)
+    with pytest.MonkeyPatch.context() as patch_env:
+        patch_env.setenv(SERIES_DIR_ENV, str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def vllm_trees(pristine_vllm_dir: Path, series_dir: Path, tmp_path_factory) -> tuple[Path, Path]:
+    """(stock parent, patched parent): the wheel's vllm/ as is, and a copy with the series."""
+    patched = tmp_path_factory.mktemp("patched-vllm") / "vllm"
+    shutil.copytree(pristine_vllm_dir, patched)
+    apply_series(load_series(series_dir), patched)
+    return pristine_vllm_dir.parent, patched.parent
+
+
+@pytest.fixture
+def comparison(tmp_path, vllm_trees) -> list[str]:
+    """The options every comparison below shares: model, trees, test servers, workdir."""
+    model = tmp_path / "synth-27b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"]}))
+    (tmp_path / "empty.env").write_text("")
+    (tmp_path / "fake.json").write_text(json.dumps(BEHAVIOUR))
+    server = f"{{python}} {TEST_SERVER} --fake-config {tmp_path / 'fake.json'} --side {{side}}"
+    return [
+        "ab",
+        str(model),
+        "--stock-vllm",
+        str(vllm_trees[0]),
+        "--patched-vllm",
+        str(vllm_trees[1]),
+        "--env-file",
+        str(tmp_path / "empty.env"),
+        "--workdir",
+        str(tmp_path / "work"),
+        "--server-command",
+        server + " {args}",
+        "--vllm-args=--load-format dummy --max-model-len 4096",
+        "--input-len",
+        "64",
+        "--output-len",
+        "48",
+        "--rounds",
+        "1",
+        "--prefill-requests",
+        "1",
+        "--startup-timeout",
+        "60",
+    ]
+
+
+def printed_ratios(output: str) -> dict[str, str]:
+    """Row name -> ratio cell of the printed comparison table."""
+    lines = output[output.index("row  ") :].splitlines()[1:]
+    return {line.split()[0]: line.split()[2] for line in lines if len(line.split()) >= 5}
+
+
+def test_phases_apart_measure_stock_then_patched_and_merge(comparison, tmp_path, capsys) -> None:
+    single = [*comparison, "--mode", "single", "--cohorts", "1,2", "--prefill", "256"]
+    synthetic = ["--synthetic-acceptance", RATES]
+    assert hyperqwen_bench(*single, *synthetic, "--phase", "stock") == 0
+    state = json.loads((tmp_path / "work" / "ab-state.json").read_text())
+    assert state["stock"]["rows"] and "patched" not in state
+    assert not (tmp_path / "work" / "ab-result.json").exists()
+    stock_log = (tmp_path / "work" / "stock-server.log").read_text()
+    assert "Model loading took 14.00 GiB" in stock_log
+    # The stock side ran vLLM's defaults plus the user's flags: no profile, no speculation.
+    assert "--speculative-config" not in state["stock"]["command"]
+    assert state["stock"]["command"][-4:] == ["--load-format", "dummy", "--max-model-len", "4096"]
+    capsys.readouterr()
+
+    assert hyperqwen_bench(*single, "--phase", "patched") == 2  # rates left out this time
+    assert "synthetic_acceptance: [0.77, 0.55, 0.4] then, None now" in capsys.readouterr().err
+
+    assert hyperqwen_bench(*single, *synthetic, "--phase", "patched") == 0
+    output = capsys.readouterr().out
+    document, rows = load_result(tmp_path / "work" / "ab-result.json")
+    by_name = {row.name: row for row in rows}
+    assert set(by_name) >= {
+        "c1_decode",
+        "c2_decode",
+        "c2_decode_total",
+        "c1_ttft_p50",
+        "c1_tpot",
+        "c1_tokens_per_step",
+        "prefill256_ttft_p50",
+        "startup_to_healthy",
+        "weight_memory",
+    }
+    # Patched: 1 + 0.77 + 0.55 + 0.40 = 2.72 tokens per 16 ms step; stock: 1 per 20 ms.
+    expected_decode = 2.72 * 20 / 16
+    for cohort in (1, 2):
+        decode = by_name[f"c{cohort}_decode"]
+        assert decode.ratio == pytest.approx(expected_decode, rel=0.15)
+        assert decode.ratio == round(decode.patched / decode.stock, 3)
+        assert printed_ratios(output)[f"c{cohort}_decode"] == f"{decode.ratio:.3f}x"
+    steps = by_name["c1_tokens_per_step"]
+    assert steps.stock is None and steps.ratio is None
+    assert steps.patched == pytest.approx(2.72, rel=0.1)
+    assert by_name["prefill256_ttft_p50"].ratio == pytest.approx(1.0, abs=0.35)
+    assert by_name["weight_memory"] == ComparisonRow("weight_memory", "GiB", 14.0, 13.0, 0.929)
+    startup = by_name["startup_to_healthy"]
+    assert 1.0 < startup.patched - startup.stock < 3.0  # the patched side sleeps 1.8 s more
+    assert printed_ratios(output)["weight_memory"] == "0.929x"
+
+    patched_command = document["patched"]["command"]
+    spec = json.loads(patched_command[patched_command.index("--speculative-config") + 1])
+    assert spec["rejection_sample_method"] == "synthetic"
+    assert spec["synthetic_acceptance_rates"] == [0.77, 0.55, 0.40]
+    assert "--mamba-ssm-cache-dtype" in patched_command  # the project's profile
+    assert patched_command[-4:] == ["--load-format", "dummy", "--max-model-len", "4096"]
+    assert "stock 0.26.0 (stock test server) (none of the" in document["vllm"]
+    assert "patched 0.26.0 (patched test server) (all" in document["vllm"]
+    assert document["model"] == "synth-27b (Qwen3_5ForCausalLM) with dummy weights"
+    assert document["command"].startswith("hyperqwen bench ab ")
+    assert "--synthetic-acceptance 0.77,0.55,0.4" in document["command"]
+    assert (tmp_path / "work" / "ab-result.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_both_phases_in_one_run_without_speculation(comparison, tmp_path, capsys) -> None:
+    argv = [*comparison, "--mode", "batch", "--cohorts", "1", "--prefill", "none"]
+    assert hyperqwen_bench(*argv, "--synthetic-acceptance", RATES) == 2
+    assert "needs speculative decoding on at least one side" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()  # refused before any server started
+
+    assert hyperqwen_bench(*argv, "--out", str(tmp_path / "batch.json")) == 0
+    _, rows = load_result(tmp_path / "batch.json")
+    by_name = {row.name: row for row in rows}
+    assert by_name["c1_decode"].ratio == pytest.approx(20 / 16, rel=0.12)
+    assert "c1_tokens_per_step" not in by_name  # neither side speculated
+    assert "prefill" not in " ".join(by_name)
+
+
+def test_trees_must_be_what_their_side_says(comparison, vllm_trees, capsys) -> None:
+    swapped = [*comparison, "--stock-vllm", str(vllm_trees[1]), "--prefill", "none"]
+    assert hyperqwen_bench(*swapped) == 2
+    error = capsys.readouterr().err
+    assert "--stock-vllm" in error and "not stock vLLM" in error
+    unpatched = [*comparison, "--patched-vllm", str(vllm_trees[0]), "--phase", "patched"]
+    assert hyperqwen_bench(*unpatched) == 2  # no state yet
+    assert "run --phase stock first" in capsys.readouterr().err
+    assert hyperqwen_bench(*comparison[:2], "--phase", "stock") == 2
+    assert "--phase stock needs --stock-vllm" in capsys.readouterr().err
+
+
+def test_help_teaches_with_examples(capsys) -> None:
+    with pytest.raises(SystemExit):
+        hyperqwen_bench("ab", "--help")
+    text = capsys.readouterr().out
+    assert "--phase stock" in text and "--synthetic-acceptance" in text and "Exit codes" in text
