@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 from hyperqwen import bench, docs, doctor, patches, synth
+from hyperqwen.drafter import cli as drafter_cli
 from hyperqwen.gpu import REQUIREMENT, NoGpu, list_gpus
 from hyperqwen.launch import build_launch, effective_config_lines, redact_argv
+from hyperqwen.prepare import cli as prepare_cli
 from hyperqwen.settings import MODES, SettingsError, load_settings, resolve_api_key
 
 EXIT_BAD_SETTINGS = 2
@@ -166,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     patches.add_subcommand(sub)
     synth.add_subcommand(sub)
+    prepare_cli.add_subcommand(sub)
+    drafter_cli.add_subcommand(sub)
     bench.add_subcommand(sub)
     return parser
 
