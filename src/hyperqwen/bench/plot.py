@@ -38,8 +38,8 @@ def _decode_series(rows: Sequence[Row], key: str) -> Series:
     return series
 
 
-def write_plot(path: Path, rows: Sequence[Row], title: str) -> None:
-    # Imported here: matplotlib is slow to import, and only the plot needs it.
+def load_pyplot():
+    """matplotlib's pyplot on the file-only backend; imported on use, it is slow to import."""
     try:
         import matplotlib
     except ImportError:
@@ -47,9 +47,15 @@ def write_plot(path: Path, rows: Sequence[Row], title: str) -> None:
             "matplotlib is not installed, so no PNG was drawn (the JSON has every number): "
             ".venv/bin/pip install matplotlib"
         ) from None
-
     matplotlib.use("Agg")
-    from matplotlib import pyplot, ticker
+    from matplotlib import pyplot
+
+    return pyplot
+
+
+def write_plot(path: Path, rows: Sequence[Row], title: str) -> None:
+    pyplot = load_pyplot()
+    from matplotlib import ticker
 
     figure, (per_stream, total, prefill) = pyplot.subplots(1, 3, figsize=(15, 4.5))
     cohorts = sorted({row.C for row in rows if row.data != "prefill"})

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hyperqwen.bench.plot import PlotUnavailable
+from hyperqwen.bench.plot import load_pyplot
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 RESULTS_DIR = REPO_ROOT / "docs" / "results"
@@ -229,15 +229,7 @@ def publish(result: Path, name: str, results_dir: Path) -> Path:
 
 def write_ratio_plot(path: Path, rows: Sequence[ComparisonRow], title: str) -> None:
     """A bar per row: patched / stock, with the line at 1.0 (no change)."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise PlotUnavailable(
-            "matplotlib is not installed, so no PNG was drawn (the JSON has every number): "
-            ".venv/bin/pip install matplotlib"
-        ) from None
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
+    pyplot = load_pyplot()
 
     shown = [row for row in rows if row.ratio is not None]
     figure, axis = pyplot.subplots(figsize=(9, 0.4 * len(shown) + 1.5))
