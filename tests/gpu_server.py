@@ -6,7 +6,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -82,12 +81,6 @@ def with_vllm_first(parent: Path) -> dict[str, str]:
     """This environment with `parent` (holding a vllm/ package) first on PYTHONPATH."""
     path = os.pathsep.join(filter(None, [str(parent), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from local_server import serving
 
 from hyperqwen.settings import PINNED_VLLM
 
@@ -111,7 +112,7 @@ def _drive(patched_parent: str, pristine_vllm: str, checkpoint: str) -> dict:
     report["cli"] = _cli_checks()
     report["sentinel"] = _sentinel_checks()
     app = _serving_app(checkpoint)
-    with _serving(app) as port:
+    with serving(app, log_level="critical") as port:
         report["routes"] = _route_matrix(app, port)
         report["spellings"] = {
             target: [_call(port, "GET", target)[0], _call(port, "GET", target, _keyed())[0]]
@@ -235,40 +236,6 @@ def _add_streaming_test_routes(app) -> None:
         tokens = [chunk({"choices": [{"index": 0, "delta": {"content": t}}]}) for t in "abc"]
         usage = chunk({"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens": 1}})
         return event_stream(0.3, tokens[0], 0.12, *tokens[1:], usage, "data: [DONE]\n\n")
-
-
-class _serving:
-    """uvicorn serving `app` on a free local port in a thread, as `vllm serve` does."""
-
-    def __init__(self, app) -> None:
-        import socket
-
-        import uvicorn
-
-        self.socket = socket.socket()
-        self.socket.bind(("127.0.0.1", 0))
-        # vLLM's lifespan only schedules engine stats logging: there is no engine here.
-        config = uvicorn.Config(app, log_level="critical", lifespan="off")
-        self.server = uvicorn.Server(config)
-
-    def __enter__(self) -> int:
-        import threading
-        import time
-
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True
-        )
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start within 60 s")
-            time.sleep(0.02)
-        return self.socket.getsockname()[1]
-
-    def __exit__(self, *exc_info) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 def _keyed(headers: dict | None = None) -> dict:
@@ -660,7 +627,7 @@ def _app_for(*argv: str):
 
 def _root_path_checks() -> dict:
     app = _app_for("--api-key", KEY, "--root-path", "/api")
-    with _serving(app) as port:
+    with serving(app, log_level="critical") as port:
         return {
             target: _call(port, "GET", target)[0]
             for target in ("/api/version", "/api/", "/version", "/api/v1/models", "/api", "/apiv1")
@@ -673,7 +640,7 @@ def _env_key_checks() -> dict:
         app = _app_for()
     finally:
         del os.environ["VLLM_API_KEY"]
-    with _serving(app) as port:
+    with serving(app, log_level="critical") as port:
         keyed = {"Authorization": "Bearer from-the-environment"}
         return {
             "metrics": _call(port, "GET", "/metrics")[0],

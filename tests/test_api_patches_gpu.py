@@ -35,13 +35,13 @@ from pathlib import Path
 import pytest
 from gpu_server import (
     TRITON_GDN,
-    free_port,
     log_dir,
     patched_vllm_parent,
     require_gpu,
     running_server,
     with_vllm_first,
 )
+from local_server import free_port
 
 pytestmark = pytest.mark.gpu
 

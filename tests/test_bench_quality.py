@@ -12,18 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import socket
 import sysconfig
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
+from local_server import serving
 
 from hyperqwen.bench.quality import add_quality_subcommands, compare_documents
 from hyperqwen.bench.quality_gsm8k import extract_answer, reference_answer
@@ -85,20 +82,8 @@ def build_app(replies: dict[str, str]) -> FastAPI:
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[dict[str, str], str]]:
     replies: dict[str, str] = {}
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(build_app(replies), log_level="warning", lifespan="off")
-    runner = uvicorn.Server(config)
-    thread = threading.Thread(target=runner.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not runner.started:
-        assert time.monotonic() < deadline, "the fake server did not start"
-        time.sleep(0.02)
-    yield replies, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    runner.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with serving(build_app(replies)) as port:
+        yield replies, f"http://127.0.0.1:{port}"
 
 
 def bench(*argv: str) -> int:

@@ -19,8 +19,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
-import time
 import types
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -28,9 +26,9 @@ from pathlib import Path
 
 import prometheus_client
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from local_server import serving
 
 from hyperqwen.bench import add_subcommand
 from hyperqwen.bench.rows import Row, parse_row
@@ -189,21 +187,8 @@ def build_app(fake: FakeVllm) -> FastAPI:
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[FakeVllm, int]]:
     fake = FakeVllm()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(fake), log_level="warning", lifespan="off")
-    runner = uvicorn.Server(config)
-    thread = threading.Thread(target=runner.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not runner.started:
-        assert time.monotonic() < deadline, "the fake server did not start"
-        time.sleep(0.02)
-    yield fake, port
-    runner.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with serving(build_app(fake)) as port:
+        yield fake, port
 
 
 def bench(*argv: str) -> int:

@@ -9,15 +9,13 @@ import contextlib
 import io
 import json
 import re
-import socket
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the string annotations
 from fastapi.responses import JSONResponse
+from local_server import free_port, serving
 from test_prepare_common import prepare_copy, run_prepare, tiny_base_dir
 
 from hyperqwen.checkpoint.tokenizer import SPECIAL_TOKEN_IDS, TOKENIZER_SIZE
@@ -96,12 +94,6 @@ def test_sharegpt_builder_tokenizes_real_assistant_text(tmp_path):
 # --- recount against a real server ---------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _generated(messages: list[dict], max_tokens: int) -> list[int]:
     """What the test server 'generates': ids derived from the prompt, deterministically."""
     text = messages[-1]["content"]
@@ -149,21 +141,9 @@ def _openai_app(requests_seen: list[dict]) -> FastAPI:
 
 @pytest.fixture(scope="module")
 def server():
-    import uvicorn
-
     seen: list[dict] = []
-    port = _free_port()
-    config = uvicorn.Config(_openai_app(seen), host="127.0.0.1", port=port, log_level="warning")
-    running = uvicorn.Server(config)
-    thread = threading.Thread(target=running.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not running.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", seen
-    running.should_exit = True
-    thread.join(timeout=10)
+    with serving(_openai_app(seen)) as port:
+        yield f"http://127.0.0.1:{port}", seen
 
 
 @pytest.fixture
@@ -214,7 +194,7 @@ def test_recount_says_what_is_wrong_with_the_server(server, prompts, tmp_path):
     out = tmp_path / "ranking.txt"
     code, _, err = drafter("recount", "--prompts", str(prompts), "--out", str(out), "--url", url)
     assert code == 2 and "wants an API key: set VLLM_API_KEY or --api-key" in err
-    closed = f"http://127.0.0.1:{_free_port()}"
+    closed = f"http://127.0.0.1:{free_port()}"
     code, _, err = drafter("recount", "--prompts", str(prompts), "--out", str(out), "--url", closed)
     assert code == 2 and f"no server answers at {closed}" in err
     assert not out.exists()

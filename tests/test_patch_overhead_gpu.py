@@ -17,7 +17,6 @@ import sys
 import pytest
 from gpu_server import (
     TRITON_GDN,
-    free_port,
     log_dir,
     patched_vllm_parent,
     require_gpu,
@@ -25,6 +24,7 @@ from gpu_server import (
     stock_vllm_parent,
     with_vllm_first,
 )
+from local_server import free_port
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize

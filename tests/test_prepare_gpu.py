@@ -17,13 +17,13 @@ import pytest
 import requests
 from gpu_server import (
     TRITON_GDN,
-    free_port,
     log_dir,
     patched_vllm_parent,
     require_gpu,
     running_server,
     with_vllm_first,
 )
+from local_server import free_port
 from test_prepare_common import ROOT, run_prepare
 
 from hyperqwen.checkpoint.geometry import PRESETS

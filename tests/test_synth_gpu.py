@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from gpu_server import TRITON_GDN, free_port, running_server
+from gpu_server import TRITON_GDN, running_server
+from local_server import free_port
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize

@@ -1,0 +1,41 @@
+"""A real HTTP server for CPU tests: uvicorn serving an ASGI app in a thread on a free port."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (for servers started by port number)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(app, log_level: str = "warning", start_timeout_s: float = 60) -> Iterator[int]:
+    """Serve `app` on 127.0.0.1 and yield its port; stop the server on exit."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    # No lifespan: the test apps need no startup hooks, and vLLM's only schedules engine stats
+    # logging, with no engine here.
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"uvicorn did not start within {start_timeout_s:g} s")
+        time.sleep(0.02)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
