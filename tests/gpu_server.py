@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -140,3 +141,31 @@ def chat(base: str, model: str, key: str | None = None, max_tokens: int = 16) ->
     )
     assert response.status_code == 200, response.text
     return response.json()
+
+
+def bench_serve(
+    base: str,
+    model: str,
+    tokenizer: Path,
+    env: dict[str, str],
+    result: Path,
+    *,
+    concurrency: int,
+    prompts: int,
+    input_len: int = 128,
+    output_len: int = 128,
+) -> dict:
+    """`vllm bench serve` (random token prompts, EOS ignored) against `base`; its result JSON.
+    `concurrency` warm-up requests go first, unmeasured: a server's first requests of a batch
+    shape compile Triton kernels, which would be counted against whichever side runs first."""
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+        "--backend", "vllm", "--base-url", base, "--model", model, "--tokenizer", str(tokenizer),
+        "--dataset-name", "random", "--random-input-len", str(input_len),
+        "--random-output-len", str(output_len), "--ignore-eos", "--num-prompts", str(prompts),
+        "--max-concurrency", str(concurrency), "--num-warmups", str(concurrency),
+        "--seed", "0", "--save-result",
+        "--result-dir", str(result.parent), "--result-filename", result.name,
+    ]  # fmt: skip
+    subprocess.run(command, env=env, check=True, capture_output=True, timeout=600)
+    return json.loads(result.read_text())

@@ -28,12 +28,13 @@ from test_prepare_common import (
 )
 
 from hyperqwen.checkpoint import layout, shards, w4a16
-from hyperqwen.checkpoint.synthesize import initial_value
+from hyperqwen.checkpoint.synthesize import initial_value, synthesize
 from hyperqwen.checkpoint.tokenizer import SPECIAL_TOKEN_IDS
 from hyperqwen.doctor import PREPARED_MARKER
 from hyperqwen.drafter.vocab import DEFAULT_RANKING, cut, read_ranking
 from hyperqwen.prepare import folder
 from hyperqwen.prepare.tensors import MTP_TARGET
+from hyperqwen.synth import prepared_quantization_edit
 
 EMBED = "model.language_model.embed_tokens"
 MTP_LINEARS = [
@@ -399,3 +400,19 @@ def test_regex_ignore_entries_naming_a_target_are_expanded_to_what_else_they_nam
     assert r"re:^mtp\..*" not in ignore and "re:.*lm_head" not in ignore
     assert "mtp.layers.0.input_layernorm" in ignore  # what else the regex named stays ignored
     assert "model.language_model.layers.0.linear_attn.in_proj_b" in ignore
+
+
+def test_synth_prepared_config_is_the_config_prepare_writes(prepared, tmp_path):
+    """`synth --config-only --prepared` (speed runs with dummy weights) must describe exactly
+    the checkpoint prepare makes, or its measurements would be of another model."""
+    config_only = synthesize(
+        tmp_path / "config-only",
+        GEOMETRY,
+        config_only=True,
+        progress=False,
+        edit_quantization=prepared_quantization_edit(GEOMETRY),
+    ).directory
+    written = json.loads((config_only / "config.json").read_text())
+    assert written == json.loads((prepared / "config.json").read_text())
+    plain = synthesize(tmp_path / "plain", GEOMETRY, config_only=True, progress=False).directory
+    assert json.loads((plain / "config.json").read_text()) != written

@@ -1,22 +1,33 @@
-"""A prepared checkpoint served by the patched vLLM on a GPU, with MTP speculative decoding: the
-int8 lm_head, embedding and MTP head load into vLLM's real kernels (Machete/Marlin, the Triton
-embedding gather) and the server answers, drafting with the int8 MTP head.
+"""Prepared checkpoints in the patched vLLM on a GPU.
 
-Run on the GPU host: `pytest -m gpu tests/test_prepare_gpu.py` (logs in $HYPERQWEN_TEST_LOGS).
+1. The tiny synthetic checkpoint, prepared (int8 lm_head, embedding and MTP head), loads from
+   files into vLLM's real kernels and drafts with its int8 MTP head; against the unprepared
+   checkpoint served with the same flags, teacher-forced log-probabilities stay within
+   LOGPROB_TOLERANCE and greedy continuations are the same tokens up to the first near tie.
+2. The 27B geometry with the prepared quantization config (`synth --config-only --prepared`,
+   dummy weights) against the unprepared one: weight memory saved (asserted against the
+   arithmetic of the format) and C1 decode speed (recorded, not asserted: speed belongs in
+   benchmarks).
+
+Run on the GPU host: `pytest -m gpu tests/test_prepare_gpu.py`; summaries and server logs go to
+$HYPERQWEN_TEST_LOGS (prepare-tiny-summary.json, prepare-27b-summary.json).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import requests
 from gpu_server import (
     TRITON_GDN,
+    bench_serve,
     log_dir,
     patched_vllm_parent,
     require_gpu,
@@ -24,64 +35,202 @@ from gpu_server import (
     with_vllm_first,
 )
 from local_server import free_port
-from test_prepare_common import ROOT, run_prepare
+from test_prepare_common import run_prepare
 
+from hyperqwen.bench.ab import weight_gib
+from hyperqwen.checkpoint import layout
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
-from hyperqwen.patches import PatchState, apply_series, check_series, load_series
+from hyperqwen.checkpoint.w4a16 import GROUP_SIZE
+from hyperqwen.synth import prepared_quantization_edit
 
 pytestmark = pytest.mark.gpu
-PATCH = "embed-quant.patch"
+
+PROMPTS = (
+    "The history of the printing press begins",
+    "def fibonacci(n):\n    ",
+    "Translate to French: the cat sleeps on the warm windowsill.",
+)
+GREEDY_TOKENS = 12
+# int8 g128 round trip of lm_head and the embedding is ~0.7 % relative error per weight; on the
+# tiny model's logits (std ~0.3 with its 0.02-std random weights) that moves a log-probability
+# by a few thousandths. 0.05 nats is ten times that and far below what a wrong dequantization
+# (scales misread, rows swapped) does to a near-uniform 248k-way distribution.
+LOGPROB_TOLERANCE = 0.05
+# A greedy step whose top two candidates are closer than this may flip under the tolerance
+# above; the comparison of continuations stops there.
+NEAR_TIE = 2 * LOGPROB_TOLERANCE
 
 
-def _with_embed_quant(parent, tmp_path):
-    """The patched tree, with embed-quant.patch on top while the series does not list it yet."""
-    series_dir = tmp_path / "embed-quant-series"
-    series_dir.mkdir()
-    shutil.copy(ROOT / "patches" / PATCH, series_dir / PATCH)
-    (series_dir / "series").write_text(PATCH + "\n")
-    series = load_series(series_dir)
-    if check_series(series, parent / "vllm")[0].state != PatchState.APPLIED:
-        apply_series(series, parent / "vllm")
-    return parent
-
-
-def test_vllm_serves_a_prepared_checkpoint_with_int8_head_embedding_and_mtp(
-    tmp_path, tmp_path_factory
-):
-    require_gpu()
-    parent = _with_embed_quant(patched_vllm_parent(tmp_path_factory), tmp_path)
-    model = tmp_path / "tiny"
-    synthesize(model, PRESETS["tiny"], progress=False)
-    code, out, err = run_prepare(str(model), "--quiet")
-    assert code == 0, err + out
-    port = free_port()
-    command = [
+def _tiny_server(model: Path, port: int) -> list[str]:
+    return [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
         "--language-model-only", "--enforce-eager", "--max-model-len", "2048",
-        "--gpu-memory-utilization", "0.2",
+        "--gpu-memory-utilization", "0.2", "--seed", "0",
         "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2}),
         *shlex.split(TRITON_GDN),
     ]  # fmt: skip
-    log = log_dir(tmp_path) / "prepare_gpu_vllm.log"
-    with running_server(command, f"http://127.0.0.1:{port}", log, with_vllm_first(parent)) as base:
-        response = requests.post(
-            f"{base}/v1/chat/completions",
-            json={
-                "model": "tiny",
-                "messages": [{"role": "user", "content": "Count to ten."}],
-                "max_tokens": 32,
-                "min_tokens": 32,
-                "temperature": 0,
-                "chat_template_kwargs": {"enable_thinking": False},
-            },
-            timeout=120,
-        )
-        metrics = requests.get(f"{base}/metrics", timeout=30).text
+
+
+def _complete(base: str, prompt: str, **extra) -> dict:
+    response = requests.post(
+        f"{base}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "temperature": 0, **extra},
+        timeout=120,
+    )
     assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] == 32
+    return response.json()["choices"][0]
+
+
+def _observe(base: str) -> dict:
+    """Per prompt: the prompt tokens' log-probabilities (teacher-forced) and a greedy
+    continuation with each step's top-2 margin; plus the server's draft counter."""
+    observed = {}
+    for prompt in PROMPTS:
+        scored = _complete(base, prompt, max_tokens=1, prompt_logprobs=0)
+        prompt_logprobs = [
+            None if entry is None else next(iter(entry.values()))["logprob"]
+            for entry in scored["prompt_logprobs"]
+        ]
+        greedy = _complete(
+            base,
+            prompt,
+            max_tokens=GREEDY_TOKENS,
+            min_tokens=GREEDY_TOKENS,
+            logprobs=2,
+            return_token_ids=True,
+        )
+        margins = [
+            sorted(top.values(), reverse=True)[0] - sorted(top.values(), reverse=True)[1]
+            if len(top) > 1
+            else 0.0  # one entry: both candidates decode alike, a tie for all we know
+            for top in greedy["logprobs"]["top_logprobs"]
+        ]
+        observed[prompt] = {
+            "prompt_logprobs": prompt_logprobs,
+            "greedy_ids": greedy["token_ids"],
+            "margins": margins,
+        }
+    metrics = requests.get(f"{base}/metrics", timeout=30).text
     drafted = re.search(
         r"^vllm:spec_decode_num_draft_tokens_total\{[^}]*\} ([\d.e+]+)", metrics, re.M
     )
-    assert drafted and float(drafted.group(1)) > 0, "the MTP head drafted nothing"
+    return {"prompts": observed, "drafted": float(drafted.group(1)) if drafted else 0.0}
+
+
+def _agreeing_prefix(reference: dict, candidate: dict) -> tuple[int, bool]:
+    """(tokens equal before the first difference, whether that difference is at a near tie)."""
+    for index, (want, got) in enumerate(
+        zip(reference["greedy_ids"], candidate["greedy_ids"], strict=True)
+    ):
+        if want != got:
+            return index, reference["margins"][index] < NEAR_TIE
+    return len(reference["greedy_ids"]), True
+
+
+def test_prepared_tiny_checkpoint_matches_the_unprepared_one(tmp_path, tmp_path_factory):
+    require_gpu()
+    logs = log_dir(tmp_path)
+    env = with_vllm_first(patched_vllm_parent(tmp_path_factory))
+    base_model = synthesize(tmp_path / "tiny", PRESETS["tiny"], progress=False).directory
+    prepared_model = tmp_path / "tiny-prepared"
+    shutil.copytree(base_model, prepared_model)
+    code, out, err = run_prepare(str(prepared_model), "--quiet")
+    assert code == 0, err + out
+
+    results = {}
+    for name, model in (("unprepared", base_model), ("prepared", prepared_model)):
+        port = free_port()
+        log = logs / f"prepare-tiny-{name}-server.log"
+        with running_server(_tiny_server(model, port), f"http://127.0.0.1:{port}", log, env) as url:
+            results[name] = _observe(url)
+
+    summary = {"drafted": {name: result["drafted"] for name, result in results.items()}}
+    for prompt in PROMPTS:
+        reference, candidate = (results[name]["prompts"][prompt] for name in results)
+        differences = [
+            abs(a - b)
+            for a, b in zip(reference["prompt_logprobs"], candidate["prompt_logprobs"], strict=True)
+            if a is not None
+        ]
+        agreed, at_near_tie = _agreeing_prefix(reference, candidate)
+        summary[prompt] = {
+            "max_abs_logprob_difference": max(differences),
+            "mean_abs_logprob_difference": sum(differences) / len(differences),
+            "greedy_tokens_equal": agreed,
+            "first_difference_at_near_tie": at_near_tie,
+            "unprepared_margins": reference["margins"],
+        }
+    (logs / "prepare-tiny-summary.json").write_text(json.dumps(summary, indent=1))
+
+    assert results["prepared"]["drafted"] > 0, "the int8 MTP head drafted nothing"
+    for prompt in PROMPTS:
+        row = summary[prompt]
+        assert row["max_abs_logprob_difference"] <= LOGPROB_TOLERANCE, (prompt, row)
+        assert row["first_difference_at_near_tie"], (prompt, row)
+    # The int8 weights are really in use: the numbers moved (bf16 -> int8 is not lossless).
+    assert any(summary[prompt]["max_abs_logprob_difference"] > 0 for prompt in PROMPTS)
+
+
+def _int8_saving_gib(geometry, modules: set[str]) -> float:
+    """bf16 -> int8 g128 (one bf16 scale per group): bytes saved over `modules`, in GiB."""
+    saved = 0.0
+    for spec in layout.checkpoint_layout(geometry):
+        if spec.module in modules:
+            saved += math.prod(spec.shape) * (2 - 1 - 2 / GROUP_SIZE)
+    return saved / 2**30
+
+
+def test_prepared_27b_config_saves_weight_memory(tmp_path, tmp_path_factory):
+    require_gpu()
+    logs = log_dir(tmp_path)
+    env = with_vllm_first(patched_vllm_parent(tmp_path_factory))
+    geometry = PRESETS["27b"]
+    models = {
+        "unprepared": synthesize(
+            tmp_path / "q27", geometry, config_only=True, progress=False
+        ).directory,
+        "prepared": synthesize(
+            tmp_path / "q27-prepared",
+            geometry,
+            config_only=True,
+            progress=False,
+            edit_quantization=prepared_quantization_edit(geometry),
+        ).directory,
+    }
+    measured = {}
+    for name, model in models.items():
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        log = logs / f"prepare-27b-{name}-server.log"
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+            "--served-model-name", "q27", "--host", "127.0.0.1", "--port", str(port),
+            "--load-format", "dummy", "--language-model-only", "--max-model-len", "8192",
+            "--gpu-memory-utilization", "0.85",
+            # C1 is all that is measured: 8 slots keep CUDA-graph capture short.
+            "--max-num-seqs", "8", *shlex.split(TRITON_GDN),
+        ]  # fmt: skip
+        with running_server(command, base, log, env):
+            result = bench_serve(
+                base, "q27", model, env, logs / f"prepare-27b-{name}-c1.json",
+                concurrency=1, prompts=8, input_len=128, output_len=512,
+            )  # fmt: skip
+        measured[name] = {
+            "weights_gib": weight_gib(log.read_text()),
+            "c1_output_tok_s": result["output_throughput"],
+            "c1_mean_tpot_ms": result["mean_tpot_ms"],
+        }
+    # Without a speculative config vLLM builds no MTP module: lm_head and embedding only.
+    expected = _int8_saving_gib(geometry, {"lm_head", f"{layout.DECODER_PREFIX}.embed_tokens"})
+    saved = measured["unprepared"]["weights_gib"] - measured["prepared"]["weights_gib"]
+    summary = {
+        **measured,
+        "weights_saved_gib": saved,
+        "weights_saved_expected_gib": expected,
+        "c1_decode_ratio": measured["prepared"]["c1_output_tok_s"]
+        / measured["unprepared"]["c1_output_tok_s"],
+    }
+    (logs / "prepare-27b-summary.json").write_text(json.dumps(summary, indent=1))
+    assert saved == pytest.approx(expected, rel=0.1), summary

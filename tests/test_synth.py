@@ -365,3 +365,9 @@ def test_27b_layout_is_what_vllm_builds_for_the_27b_config(vllm_cpu, shape_27b):
         corrupt = "model.language_model.layers.0.mlp.down_proj.weight_packed"
         with pytest.raises(AssertionError):  # vLLM's parameter loader checks every shape
             model.load_weights(_zero_stride_weights(specs, corrupt=corrupt))
+
+
+def test_prepared_needs_config_only(tmp_path):
+    code, _, err = run_cli(str(tmp_path / "m"), "--prepared")
+    assert code == 2 and "--prepared needs --config-only" in err and "hyperqwen prepare" in err
+    assert not (tmp_path / "m").exists()

@@ -47,6 +47,8 @@ examples:
   hyperqwen synth /tmp/qwen-27b-shape --preset 27b --config-only
   vllm serve /tmp/qwen-27b-shape --load-format dummy --language-model-only
 
+  hyperqwen synth /tmp/qwen-27b-prepared --preset 27b --config-only --prepared
+
   hyperqwen synth /tmp/qwen-wide --preset tiny --set hidden_size=512 --set num_hidden_layers=8
 """
     )
@@ -91,6 +93,14 @@ def add_subcommand(subparsers) -> None:
         "(for `vllm serve --load-format dummy`)",
     )
     parser.add_argument(
+        "--prepared",
+        action="store_true",
+        help="with --config-only: write the quantization config `hyperqwen prepare` leaves "
+        "(int8 lm_head, embed_tokens and MTP linears), to measure a prepared model with "
+        "--load-format dummy (serve it with the patched vLLM: stock cannot load the int8 "
+        "embedding)",
+    )
+    parser.add_argument(
         "--seed", type=int, default=0, help="random seed; same seed, same weights [0]"
     )
     parser.add_argument(
@@ -114,11 +124,29 @@ def _size(num_bytes: float) -> str:
     return f"{num_bytes:.1f} TB"
 
 
+def prepared_quantization_edit(geometry):
+    """The quantization config edit of `hyperqwen prepare`'s tensor steps at their defaults."""
+    from hyperqwen.prepare.marker import Options
+    from hyperqwen.prepare.tensors import INT8, prepared_quantization
+
+    step_bits = {"lm_head": INT8, "embed": INT8, "mtp": Options().mtp_bits}
+    return lambda quantization, specs: prepared_quantization(
+        quantization, geometry, step_bits, [spec.name for spec in specs]
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from hyperqwen.checkpoint.geometry import PRESETS, GeometryError
     from hyperqwen.checkpoint.synthesize import synthesize
     from hyperqwen.checkpoint.w4a16 import FormatError
 
+    if args.prepared and not args.config_only:
+        print(
+            "hyperqwen synth: error: --prepared needs --config-only (for a checkpoint with "
+            "weights, run `hyperqwen prepare OUT_DIR` on it instead)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         geometry = PRESETS[args.preset].with_overrides(args.overrides)
         result = synthesize(
@@ -128,11 +156,14 @@ def run(args: argparse.Namespace) -> int:
             config_only=args.config_only,
             max_shard_bytes=args.max_shard_size,
             force=args.force,
+            edit_quantization=prepared_quantization_edit(geometry) if args.prepared else None,
         )
     except (GeometryError, FormatError, FileExistsError) as error:
         print(f"hyperqwen synth: error: {error}", file=sys.stderr)
         return 2
     kind = "config + tokenizer only" if args.config_only else "W4A16 weights"
+    if args.prepared:
+        kind += ", prepared quantization config"
     print(
         f"wrote {result.directory} ({args.preset}, {result.parameters / 1e9:.2f} B parameters, "
         f"{kind})"

@@ -9,6 +9,7 @@ about twice the largest shard (safetensors serializes a shard in memory), whatev
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 from collections.abc import Callable
@@ -115,8 +116,12 @@ def synthesize(
     max_shard_bytes: int = shards.parse_size(shards.DEFAULT_MAX_SHARD_SIZE),
     force: bool = False,
     progress: bool = True,
+    edit_quantization: Callable[[dict, list[WeightSpec]], dict] | None = None,
 ) -> SynthesisResult:
-    """Write config, tokenizer and (unless `config_only`) weights to `out_dir`, atomically."""
+    """Write config, tokenizer and (unless `config_only`) weights to `out_dir`, atomically.
+
+    `edit_quantization(quantization_config, specs)` rewrites config.json's quantization config
+    before the folder is renamed into place (the weights, if any, must match what it says)."""
     from tqdm import tqdm
 
     started = time.monotonic()
@@ -124,6 +129,11 @@ def synthesize(
     with shards.atomic_directory(out_dir, force=force) as staging:
         config_json.write_config(staging, geometry)
         w4a16.write_quantization_config(staging, layout.unquantized_modules(specs))
+        if edit_quantization is not None:
+            config_path = staging / "config.json"
+            config = json.loads(config_path.read_text())
+            config["quantization_config"] = edit_quantization(config["quantization_config"], specs)
+            config_path.write_text(json.dumps(config, indent=2) + "\n")
         config_json.write_generation_config(staging)
         tokenizer.write_tokenizer_files(staging, geometry.max_position_embeddings)
         if not config_only:

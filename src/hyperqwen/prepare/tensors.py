@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from hyperqwen.checkpoint import layout, shards, w4a16
+from hyperqwen.checkpoint.geometry import Geometry
 from hyperqwen.checkpoint.layout import DECODER_PREFIX, MTP_PREFIX, Kind
 from hyperqwen.prepare import folder
 from hyperqwen.prepare.validate import Base
@@ -62,13 +63,13 @@ MTP_TARGET = (
 )
 
 
-def quant_steps(base: Base) -> dict[str, QuantStep]:
+def quant_steps(geometry: Geometry) -> dict[str, QuantStep]:
     """The three tensor steps. lm_head and embed_tokens are targeted by regex so both the main
     model (`language_model.lm_head`, `language_model.model.embed_tokens` in vLLM) and the MTP
     draft model (`lm_head`, `mtp.embed_tokens`) match; the MTP linears by MTP_TARGET."""
     mtp_linears = tuple(
         spec.module
-        for spec in layout.checkpoint_layout(base.geometry)
+        for spec in layout.checkpoint_layout(geometry)
         if spec.kind is Kind.LINEAR and spec.name.startswith(f"{MTP_PREFIX}.")
     )
     return {
@@ -143,15 +144,36 @@ def _shard_job(base: Base, shard: str, bits: dict[str, int]) -> ShardJob | None:
     return ShardJob(shard, f"{stem}{SHARD_TAG}{digest}.safetensors", tuple(outputs), in_shard)
 
 
-def _all_modules(base: Base) -> list[str]:
-    names = {name.rpartition(".")[0] for name in base.weight_map}
+def _all_modules(tensor_names: Iterable[str]) -> list[str]:
+    names = {name.rpartition(".")[0] for name in tensor_names}
     return sorted(names | set(layout.vision_linear_modules()))
+
+
+def prepared_quantization(
+    quantization: dict, geometry: Geometry, step_bits: dict[str, int], tensor_names: Iterable[str]
+) -> dict:
+    """config.json's `quantization_config` after the tensor steps in `step_bits` (step name ->
+    bits), for a checkpoint of `geometry` holding `tensor_names`."""
+    steps = quant_steps(geometry)
+    all_modules = _all_modules(tensor_names)
+    for name in ("lm_head", "embed", "mtp"):  # fixed order: the same config for the same steps
+        if name in step_bits and steps[name].modules:  # a model without MTP gets no MTP group
+            step = steps[name]
+            quantization = w4a16.with_int_group(
+                quantization,
+                step.group,
+                step_bits[name],
+                list(step.targets),
+                step.modules,
+                all_modules,
+            )
+    return quantization
 
 
 def plan(base: Base, step_bits: dict[str, int], max_error: float) -> TensorPlan:
     """The new files for the tensor steps in `step_bits` (step name -> bits); an empty dict
     plans the base itself."""
-    steps = quant_steps(base)
+    steps = quant_steps(base.geometry)
     bits = {module: step_bits[name] for name in step_bits for module in steps[name].modules}
     jobs = [
         job for shard in sorted(base.headers) if (job := _shard_job(base, shard, bits)) is not None
@@ -171,18 +193,9 @@ def plan(base: Base, step_bits: dict[str, int], max_error: float) -> TensorPlan:
         for name, dtype, shape in entries:
             weight_map[name] = job.target if job else shard
             total_size += math.prod(shape) * shards.DTYPE_SIZES[dtype]
-    quantization = base.config["quantization_config"]
-    for name in ("lm_head", "embed", "mtp"):  # fixed order: the same config for the same steps
-        if name in step_bits and steps[name].modules:  # a model without MTP gets no MTP group
-            step = steps[name]
-            quantization = w4a16.with_int_group(
-                quantization,
-                step.group,
-                step_bits[name],
-                list(step.targets),
-                step.modules,
-                _all_modules(base),
-            )
+    quantization = prepared_quantization(
+        base.config["quantization_config"], base.geometry, step_bits, base.weight_map
+    )
     config = {**base.config, "quantization_config": quantization}
     return TensorPlan(
         config_text=json.dumps(config, indent=2) + "\n",
