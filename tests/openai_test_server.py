@@ -5,7 +5,9 @@ it reads the flags vLLM would (--port, --served-model-name, --max-model-len,
 --speculative-config) and ignores the others, then behaves as configured for SIDE in FILE
 ({"stock": {...}, "patched": {...}}: startup_s, weight_gib, prefill_ms, step_ms). It sleeps
 startup_s before listening, logs vLLM's "Model loading took X GiB" line, and streams
-/v1/completions with one verify step every step_ms. Each step makes one token plus the
+/v1/completions with one verify step every step_ms. For the quality battery it tokenizes one
+token per character (id = code point) at /tokenize and answers non-streamed prompt_logprobs
+requests with prompt_logprob (from the config) for every token. Each step makes one token plus the
 drafts accepted: with synthetic_acceptance_rates r the mean is 1 + sum(r), as vLLM's synthetic
 rejection sampler, spread evenly (no randomness); the spec-decode counters count them.
 """
@@ -21,7 +23,7 @@ from collections.abc import AsyncIterator
 import prometheus_client
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
@@ -69,10 +71,19 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model, "max_model_len": args.max_model_len}]}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        tokens = [ord(char) for char in (await request.json())["prompt"]]
+        return {"count": len(tokens), "max_model_len": args.max_model_len, "tokens": tokens}
+
     @app.post("/v1/completions")
-    async def completions(request: Request) -> StreamingResponse:
+    async def completions(request: Request) -> Response:
         body = await request.json()
         prompt, max_tokens = body["prompt"], body["max_tokens"]
+        if "prompt_logprobs" in body:
+            logprob = {"logprob": behaviour["prompt_logprob"], "rank": 1}
+            scored = [None] + [{str(token): logprob} for token in prompt[1:]]
+            return JSONResponse({"choices": [{"index": 0, "text": "x", "prompt_logprobs": scored}]})
 
         def chunk(text: str) -> str:
             choice = {"index": 0, "text": text, "finish_reason": None}

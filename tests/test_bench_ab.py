@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shlex
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,8 +31,20 @@ ROOT = Path(__file__).resolve().parents[1]
 TEST_SERVER = ROOT / "tests" / "openai_test_server.py"
 RATES = "0.77,0.55,0.40"
 BEHAVIOUR = {
-    "stock": {"startup_s": 0.2, "weight_gib": 14.0, "prefill_ms": 50, "step_ms": 20},
-    "patched": {"startup_s": 2.0, "weight_gib": 13.0, "prefill_ms": 50, "step_ms": 16},
+    "stock": {
+        "startup_s": 0.2,
+        "weight_gib": 14.0,
+        "prefill_ms": 50,
+        "step_ms": 20,
+        "prompt_logprob": -0.5,
+    },
+    "patched": {
+        "startup_s": 2.0,
+        "weight_gib": 13.0,
+        "prefill_ms": 50,
+        "step_ms": 16,
+        "prompt_logprob": -0.52,
+    },
 }
 VALID = {
     "schema": 1,
@@ -312,6 +325,29 @@ def test_both_phases_in_one_run_without_speculation(comparison, tmp_path, capsys
     assert by_name["c1_decode"].ratio == pytest.approx(20 / 16, rel=0.12)
     assert "c1_tokens_per_step" not in by_name  # neither side speculated
     assert "prefill" not in " ".join(by_name)
+
+
+def test_quality_battery_rows_come_from_each_sides_server(comparison, tmp_path, capsys) -> None:
+    quality = "--ppl-sources stdlib --ppl-windows 2 --window-tokens 64 --skip-ifbench"
+    argv = [*comparison, "--mode", "batch", "--cohorts", "1", "--prefill", "none"]
+    assert hyperqwen_bench(*argv, "--quality=--ppl-windows many") == 2
+    assert "--quality '--ppl-windows many': argument --ppl-windows" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()  # refused before any server started
+
+    assert hyperqwen_bench(*argv, f"--quality={quality}") == 0
+    output = capsys.readouterr().out
+    document, rows = load_result(tmp_path / "work" / "ab-result.json")
+    by_name = {row.name: row for row in rows}
+    # Every token scores the side's fixed logprob: perplexity is exp(-logprob) exactly.
+    for name in ("ppl_stdlib", "ppl_overall"):
+        assert by_name[name] == ComparisonRow(name, "ppl", 1.6487, 1.682, 1.02)
+    assert "QUALITY ppl source=stdlib ppl=1.6487" in output
+    for side in ("stock", "patched"):
+        kept = json.loads((tmp_path / "work" / f"{side}-quality.json").read_text())
+        assert kept == document[side]["quality"]
+        assert kept["perplexity"]["sources"]["stdlib"]["windows"] == 2
+    assert shlex.quote(f"--quality={quality}") in document["command"]
+    assert "c1_decode" in by_name  # the speed rows are still there
 
 
 def test_trees_must_be_what_their_side_says(comparison, vllm_trees, capsys) -> None:

@@ -97,6 +97,13 @@ def test_switches_parse(vllm_serve, mode, values):
     assert args.api_key is None  # the key travels in the environment
 
 
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1", "none"])
+def test_reasoning_parser_knob_names_the_parser_or_leaves_it_out(vllm_serve, parser):
+    argv = build_launch(loaded(REASONING_PARSER=parser), "batch", api_key=None).argv
+    assert ("--reasoning-parser" in argv) is (parser != "none")
+    assert vllm_serve(argv).reasoning_parser == ("" if parser == "none" else parser)  # "": off
+
+
 def test_batch_profile_parses(vllm_serve):
     args = vllm_serve(
         build_launch(

@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hyperqwen.settings import LoadedSettings, Mode, Settings, knobs
+from hyperqwen.settings import NO_REASONING_PARSER, LoadedSettings, Mode, Settings, knobs
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def build_launch(
     if settings.TOOLS == "1":
         flags.append(("--enable-auto-tool-choice", None, "TOOLS"))
         flags.append(("--tool-call-parser", settings.TOOL_PARSER, "TOOL_PARSER"))
-    if settings.REASONING_PARSER:
+    if settings.REASONING_PARSER != NO_REASONING_PARSER:
         flags.append(("--reasoning-parser", settings.REASONING_PARSER, "REASONING_PARSER"))
     flags.append(("--sse-keep-alive-interval", f"{settings.SSE_KEEP_ALIVE:g}", "SSE_KEEP_ALIVE"))
     if settings.REQ_METRICS == "1":

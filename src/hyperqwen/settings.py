@@ -53,6 +53,10 @@ def knob(
     )
 
 
+# REASONING_PARSER value that leaves --reasoning-parser out.
+NO_REASONING_PARSER = "none"
+
+
 class Settings(BaseModel):
     """The effective configuration of one server. Field names are the environment variable names."""
 
@@ -150,7 +154,9 @@ class Settings(BaseModel):
     )
     REASONING_PARSER: str = knob(
         "qwen3",
-        "vLLM reasoning parser that splits <think> text into reasoning_content; empty disables.",
+        "vLLM reasoning parser that splits <think> text into reasoning_content; "
+        f"{NO_REASONING_PARSER!r} leaves it out (models without <think> tokens, whose "
+        "requests the parser refuses).",
         "--reasoning-parser",
     )
     PREFIX_CACHE: Switch = knob(

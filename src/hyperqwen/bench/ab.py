@@ -40,6 +40,15 @@ from hyperqwen.bench.options import (
     build_plan,
 )
 from hyperqwen.bench.plot import PlotUnavailable
+from hyperqwen.bench.quality import (
+    IFBENCH_ACCURACIES,
+    QUALITY_SCHEMA,
+    battery_options,
+    format_summary,
+    parse_battery_options,
+    run_battery,
+)
+from hyperqwen.bench.quality_ppl import QualityClient
 from hyperqwen.bench.results import (
     ComparisonRow,
     add_results_subcommands,
@@ -90,6 +99,7 @@ PLAN_OPTIONS = (
     "synthetic_acceptance",
     "vllm_args",
     "server_command",
+    "quality",
 )
 
 
@@ -110,6 +120,7 @@ class SideResult:
     weight_gib: float | None
     rows: list[Row]
     log: str
+    quality: dict | None = None  # the `bench quality` document, with --quality
 
     @classmethod
     def from_json(cls, values: dict) -> SideResult:
@@ -335,6 +346,9 @@ def run_side(side: str, args: argparse.Namespace, workdir: Path) -> SideResult:
             print(format_row(row), flush=True)
 
         run_bench(client, factory, build_plan(args, max_model_len), keep)
+        quality = (
+            side_quality(side, args, base, model, max_model_len, workdir) if args.quality else None
+        )
     return SideResult(
         side=side,
         vllm_parent=str(parent),
@@ -345,7 +359,33 @@ def run_side(side: str, args: argparse.Namespace, workdir: Path) -> SideResult:
         weight_gib=weight_gib(log.read_text(errors="replace")),
         rows=rows,
         log=str(log),
+        quality=quality,
     )
+
+
+def side_quality(
+    side: str,
+    args: argparse.Namespace,
+    base: str,
+    model: str,
+    max_model_len: int | None,
+    workdir: Path,
+) -> dict:
+    """The quality battery against one side's running server (same options for both)."""
+    options = parse_battery_options(args.quality)
+    out = workdir / f"{side}-quality.json"
+    print(f"   quality battery ({args.quality}) -> {out}", flush=True)
+    document = {
+        "schema": QUALITY_SCHEMA,
+        "date": time.strftime(DATE_FORMAT),
+        "model": model,
+        "options": battery_options(options),
+        "header": {"side": side, "server": base},
+    }
+    client = QualityClient(base, None, args.timeout)
+    run_battery(client, model, max_model_len, options, document, out)
+    print("\n".join(f"   {line}" for line in format_summary(document)), flush=True)
+    return document
 
 
 # --- comparing -------------------------------------------------------------------------------
@@ -366,6 +406,23 @@ def side_figures(side: SideResult) -> dict[str, tuple[str, float | None]]:
         figures[f"{prefix}_tokens_per_step"] = ("tokens", row.tokens_per_step)
     figures["startup_to_healthy"] = ("s", side.startup_s)
     figures["weight_memory"] = ("GiB", side.weight_gib)
+    if side.quality:
+        figures.update(quality_figures(side.quality))
+    return figures
+
+
+def quality_figures(document: dict) -> dict[str, tuple[str, float | None]]:
+    """Row name -> (unit, value) of a `bench quality` document: perplexity per source and
+    overall, IFBench accuracies, GSM8K accuracy, where measured."""
+    figures: dict[str, tuple[str, float | None]] = {}
+    if perplexity := document.get("perplexity"):
+        for name, score in [*perplexity["sources"].items(), ("overall", perplexity["overall"])]:
+            figures[f"ppl_{name}"] = ("ppl", score["ppl"])
+    if ifbench := document.get("ifbench"):
+        for key in IFBENCH_ACCURACIES:
+            figures[f"ifbench_{key}"] = ("acc", ifbench[key])
+    if "accuracy" in (gsm8k := document.get("gsm8k", {})):
+        figures["gsm8k_accuracy"] = ("acc", gsm8k["accuracy"])
     return figures
 
 
@@ -406,6 +463,8 @@ def equivalent_command(plan: dict, stock_parent: str, patched_parent: str) -> st
         command += ["--env-file", plan["env_file"]]
     if plan["server_command"] != DEFAULT_SERVER_COMMAND:
         command += ["--server-command", plan["server_command"]]
+    if plan["quality"]:
+        command.append(f"--quality={plan['quality']}")
     return shlex.join(command)
 
 
@@ -482,6 +541,14 @@ def validate_args(args: argparse.Namespace) -> None:
         server_command(args.server_command, "stock", [], 0)
     except (ValueError, KeyError, IndexError) as error:
         raise ABError(f"--vllm-args or --server-command cannot be read: {error}") from None
+    if args.quality:
+        try:
+            parse_battery_options(args.quality)
+        except ValueError as error:
+            raise ABError(
+                f"--quality {args.quality!r}: {error} (give `hyperqwen bench quality` options, "
+                "e.g. --quality='--ppl-windows 8 --limit 40 --max-tokens 512')"
+            ) from None
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
@@ -548,6 +615,12 @@ A 27B server needs minutes to start; where one command may run only ~10 minutes,
 halves apart with the same options: --phase stock, then --phase patched (the state file
 carries the stock half across).
 
+--quality='OPTIONS' also runs the quality battery (`hyperqwen bench quality`: perplexity,
+IFBench, GSM8K) against each side after its speed rows, with these options; its figures
+become rows (ppl_SOURCE, ppl_overall, ifbench_*, gsm8k_accuracy) and each side's document is
+kept in WORKDIR/SIDE-quality.json. Use a real model for it (SmolLM2: `hyperqwen bench smollm2`),
+not dummy weights.
+
 Examples:
   hyperqwen synth --preset 27b --config-only --out models/synth-27b
   hyperqwen bench ab models/synth-27b --mode single --stock-vllm /opt/vllm-stock \\
@@ -555,6 +628,10 @@ Examples:
       --cohorts 1,4 --input-len 128 --output-len 512 --synthetic-acceptance 0.77,0.55,0.40
   hyperqwen bench ab models/synth-27b --mode batch --cohorts 1,64 --phase stock ...
   hyperqwen bench ab models/synth-27b --mode batch --cohorts 1,64 --phase patched ...
+  hyperqwen bench smollm2 models/smollm2 --dtype bfloat16
+  REASONING_PARSER= TOOLS=0 hyperqwen bench ab models/smollm2 --mode batch --cohorts 1 \
+      --prefill none --vllm-args='--max-model-len 4096' \
+      --quality='--ppl-windows 16 --limit 60 --max-tokens 512' ...
 Exit codes: 0 done, 1 a server failed while measured, 2 bad options, trees or start."""
 
 
@@ -638,6 +715,12 @@ def add_ab_subcommand(actions) -> None:
         metavar="TEMPLATE",
         help="how a server starts: {python} this interpreter, {args} the quoted `serve ...` "
         "arguments, {port}, {side} (stock|patched); default %(default)r",
+    )
+    ab.add_argument(
+        "--quality",
+        metavar="'OPTIONS'",
+        help="also run the quality battery on each side with these `bench quality` options; "
+        "write --quality='--ppl-windows 8 --limit 40'",
     )
     ab.set_defaults(func=cmd_ab, random_tokens=True, shared=False)
     add_results_subcommands(actions)

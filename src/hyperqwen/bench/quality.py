@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -145,6 +146,55 @@ def format_summary(document: dict[str, Any]) -> list[str]:
     return lines
 
 
+def run_battery(
+    client: QualityClient,
+    model: str,
+    max_model_len: int | None,
+    options: argparse.Namespace,
+    document: dict[str, Any],
+    out: Path,
+) -> dict[str, Any]:
+    """Add the battery's parts that `options` select to `document`, writing it to `out` after
+    every part (a run that fails late keeps what it measured). BenchError on failure."""
+    if max_model_len and options.window_tokens >= max_model_len:
+        raise BenchError(
+            f"--window-tokens {options.window_tokens} must be below max_model_len {max_model_len}"
+        )
+    generator = ChatGenerator(client, model, options)
+    steps: list[tuple[str, Callable[[], dict[str, Any]]]] = []
+    if options.ppl_windows:
+        steps.append(
+            (
+                "perplexity",
+                lambda: measure_perplexity(
+                    client,
+                    model,
+                    options.ppl_sources,
+                    options.window_tokens,
+                    options.ppl_windows,
+                    options.concurrency,
+                ),
+            )
+        )
+    if not options.skip_ifbench:
+        steps.append(("ifbench", lambda: run_ifbench(generator, options.limit)))
+    if options.gsm8k:
+        steps.append(("gsm8k", lambda: run_gsm8k(generator, Path(options.gsm8k), options.limit)))
+    else:
+        document["gsm8k"] = {"skipped": f"no parquet given; {quality_gsm8k.GSM8K_HOWTO}"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for name, step in steps:
+        document[name] = step()
+        out.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    out.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    return document
+
+
+def battery_options(options: argparse.Namespace) -> dict[str, Any]:
+    """The options a result records: the battery's own, not where the server or key is."""
+    return {key: value for key, value in vars(options).items() if key not in NOT_OPTIONS}
+
+
 def cmd_quality(args: argparse.Namespace) -> int:
     try:
         loaded = load_settings(env_file=Path(args.env_file) if args.env_file else None)
@@ -157,50 +207,18 @@ def cmd_quality(args: argparse.Namespace) -> int:
     out = Path(args.out or f"bench-results/quality-{time.strftime('%Y%m%d-%H%M%S', started)}.json")
     try:
         model, max_model_len = served_model(client, args.model)
-        if max_model_len and args.window_tokens >= max_model_len:
-            raise BenchError(
-                f"--window-tokens {args.window_tokens} must be below max_model_len {max_model_len}"
-            )
         facts = {"model": f"{model} (max_model_len {max_model_len})", "command": "quality"}
         document: dict[str, Any] = {
             "schema": QUALITY_SCHEMA,
             "date": time.strftime(DATE_FORMAT, started),
             "model": model,
-            "options": {key: value for key, value in vars(args).items() if key not in NOT_OPTIONS},
+            "options": battery_options(args),
             "header": collect_header(client, loaded, api_key, facts),
         }
-        generator = ChatGenerator(client, model, args)
-        steps: list[tuple[str, Callable[[], dict[str, Any]]]] = []
-        if args.ppl_windows:
-            steps.append(
-                (
-                    "perplexity",
-                    lambda: measure_perplexity(
-                        client,
-                        model,
-                        args.ppl_sources,
-                        args.window_tokens,
-                        args.ppl_windows,
-                        args.concurrency,
-                    ),
-                )
-            )
-        if not args.skip_ifbench:
-            steps.append(("ifbench", lambda: run_ifbench(generator, args.limit)))
-        if args.gsm8k:
-            steps.append(("gsm8k", lambda: run_gsm8k(generator, Path(args.gsm8k), args.limit)))
-        else:
-            document["gsm8k"] = {"skipped": f"no parquet given; {quality_gsm8k.GSM8K_HOWTO}"}
-        for name, step in steps:
-            document[name] = step()
-            # Written after every part, so a run that fails late keeps what it measured.
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        run_battery(client, model, max_model_len, args, document, out)
     except BenchError as error:
         print(f"hyperqwen bench quality: {error}", file=sys.stderr)
         return EXIT_FAILED
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     print("\n".join(format_summary(document)), flush=True)
     print(f"wrote {out}", file=sys.stderr)
     return 0
@@ -305,6 +323,67 @@ Example:
 Exit codes: 0 within thresholds, 1 a threshold exceeded, 2 unreadable or not comparable."""
 
 
+def add_battery_options(parser: argparse.ArgumentParser) -> None:
+    """What the battery measures and how; shared by `bench quality` and `bench ab --quality`."""
+    parser.add_argument(
+        "--ppl-sources",
+        metavar="LIST",
+        type=_sources,
+        default=tuple(PPL_SOURCES),
+        help=f"perplexity sources, comma separated (default {','.join(PPL_SOURCES)})",
+    )
+    parser.add_argument(
+        "--window-tokens",
+        metavar="N",
+        type=_positive,
+        default=1024,
+        help="tokens per perplexity window (default 1024)",
+    )
+    parser.add_argument(
+        "--ppl-windows",
+        metavar="N",
+        type=int,
+        default=32,
+        help="windows per perplexity source (default 32; 0 skips perplexity)",
+    )
+    parser.add_argument(
+        "--limit", metavar="N", type=_positive, help="first N IFBench prompts and GSM8K questions"
+    )
+    parser.add_argument("--skip-ifbench", action="store_true", help="do not run IFBench")
+    parser.add_argument("--gsm8k", metavar="PATH", help="GSM8K test parquet (question, answer)")
+    parser.add_argument(
+        "--max-tokens",
+        metavar="N",
+        type=_positive,
+        default=2048,
+        help="answer length cap for IFBench and GSM8K (default 2048)",
+    )
+    parser.add_argument(
+        "--no-thinking",
+        action="store_true",
+        help="send chat_template_kwargs enable_thinking=false (Qwen3 templates: answer directly)",
+    )
+    parser.add_argument(
+        "--concurrency", metavar="N", type=_positive, default=8, help="requests in flight (8)"
+    )
+
+
+def parse_battery_options(text: str) -> argparse.Namespace:
+    """`bench ab --quality` options (a string of `bench quality` flags) as a Namespace;
+    ValueError naming the bad flag."""
+    parser = argparse.ArgumentParser(prog="--quality", add_help=False, exit_on_error=False)
+    add_battery_options(parser)
+    try:
+        options, unknown = parser.parse_known_args(shlex.split(text))
+    except (argparse.ArgumentError, ValueError) as error:
+        raise ValueError(str(error)) from None
+    except SystemExit:  # argparse still exits on some errors; it printed which
+        raise ValueError(f"cannot parse {text!r} (see above)") from None
+    if unknown:
+        raise ValueError(f"not a battery option: {' '.join(unknown)}")
+    return options
+
+
 def add_quality_subcommands(subparsers) -> None:
     """Add `quality`, `compare` and `smollm2` to the subparsers of `hyperqwen bench`."""
     from hyperqwen.bench.smollm2 import add_smollm2_subcommand
@@ -318,47 +397,7 @@ def add_quality_subcommands(subparsers) -> None:
     quality.add_argument("--url", metavar="URL", help="server address (default 127.0.0.1:$PORT)")
     quality.add_argument("--model", metavar="ID", help="model id (default: first in /v1/models)")
     quality.add_argument("--env-file", metavar="FILE", help="read PORT and the API key from here")
-    quality.add_argument(
-        "--ppl-sources",
-        metavar="LIST",
-        type=_sources,
-        default=tuple(PPL_SOURCES),
-        help=f"perplexity sources, comma separated (default {','.join(PPL_SOURCES)})",
-    )
-    quality.add_argument(
-        "--window-tokens",
-        metavar="N",
-        type=_positive,
-        default=1024,
-        help="tokens per perplexity window (default 1024)",
-    )
-    quality.add_argument(
-        "--ppl-windows",
-        metavar="N",
-        type=int,
-        default=32,
-        help="windows per perplexity source (default 32; 0 skips perplexity)",
-    )
-    quality.add_argument(
-        "--limit", metavar="N", type=_positive, help="first N IFBench prompts and GSM8K questions"
-    )
-    quality.add_argument("--skip-ifbench", action="store_true", help="do not run IFBench")
-    quality.add_argument("--gsm8k", metavar="PATH", help="GSM8K test parquet (question, answer)")
-    quality.add_argument(
-        "--max-tokens",
-        metavar="N",
-        type=_positive,
-        default=2048,
-        help="answer length cap for IFBench and GSM8K (default 2048)",
-    )
-    quality.add_argument(
-        "--no-thinking",
-        action="store_true",
-        help="send chat_template_kwargs enable_thinking=false (Qwen3 templates: answer directly)",
-    )
-    quality.add_argument(
-        "--concurrency", metavar="N", type=_positive, default=8, help="requests in flight (8)"
-    )
+    add_battery_options(quality)
     quality.add_argument(
         "--out", metavar="PATH", help="result JSON (default bench-results/quality-DATE-TIME.json)"
     )

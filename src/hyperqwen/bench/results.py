@@ -37,7 +37,7 @@ REQUIRED_FIELDS = {
 ROW_FIELDS = ("name", "unit", "stock", "patched", "ratio")
 # Units where a smaller number is the better one; every other unit is a speed or a count
 # where more is better. The docs say which way each table reads.
-LOWER_IS_BETTER = frozenset({"ms", "s", "GiB"})
+LOWER_IS_BETTER = frozenset({"ms", "s", "GiB", "ppl"})
 RATIO_DECIMALS = 3
 PUBLISH_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 NO_RUNS = "There are no published runs yet."
@@ -49,7 +49,7 @@ DOC_HEADER = f"""\
 Every number here comes from a file in [results/](results/), written by `hyperqwen bench ab`
 and published with `hyperqwen bench publish RESULT.json --name NAME`. Each table compares one
 server of stock vLLM with the HyperQwen build (patched vLLM plus the project's profile) on the
-same GPU, model and workload. Ratio = patched / stock; for tok/s (and tokens) higher is
+same GPU, model and workload. Ratio = patched / stock; for tok/s, tokens and acc higher is
 better, for {", ".join(sorted(LOWER_IS_BETTER))} lower is better; `-`: not measured.
 """
 
