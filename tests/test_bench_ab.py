@@ -17,13 +17,18 @@ import pytest
 from hyperqwen.bench.ab import add_ab_subcommand, profile_serve_argv, with_synthetic_acceptance
 from hyperqwen.bench.results import (
     BENCHMARKS_DOC,
+    HEADLINE_BEGIN,
+    HEADLINE_END,
+    README,
     RESULTS_DIR,
     ComparisonRow,
     ResultFileError,
     load_result,
     ratio,
     render_benchmarks,
+    render_headline,
     validate_result,
+    with_headline,
 )
 from hyperqwen.patches import SERIES_DIR_ENV, _series_names, apply_series, load_series
 
@@ -113,25 +118,31 @@ def test_broken_results_fail_with_the_reason(change, message) -> None:
 # --- publish and the docs --------------------------------------------------------------------
 
 
-def test_the_committed_benchmarks_doc_matches_docs_results() -> None:
+def test_the_committed_benchmarks_doc_and_readme_match_docs_results() -> None:
     assert BENCHMARKS_DOC.read_text(encoding="utf-8") == render_benchmarks(RESULTS_DIR), (
         "docs/benchmarks.md is out of date: run `hyperqwen bench docs`"
+    )
+    readme = README.read_text(encoding="utf-8")
+    assert readme == with_headline(readme, render_headline(RESULTS_DIR), README), (
+        "README.md's headline table is out of date: run `hyperqwen bench docs`"
     )
     if not list(RESULTS_DIR.glob("*.json")):
         assert "no published runs yet" in BENCHMARKS_DOC.read_text().lower()
 
 
 def test_publish_names_the_file_by_date_and_docs_show_every_fact(tmp_path, capsys) -> None:
-    results, doc = tmp_path / "results", tmp_path / "benchmarks.md"
+    results, doc, readme = tmp_path / "results", tmp_path / "benchmarks.md", tmp_path / "README.md"
+    readme.write_text(f"# X\n\n{HEADLINE_BEGIN}\nold table\n{HEADLINE_END}\n\n## Serve\n")
     source = tmp_path / "run" / "ab-result.json"
     source.parent.mkdir()
     source.write_text(json.dumps(VALID))
     source.with_suffix(".png").write_bytes(b"\x89PNG\r\n\x1a\n")
     where = ("--results-dir", str(results))
+    docs = (*where, "--readme", str(readme), "--doc", str(doc))
 
-    assert hyperqwen_bench("docs", *where, "--doc", str(doc)) == 0
+    assert hyperqwen_bench("docs", *docs) == 0
     assert "no published runs yet" in doc.read_text().lower()
-    assert hyperqwen_bench("docs", *where, "--doc", str(doc), "--check") == 0
+    assert hyperqwen_bench("docs", *docs, "--check") == 0
 
     assert hyperqwen_bench("publish", str(source), "--name", "h200-27b", *where) == 0
     published = results / "2026-01-02-h200-27b.json"
@@ -141,19 +152,32 @@ def test_publish_names_the_file_by_date_and_docs_show_every_fact(tmp_path, capsy
     assert "exists already" in capsys.readouterr().err
     assert hyperqwen_bench("publish", str(source), "--name", "Bad Name", *where) == 2
 
-    assert hyperqwen_bench("docs", *where, "--doc", str(doc), "--check") == 1
+    assert hyperqwen_bench("docs", *docs, "--check") == 1
     assert "out of date" in capsys.readouterr().err
-    assert hyperqwen_bench("docs", *where, "--doc", str(doc)) == 0
+    assert hyperqwen_bench("docs", *docs) == 0
     text = doc.read_text()
     for fact in ("gpu", "vllm", "commit", "date", "model", "command"):
         assert VALID[fact] in text
     assert "| c1_decode | tok/s | 40 | 100 | 2.500 |" in text
+    # The README's headline: the headline rows only, with their run, linked to the details.
+    headline = readme.read_text()
+    assert headline.startswith("# X\n\n") and headline.endswith(f"{HEADLINE_END}\n\n## Serve\n")
+    assert "old table" not in headline
+    run = "[2026-01-02-h200-27b](docs/benchmarks.md#2026-01-02-h200-27b)"
+    assert f"| {run} | {VALID['gpu']} | c1_decode | tok/s | 40 | 100 | 2.500 |" in headline
+    assert f"| {run} | {VALID['gpu']} | weight_memory | GiB | 14 | 13 | 0.929 |" in headline
+    assert "c1_tokens_per_step" not in headline
+    assert hyperqwen_bench("docs", *docs, "--check") == 0
+
+    readme.write_text("# X\n")  # the markers gone: refused, nothing written
+    assert hyperqwen_bench("docs", *docs) == 2
+    assert "headline markers are missing" in capsys.readouterr().err
     assert "| c1_tokens_per_step | tokens | - | 2.7 | - |" in text
     assert "no published runs yet" not in text.lower()
     assert "(results/2026-01-02-h200-27b.png)" in text
 
     (results / "2026-01-03-broken.json").write_text(json.dumps({"rows": []}))
-    assert hyperqwen_bench("docs", *where, "--doc", str(doc)) == 2
+    assert hyperqwen_bench("docs", *docs) == 2
     assert "2026-01-03-broken.json lacks gpu" in capsys.readouterr().err
 
 

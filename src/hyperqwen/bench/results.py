@@ -23,6 +23,11 @@ from hyperqwen.bench.plot import load_pyplot
 REPO_ROOT = Path(__file__).resolve().parents[3]
 RESULTS_DIR = REPO_ROOT / "docs" / "results"
 BENCHMARKS_DOC = REPO_ROOT / "docs" / "benchmarks.md"
+README = REPO_ROOT / "README.md"
+# The README's headline table lives between these lines; `hyperqwen bench docs` rewrites it.
+HEADLINE_BEGIN = "<!-- headline: written by `hyperqwen bench docs`; do not edit -->"
+HEADLINE_END = "<!-- /headline -->"
+HEADLINE_ROWS = ("c1_decode", "c64_decode_total", "ppl_overall", "weight_memory")
 RESULT_SCHEMA = 1
 # Field -> what it holds, in the order a file writes them.
 REQUIRED_FIELDS = {
@@ -210,6 +215,48 @@ def render_benchmarks(results_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def render_headline(results_dir: Path) -> str:
+    """The README's headline table: HEADLINE_ROWS of every published result, newest first."""
+    paths = sorted(results_dir.glob("*.json"), reverse=True)
+    if not paths:
+        return (
+            "No published measurements yet; [docs/benchmarks.md](docs/benchmarks.md) says how "
+            "they are made."
+        )
+    lines = [
+        "| run | GPU | row | unit | stock vLLM 0.26.0 | HyperQwen | ratio |",
+        "|---|---|---|---|---:|---:|---:|",
+    ]
+    for path in paths:
+        document, rows = load_result(path)
+        for row in rows:
+            if row.name in HEADLINE_ROWS:
+                shown = "-" if row.ratio is None else f"{row.ratio:.{RATIO_DECIMALS}f}"
+                run = f"[{path.stem}](docs/benchmarks.md#{path.stem})"
+                cells = (
+                    run, document["gpu"], row.name, row.unit,
+                    _number(row.stock), _number(row.patched), shown,
+                )  # fmt: skip
+                lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Each run's command, vLLM, commit, date and every other row: "
+        "[docs/benchmarks.md](docs/benchmarks.md).",
+    ]
+    return "\n".join(lines)
+
+
+def with_headline(readme_text: str, headline: str, readme: Path) -> str:
+    """readme_text with the text between the headline markers replaced by `headline`."""
+    begin, end = readme_text.find(HEADLINE_BEGIN), readme_text.find(HEADLINE_END)
+    if begin < 0 or end < begin:
+        raise ResultFileError(
+            f"{readme}: the headline markers are missing; put the lines {HEADLINE_BEGIN!r} and "
+            f"{HEADLINE_END!r} where the table goes"
+        )
+    return f"{readme_text[: begin + len(HEADLINE_BEGIN)]}\n{headline}\n{readme_text[end:]}"
+
+
 def publish(result: Path, name: str, results_dir: Path) -> Path:
     """Copy a result (and its PNG, if any) into results_dir as <date>-<name>.json."""
     if not PUBLISH_NAME.match(name):
@@ -259,20 +306,30 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_docs(args: argparse.Namespace) -> int:
-    doc = Path(args.doc)
+    doc, readme, results_dir = Path(args.doc), Path(args.readme), Path(args.results_dir)
     try:
-        text = render_benchmarks(Path(args.results_dir))
-    except ResultFileError as error:
+        readme_text = readme.read_text(encoding="utf-8")
+        wanted = {
+            doc: render_benchmarks(results_dir),
+            readme: with_headline(readme_text, render_headline(results_dir), readme),
+        }
+    except (OSError, ResultFileError) as error:
         print(f"hyperqwen bench docs: {error}", file=sys.stderr)
         return 2
+    stale = [
+        path
+        for path, text in wanted.items()
+        if not path.is_file() or path.read_text(encoding="utf-8") != text
+    ]
     if args.check:
-        if not doc.is_file() or doc.read_text(encoding="utf-8") != text:
-            print(f"{doc} is out of date: run `hyperqwen bench docs`", file=sys.stderr)
-            return 1
-        print(f"{doc} is up to date")
-        return 0
-    doc.write_text(text, encoding="utf-8")
-    print(f"wrote {doc}")
+        for path in stale:
+            print(f"{path} is out of date: run `hyperqwen bench docs`", file=sys.stderr)
+        if not stale:
+            print(f"{doc} and {readme} are up to date")
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(wanted[path], encoding="utf-8")
+        print(f"wrote {path}")
     return 0
 
 
@@ -297,13 +354,15 @@ def add_results_subcommands(actions) -> None:
 
     docs_parser = actions.add_parser(
         "docs",
-        help="regenerate docs/benchmarks.md from docs/results/*.json",
-        description="Write docs/benchmarks.md: one table per published result, with its "
-        "command, GPU, vLLM, commit and date. --check only compares (exit 1 when stale).",
+        help="regenerate docs/benchmarks.md and README's headline table from docs/results/",
+        description="Write docs/benchmarks.md (one table per published result, with its "
+        "command, GPU, vLLM, commit and date) and the headline table of README.md (between its "
+        "headline markers). --check only compares (exit 1 when stale).",
     )
     docs_parser.add_argument("--check", action="store_true", help="exit 1 if the doc is stale")
     docs_parser.add_argument(
         "--results-dir", default=str(RESULTS_DIR), help=f"default {RESULTS_DIR}"
     )
     docs_parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help=f"default {BENCHMARKS_DOC}")
+    docs_parser.add_argument("--readme", default=str(README), help=f"default {README}")
     docs_parser.set_defaults(func=cmd_docs)
