@@ -154,10 +154,12 @@ def bench_serve(
     prompts: int,
     input_len: int = 128,
     output_len: int = 128,
+    extra: tuple[str, ...] = (),
 ) -> dict:
-    """`vllm bench serve` (random token prompts, EOS ignored) against `base`; its result JSON.
-    `concurrency` warm-up requests go first, unmeasured: a server's first requests of a batch
-    shape compile Triton kernels, which would be counted against whichever side runs first."""
+    """`vllm bench serve` (random token prompts, EOS ignored, plus `extra` flags) against `base`;
+    its result JSON. Its output goes to RESULT.log. `concurrency` warm-up requests go first,
+    unmeasured: a server's first requests of a batch shape compile Triton kernels, which would be
+    counted against whichever side runs first."""
     command = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
         "--backend", "vllm", "--base-url", base, "--model", model, "--tokenizer", str(tokenizer),
@@ -165,7 +167,12 @@ def bench_serve(
         "--random-output-len", str(output_len), "--ignore-eos", "--num-prompts", str(prompts),
         "--max-concurrency", str(concurrency), "--num-warmups", str(concurrency),
         "--seed", "0", "--save-result",
-        "--result-dir", str(result.parent), "--result-filename", result.name,
+        "--result-dir", str(result.parent), "--result-filename", result.name, *extra,
     ]  # fmt: skip
-    subprocess.run(command, env=env, check=True, capture_output=True, timeout=600)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    log = result.with_suffix(".log")
+    log.write_text(done.stdout + done.stderr)
+    assert done.returncode == 0, (
+        f"vllm bench serve exited {done.returncode}; log {log}:\n" + (done.stderr[-3000:])
+    )
     return json.loads(result.read_text())

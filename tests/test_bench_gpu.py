@@ -46,6 +46,7 @@ import pytest
 from gpu_server import (
     ROOT,
     TRITON_GDN,
+    bench_serve,
     log_dir,
     patched_vllm_parent,
     require_gpu,
@@ -152,20 +153,13 @@ def test_harness_agrees_with_vllm_bench_serve(patched_env, tmp_path_factory):
             patched_env, logs / "agreement-harness.log", work,
         )  # fmt: skip
         for concurrency in COHORTS:
-            result = logs / f"agreement-bench-serve-c{concurrency}.json"
-            bench_serve = [
-                sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-                "--backend", "vllm", "--base-url", base, "--model", "tiny",
-                "--tokenizer", str(checkpoint), "--dataset-name", "random",
-                "--random-input-len", str(TOKENS), "--random-output-len", str(TOKENS),
-                "--ignore-eos", "--temperature", "0", "--seed", "0",
-                "--num-prompts", str(concurrency * ROUNDS), "--max-concurrency", str(concurrency),
-                "--num-warmups", str(concurrency), "--percentile-metrics", "ttft,tpot,itl,e2el",
-                "--save-result", "--result-dir", str(result.parent),
-                "--result-filename", result.name,
-            ]  # fmt: skip
-            run_logged(bench_serve, patched_env, result.with_suffix(".log"), work)
-            served[concurrency] = json.loads(result.read_text())
+            served[concurrency] = bench_serve(
+                base, "tiny", checkpoint, patched_env,
+                logs / f"agreement-bench-serve-c{concurrency}.json",
+                concurrency=concurrency, prompts=concurrency * ROUNDS,
+                input_len=TOKENS, output_len=TOKENS,
+                extra=("--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el"),
+            )  # fmt: skip
 
     rows = {row["C"]: row for row in json.loads(harness_out.read_text())["rows"]}
     assert sorted(rows) == sorted(COHORTS), rows
