@@ -127,11 +127,11 @@ def _size(num_bytes: float) -> str:
 def prepared_quantization_edit(geometry):
     """The quantization config edit of `hyperqwen prepare`'s tensor steps at their defaults."""
     from hyperqwen.prepare.marker import Options
-    from hyperqwen.prepare.tensors import INT8, prepared_quantization
+    from hyperqwen.prepare.tensors import prepared_quantization, step_bits
 
-    step_bits = {"lm_head": INT8, "embed": INT8, "mtp": Options().mtp_bits}
+    bits = step_bits(Options())
     return lambda quantization, specs: prepared_quantization(
-        quantization, geometry, step_bits, [spec.name for spec in specs]
+        quantization, geometry, bits, [spec.name for spec in specs]
     )
 
 

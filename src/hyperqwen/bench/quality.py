@@ -183,10 +183,10 @@ def run_battery(
     else:
         document["gsm8k"] = {"skipped": f"no parquet given; {quality_gsm8k.GSM8K_HOWTO}"}
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     for name, step in steps:
         document[name] = step()
         out.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    out.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     return document
 
 

@@ -48,12 +48,7 @@ class Plans:
 
 def _plan(base: Base, options: Options, ranking: Path) -> Plans:
     steps = options.steps
-    step_bits = {
-        step: options.mtp_bits if step == "mtp" else tensors.INT8
-        for step in ("lm_head", "embed", "mtp")
-        if step in steps
-    }
-    tensor_plan = tensors.plan(base, step_bits, options.max_error)
+    tensor_plan = tensors.plan(base, tensors.step_bits(options), options.max_error)
     found = template.find_template(lambda name: base_file(base.directory, name))
     template_text, template_report = None, {"changed": False, "reason": "no chat template"}
     if found is not None:

@@ -35,6 +35,7 @@ from hyperqwen.checkpoint import layout, shards, w4a16
 from hyperqwen.checkpoint.geometry import Geometry
 from hyperqwen.checkpoint.layout import DECODER_PREFIX, MTP_PREFIX, Kind
 from hyperqwen.prepare import folder
+from hyperqwen.prepare.marker import Options
 from hyperqwen.prepare.validate import Base
 
 # Bump when the bytes prepare writes for the same inputs change: new shard names follow.
@@ -111,6 +112,15 @@ class TensorPlan:
     jobs: list[ShardJob]
     step_of: dict[str, str]  # quantized module -> step name
     max_error: float
+
+
+def step_bits(options: Options) -> dict[str, int]:
+    """The tensor steps `options` do, with their bit widths: int8 heads, MTP at mtp_bits."""
+    return {
+        step: options.mtp_bits if step == "mtp" else INT8
+        for step in ("lm_head", "embed", "mtp")
+        if step in options.steps
+    }
 
 
 def _module_of(weight_name: str) -> str:
