@@ -1,4 +1,4 @@
-"""Run the real `hyperqwen` CLI in a subprocess with a clean environment."""
+"""Run the real `hyperqwen` CLI: in a subprocess with a clean environment, or in this process."""
 
 from __future__ import annotations
 
@@ -21,3 +21,11 @@ def hyperqwen(*args: str, env: dict[str, str], cwd: Path) -> subprocess.Complete
         text=True,
         timeout=120,
     )
+
+
+def run_in_process(*args: str) -> int:
+    """`hyperqwen ARGS` through the real parser in this process; the exit code."""
+    from hyperqwen.cli import build_parser
+
+    parsed = build_parser().parse_args(list(args))
+    return parsed.func(parsed)

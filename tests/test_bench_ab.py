@@ -4,7 +4,6 @@ started from real stock and patched vllm/ trees of the pinned wheel."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import shlex
@@ -13,8 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_runner import run_in_process
 
-from hyperqwen.bench.ab import add_ab_subcommand, profile_serve_argv, with_synthetic_acceptance
+from hyperqwen.bench.ab import profile_serve_argv, with_synthetic_acceptance
 from hyperqwen.bench.results import (
     BENCHMARKS_DOC,
     HEADLINE_BEGIN,
@@ -66,14 +66,6 @@ VALID = {
     ],
 }
 VALID["rows"][1]["ratio"] = None
-
-
-def hyperqwen_bench(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="hyperqwen")
-    bench = parser.add_subparsers(dest="command").add_parser("bench")
-    add_ab_subcommand(bench.add_subparsers(dest="bench_command", required=True))
-    args = parser.parse_args(["bench", *argv])
-    return args.func(args)
 
 
 # --- ratios and the schema -------------------------------------------------------------------
@@ -140,21 +132,21 @@ def test_publish_names_the_file_by_date_and_docs_show_every_fact(tmp_path, capsy
     where = ("--results-dir", str(results))
     docs = (*where, "--readme", str(readme), "--doc", str(doc))
 
-    assert hyperqwen_bench("docs", *docs) == 0
+    assert run_in_process("bench", "docs", *docs) == 0
     assert "no published runs yet" in doc.read_text().lower()
-    assert hyperqwen_bench("docs", *docs, "--check") == 0
+    assert run_in_process("bench", "docs", *docs, "--check") == 0
 
-    assert hyperqwen_bench("publish", str(source), "--name", "h200-27b", *where) == 0
+    assert run_in_process("bench", "publish", str(source), "--name", "h200-27b", *where) == 0
     published = results / "2026-01-02-h200-27b.json"
     assert load_result(published)[0] == VALID
     assert published.with_suffix(".png").is_file()
-    assert hyperqwen_bench("publish", str(source), "--name", "h200-27b", *where) == 2
+    assert run_in_process("bench", "publish", str(source), "--name", "h200-27b", *where) == 2
     assert "exists already" in capsys.readouterr().err
-    assert hyperqwen_bench("publish", str(source), "--name", "Bad Name", *where) == 2
+    assert run_in_process("bench", "publish", str(source), "--name", "Bad Name", *where) == 2
 
-    assert hyperqwen_bench("docs", *docs, "--check") == 1
+    assert run_in_process("bench", "docs", *docs, "--check") == 1
     assert "out of date" in capsys.readouterr().err
-    assert hyperqwen_bench("docs", *docs) == 0
+    assert run_in_process("bench", "docs", *docs) == 0
     text = doc.read_text()
     for fact in ("gpu", "vllm", "commit", "date", "model", "command"):
         assert VALID[fact] in text
@@ -167,17 +159,17 @@ def test_publish_names_the_file_by_date_and_docs_show_every_fact(tmp_path, capsy
     assert f"| {run} | {VALID['gpu']} | c1_decode | tok/s | 40 | 100 | 2.500 |" in headline
     assert f"| {run} | {VALID['gpu']} | weight_memory | GiB | 14 | 13 | 0.929 |" in headline
     assert "c1_tokens_per_step" not in headline
-    assert hyperqwen_bench("docs", *docs, "--check") == 0
+    assert run_in_process("bench", "docs", *docs, "--check") == 0
 
     readme.write_text("# X\n")  # the markers gone: refused, nothing written
-    assert hyperqwen_bench("docs", *docs) == 2
+    assert run_in_process("bench", "docs", *docs) == 2
     assert "headline markers are missing" in capsys.readouterr().err
     assert "| c1_tokens_per_step | tokens | - | 2.7 | - |" in text
     assert "no published runs yet" not in text.lower()
     assert "(results/2026-01-02-h200-27b.png)" in text
 
     (results / "2026-01-03-broken.json").write_text(json.dumps({"rows": []}))
-    assert hyperqwen_bench("docs", *docs) == 2
+    assert run_in_process("bench", "docs", *docs) == 2
     assert "2026-01-03-broken.json lacks gpu" in capsys.readouterr().err
 
 
@@ -278,7 +270,7 @@ def printed_ratios(output: str) -> dict[str, str]:
 def test_phases_apart_measure_stock_then_patched_and_merge(comparison, tmp_path, capsys) -> None:
     single = [*comparison, "--mode", "single", "--cohorts", "1,2", "--prefill", "256"]
     synthetic = ["--synthetic-acceptance", RATES]
-    assert hyperqwen_bench(*single, *synthetic, "--phase", "stock") == 0
+    assert run_in_process("bench", *single, *synthetic, "--phase", "stock") == 0
     state = json.loads((tmp_path / "work" / "ab-state.json").read_text())
     assert state["stock"]["rows"] and "patched" not in state
     assert not (tmp_path / "work" / "ab-result.json").exists()
@@ -289,10 +281,10 @@ def test_phases_apart_measure_stock_then_patched_and_merge(comparison, tmp_path,
     assert state["stock"]["command"][-4:] == ["--load-format", "dummy", "--max-model-len", "4096"]
     capsys.readouterr()
 
-    assert hyperqwen_bench(*single, "--phase", "patched") == 2  # rates left out this time
+    assert run_in_process("bench", *single, "--phase", "patched") == 2  # rates left out this time
     assert "synthetic_acceptance: [0.77, 0.55, 0.4] then, None now" in capsys.readouterr().err
 
-    assert hyperqwen_bench(*single, *synthetic, "--phase", "patched") == 0
+    assert run_in_process("bench", *single, *synthetic, "--phase", "patched") == 0
     output = capsys.readouterr().out
     document, rows = load_result(tmp_path / "work" / "ab-result.json")
     by_name = {row.name: row for row in rows}
@@ -339,11 +331,11 @@ def test_phases_apart_measure_stock_then_patched_and_merge(comparison, tmp_path,
 
 def test_both_phases_in_one_run_without_speculation(comparison, tmp_path, capsys) -> None:
     argv = [*comparison, "--mode", "batch", "--cohorts", "1", "--prefill", "none"]
-    assert hyperqwen_bench(*argv, "--synthetic-acceptance", RATES) == 2
+    assert run_in_process("bench", *argv, "--synthetic-acceptance", RATES) == 2
     assert "needs speculative decoding on at least one side" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()  # refused before any server started
 
-    assert hyperqwen_bench(*argv, "--out", str(tmp_path / "batch.json")) == 0
+    assert run_in_process("bench", *argv, "--out", str(tmp_path / "batch.json")) == 0
     _, rows = load_result(tmp_path / "batch.json")
     by_name = {row.name: row for row in rows}
     assert by_name["c1_decode"].ratio == pytest.approx(20 / 16, rel=0.12)
@@ -354,11 +346,11 @@ def test_both_phases_in_one_run_without_speculation(comparison, tmp_path, capsys
 def test_quality_battery_rows_come_from_each_sides_server(comparison, tmp_path, capsys) -> None:
     quality = "--ppl-sources stdlib --ppl-windows 2 --window-tokens 64 --skip-ifbench"
     argv = [*comparison, "--mode", "batch", "--cohorts", "1", "--prefill", "none"]
-    assert hyperqwen_bench(*argv, "--quality=--ppl-windows many") == 2
+    assert run_in_process("bench", *argv, "--quality=--ppl-windows many") == 2
     assert "--quality '--ppl-windows many': argument --ppl-windows" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()  # refused before any server started
 
-    assert hyperqwen_bench(*argv, f"--quality={quality}") == 0
+    assert run_in_process("bench", *argv, f"--quality={quality}") == 0
     output = capsys.readouterr().out
     document, rows = load_result(tmp_path / "work" / "ab-result.json")
     by_name = {row.name: row for row in rows}
@@ -376,18 +368,18 @@ def test_quality_battery_rows_come_from_each_sides_server(comparison, tmp_path, 
 
 def test_trees_must_be_what_their_side_says(comparison, vllm_trees, capsys) -> None:
     swapped = [*comparison, "--stock-vllm", str(vllm_trees[1]), "--prefill", "none"]
-    assert hyperqwen_bench(*swapped) == 2
+    assert run_in_process("bench", *swapped) == 2
     error = capsys.readouterr().err
     assert "--stock-vllm" in error and "not stock vLLM" in error
     unpatched = [*comparison, "--patched-vllm", str(vllm_trees[0]), "--phase", "patched"]
-    assert hyperqwen_bench(*unpatched) == 2  # no state yet
+    assert run_in_process("bench", *unpatched) == 2  # no state yet
     assert "run --phase stock first" in capsys.readouterr().err
-    assert hyperqwen_bench(*comparison[:2], "--phase", "stock") == 2
+    assert run_in_process("bench", *comparison[:2], "--phase", "stock") == 2
     assert "--phase stock needs --stock-vllm" in capsys.readouterr().err
 
 
 def test_help_teaches_with_examples(capsys) -> None:
     with pytest.raises(SystemExit):
-        hyperqwen_bench("ab", "--help")
+        run_in_process("bench", "ab", "--help")
     text = capsys.readouterr().out
     assert "--phase stock" in text and "--synthetic-acceptance" in text and "Exit codes" in text

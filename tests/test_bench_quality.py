@@ -9,7 +9,6 @@ verifiers; nothing of the client or the verifiers is mocked.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sysconfig
@@ -19,10 +18,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from cli_runner import run_in_process
 from fastapi import FastAPI, Request
 from local_server import serving
 
-from hyperqwen.bench.quality import add_quality_subcommands, compare_documents
+from hyperqwen.bench.quality import compare_documents
 from hyperqwen.bench.quality_gsm8k import extract_answer, reference_answer
 from hyperqwen.bench.quality_ifbench import IfbenchMissing, load_prompts, verify
 from hyperqwen.bench.quality_ppl import DOCUMENT_SEPARATOR, STDLIB_FILES, window_nll
@@ -86,14 +86,6 @@ def server() -> Iterator[tuple[dict[str, str], str]]:
         yield replies, f"http://127.0.0.1:{port}"
 
 
-def bench(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="hyperqwen")
-    bench_parser = parser.add_subparsers(dest="command").add_parser("bench")
-    add_quality_subcommands(bench_parser.add_subparsers(dest="bench_command", required=True))
-    args = parser.parse_args(["bench", *argv])
-    return args.func(args)
-
-
 @pytest.fixture(autouse=True)
 def no_stray_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("VLLM_API_KEY", "PORT", "API_KEY_FILE", "ENV_FILE"):
@@ -113,7 +105,7 @@ def test_perplexity_is_the_token_weighted_nll_of_the_served_logprobs(
 ) -> None:
     _, url = server
     out = tmp_path / "q.json"
-    code = bench(
+    code = run_in_process("bench",
         "quality", "--url", url, "--ppl-sources", "stdlib", "--window-tokens", "64",
         "--ppl-windows", "3", "--skip-ifbench", "--out", str(out),
     )  # fmt: skip
@@ -186,7 +178,7 @@ def test_quality_runs_ifbench_and_gsm8k_end_to_end(server, tmp_path, capsys) -> 
     replies[questions[0] + GSM8K_INSTRUCTION] = "3 + 4 = 7. The answer is 7."
     replies[questions[1] + GSM8K_INSTRUCTION] = "The answer is 1,000."
     out = tmp_path / "q.json"
-    code = bench(
+    code = run_in_process("bench",
         "quality", "--url", url, "--ppl-windows", "0", "--limit", "2",
         "--gsm8k", str(parquet), "--out", str(out),
     )  # fmt: skip
@@ -244,7 +236,9 @@ def test_compare_fails_only_past_a_threshold(tmp_path, capsys) -> None:
     def compare(a: dict, b: dict, *options: str) -> int:
         (tmp_path / "a.json").write_text(json.dumps(a))
         (tmp_path / "b.json").write_text(json.dumps(b))
-        return bench("compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), *options)
+        return run_in_process(
+            "bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), *options
+        )
 
     assert compare(result(10.0, 0.50, 0.8), result(10.09, 0.49, 0.79)) == 0
     assert "ppl stdlib: 10.0000 -> 10.0900 (worse by +0.9000 %" in capsys.readouterr().out
@@ -271,5 +265,5 @@ def test_compare_report_lists_each_metric() -> None:
 def test_help_teaches_with_examples(capsys) -> None:
     for action in ("quality", "compare", "smollm2"):
         with pytest.raises(SystemExit):
-            bench(action, "--help")
+            run_in_process("bench", action, "--help")
         assert "Example" in capsys.readouterr().out

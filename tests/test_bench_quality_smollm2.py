@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
 import pytest
+from cli_runner import run_in_process
 
 from hyperqwen.bench import smollm2
-from hyperqwen.bench.quality import add_quality_subcommands
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-
-
-def bench(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="hyperqwen")
-    bench_parser = parser.add_subparsers(dest="command").add_parser("bench")
-    add_quality_subcommands(bench_parser.add_subparsers(dest="bench_command", required=True))
-    args = parser.parse_args(["bench", *argv])
-    return args.func(args)
 
 
 def test_converted_folder_gives_the_gguf_logits(tmp_path, capsys) -> None:
@@ -29,7 +20,7 @@ def test_converted_folder_gives_the_gguf_logits(tmp_path, capsys) -> None:
     except smollm2.Smollm2Missing as missing:
         pytest.skip(str(missing))
     out = tmp_path / "smollm2"
-    assert bench("smollm2", str(out)) == 0, capsys.readouterr().err
+    assert run_in_process("bench", "smollm2", str(out)) == 0, capsys.readouterr().err
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert "quantization_config" not in config  # else vLLM would look for a GGUF quantizer
@@ -50,5 +41,5 @@ def test_converted_folder_gives_the_gguf_logits(tmp_path, capsys) -> None:
     loss = torch.nn.functional.cross_entropy(got[0, :-1], ids[0, 1:])
     assert math.exp(loss.item()) < 20
 
-    assert bench("smollm2", str(out)) == 2  # never overwrites
+    assert run_in_process("bench", "smollm2", str(out)) == 2  # never overwrites
     assert "not empty" in capsys.readouterr().err

@@ -11,7 +11,6 @@ prefix cache (cached tokens = longest common prefix with an earlier prompt).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import json
@@ -26,11 +25,11 @@ from pathlib import Path
 
 import prometheus_client
 import pytest
+from cli_runner import run_in_process
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from local_server import serving
 
-from hyperqwen.bench import add_subcommand
 from hyperqwen.bench.rows import Row, parse_row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,13 +190,6 @@ def server() -> Iterator[tuple[FakeVllm, int]]:
         yield fake, port
 
 
-def bench(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="hyperqwen")
-    add_subcommand(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", "run", *argv])
-    return args.func(args)
-
-
 @pytest.fixture
 def env_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server) -> Path:
     """A .env giving PORT and API_KEY_FILE, as a user's would; no stray knobs from outside."""
@@ -229,7 +221,9 @@ def test_single_run_measures_what_the_server_does(server, env_file, tmp_path, ca
     fake, _ = server
     fake.reset(speculative=True)
     out = tmp_path / "results" / "single.json"
-    code = bench(
+    code = run_in_process(
+        "bench",
+        "run",
         "single",
         "--env-file",
         str(env_file),
@@ -309,7 +303,9 @@ def test_shared_batch_run_hits_the_cache_and_reports_no_speculation(
 ) -> None:
     fake, _ = server
     fake.reset(speculative=False)
-    code = bench(
+    code = run_in_process(
+        "bench",
+        "run",
         "batch",
         "--env-file",
         str(env_file),
@@ -350,7 +346,17 @@ def test_without_matplotlib_the_json_is_still_written(
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now fails
     out = tmp_path / "plain.json"
     argv = ("--cohorts", "1", "--rounds", "1", "--output-len", "2", "--prefill", "none")
-    code = bench("single", "--env-file", str(env_file), "--random-tokens", *argv, "--out", str(out))
+    code = run_in_process(
+        "bench",
+        "run",
+        "single",
+        "--env-file",
+        str(env_file),
+        "--random-tokens",
+        *argv,
+        "--out",
+        str(out),
+    )
     assert code == 0
     assert "matplotlib is not installed" in capsys.readouterr().err
     assert len(json.loads(out.read_text())["rows"]) == 1
@@ -359,14 +365,22 @@ def test_without_matplotlib_the_json_is_still_written(
 
 def test_wrong_key_and_no_server_fail_with_the_fix(server, env_file, tmp_path, capsys) -> None:
     (tmp_path / "api_key.txt").write_text("not-the-key\n")
-    assert bench("single", "--env-file", str(env_file), "--random-tokens") == 1
+    assert (
+        run_in_process("bench", "run", "single", "--env-file", str(env_file), "--random-tokens")
+        == 1
+    )
     assert "HTTP 401, the server wants an API key" in capsys.readouterr().err
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         free_port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{free_port}"
-    assert bench("single", "--url", url, "--random-tokens", "--env-file", str(env_file)) == 1
+    assert (
+        run_in_process(
+            "bench", "run", "single", "--url", url, "--random-tokens", "--env-file", str(env_file)
+        )
+        == 1
+    )
     error = capsys.readouterr().err
     assert f"no server answers at {url}" in error and "hyperqwen serve" in error
 
@@ -377,7 +391,17 @@ def test_a_failure_mid_run_keeps_the_rows_measured_before(
     server[0].reset(speculative=True, fail_from=2)  # row 1: warm-up + 1 request; row 2 fails
     out = tmp_path / "partial.json"
     argv = ("--cohorts", "1,2", "--rounds", "1", "--output-len", "2", "--prefill", "none")
-    code = bench("single", "--env-file", str(env_file), "--random-tokens", *argv, "--out", str(out))
+    code = run_in_process(
+        "bench",
+        "run",
+        "single",
+        "--env-file",
+        str(env_file),
+        "--random-tokens",
+        *argv,
+        "--out",
+        str(out),
+    )
     captured = capsys.readouterr()
     assert code == 1
     assert "HTTP 500" in captured.err and f"1 measured row(s) kept in {out}" in captured.err
@@ -386,14 +410,16 @@ def test_a_failure_mid_run_keeps_the_rows_measured_before(
 
 
 def test_unknown_model_lists_the_served_ones(server, env_file, capsys) -> None:
-    code = bench("single", "--env-file", str(env_file), "--random-tokens", "--model", "other")
+    code = run_in_process(
+        "bench", "run", "single", "--env-file", str(env_file), "--random-tokens", "--model", "other"
+    )
     assert code == 1
     assert f"the server has: {MODEL}" in capsys.readouterr().err
 
 
 def test_help_teaches_with_examples(capsys) -> None:
     with pytest.raises(SystemExit):
-        bench("--help")
+        run_in_process("bench", "run", "--help")
     text = capsys.readouterr().out
     assert "hyperqwen bench run single" in text and "--shared" in text and "Exit codes" in text
 
