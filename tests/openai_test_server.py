@@ -5,8 +5,9 @@ it reads the flags vLLM would (--port, --served-model-name, --max-model-len,
 --speculative-config) and ignores the others, then behaves as configured for SIDE in FILE
 ({"stock": {...}, "patched": {...}}: startup_s, weight_gib, prefill_ms, step_ms). It sleeps
 startup_s before listening, logs vLLM's "Model loading took X GiB" line, and streams
-/v1/completions with one verify step every step_ms. For the quality battery it tokenizes one
-token per character (id = code point) at /tokenize and answers non-streamed prompt_logprobs
+/v1/completions with one verify step every step_ms. It tokenizes one token per character (id =
+code point; beyond VOCAB_SIZE ids, UNKNOWN_ID) at /tokenize and, as vLLM, refuses a prompt with
+an id beyond its vocabulary. For the quality battery it answers non-streamed prompt_logprobs
 requests with prompt_logprob (from the config) for every token. Each step makes one token plus the
 drafts accepted: with synthetic_acceptance_rates r the mean is 1 + sum(r), as vLLM's synthetic
 rejection sampler, spread evenly (no randomness); the spec-decode counters count them.
@@ -24,6 +25,9 @@ import prometheus_client
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+VOCAB_SIZE = 256
+UNKNOWN_ID = 0
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
@@ -73,13 +77,17 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        tokens = [ord(char) for char in (await request.json())["prompt"]]
+        text = (await request.json())["prompt"]
+        tokens = [ord(char) if ord(char) < VOCAB_SIZE else UNKNOWN_ID for char in text]
         return {"count": len(tokens), "max_model_len": args.max_model_len, "tokens": tokens}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await request.json()
         prompt, max_tokens = body["prompt"], body["max_tokens"]
+        if max(prompt) >= VOCAB_SIZE:
+            message = f"Token id {max(prompt)} is out of vocabulary"
+            return JSONResponse({"error": {"message": message, "code": 400}}, status_code=400)
         if "prompt_logprobs" in body:
             logprob = {"logprob": behaviour["prompt_logprob"], "rank": 1}
             scored = [None] + [{str(token): logprob} for token in prompt[1:]]

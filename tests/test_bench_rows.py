@@ -261,14 +261,18 @@ def test_missing_sharegpt_package_says_how_to_install_or_skip(monkeypatch) -> No
 
 
 POOL = [f"prompt number {index} about something" for index in range(50)]
+TOKEN_IDS = tuple(range(300, 400))  # a served tokenizer's pool (served_token_ids)
 
 
 def test_salted_prompts_start_differently_shared_ones_share_a_prefix() -> None:
-    factory = RequestFactory("m", seed=1, temperature=0.0, sharegpt_prompts=POOL)
+    factory = RequestFactory(
+        "m", seed=1, temperature=0.0, token_ids=TOKEN_IDS, sharegpt_prompts=POOL
+    )
     salted = factory.requests(Workload("random", False, 64, 8), 20)
     assert {path for path, _ in salted} == {COMPLETIONS_PATH}
     prompts = [body["prompt"] for _, body in salted]
     assert all(len(prompt) == 64 for prompt in prompts)
+    assert {token for prompt in prompts for token in prompt} <= set(TOKEN_IDS)
     assert len({tuple(prompt[:SALT_TOKENS]) for prompt in prompts}) == 20
     assert all(body["ignore_eos"] and body["max_tokens"] == 8 for _, body in salted)
 
@@ -285,7 +289,9 @@ def test_salted_prompts_start_differently_shared_ones_share_a_prefix() -> None:
 
 def test_prompt_choice_is_seeded_salt_is_not() -> None:
     def contents(seed: int) -> list[str]:
-        factory = RequestFactory("m", seed=seed, temperature=0.0, sharegpt_prompts=POOL)
+        factory = RequestFactory(
+            "m", seed=seed, temperature=0.0, token_ids=TOKEN_IDS, sharegpt_prompts=POOL
+        )
         workload = Workload("sharegpt", False, 64, 8)
         return [body["messages"][0]["content"] for _, body in factory.requests(workload, 6)]
 

@@ -6,7 +6,10 @@ prompt tokens, then a verify step every STEP_S producing TOKENS_PER_STEP tokens 
 token + accepted drafts), with an SSE keep-alive comment between steps. Its spec-decode
 counters are written by vLLM's own SpecDecodingProm; it also counts preemptions (one per
 request), records every prompt, the in-flight count at each request's start, and emulates a
-prefix cache (cached tokens = longest common prefix with an earlier prompt).
+prefix cache (cached tokens = longest common prefix with an earlier prompt). Its tokenizer
+(/tokenize) makes one token per character, id = code point, and like vLLM it refuses a prompt
+with an id beyond its vocabulary of VOCAB_SIZE ids (ASCII), as vLLM refuses a Qwen-range id for
+SmolLM2.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ STEP_S = 0.010
 DRAFT_TOKENS = 3
 TOKENS_PER_STEP = 2
 TOKEN_TEXT = "t "
+VOCAB_SIZE = 128
 
 
 @dataclass
@@ -115,10 +119,20 @@ def build_app(fake: FakeVllm) -> FastAPI:
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
         return {"object": "list", "data": [{"id": MODEL, "max_model_len": MAX_MODEL_LEN}]}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        if not authorized(request):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        tokens = [ord(char) for char in (await request.json())["prompt"]]
+        return {"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens}
+
     async def stream(request: Request, chat: bool):
         if not authorized(request):
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
         body = await request.json()
+        if not chat and max(body["prompt"]) >= VOCAB_SIZE:
+            message = f"Token id {max(body['prompt'])} is out of vocabulary"
+            return JSONResponse({"error": {"message": message, "code": 400}}, status_code=400)
         if fake.fail_from is not None and len(fake.prompts) >= fake.fail_from:
             return JSONResponse({"error": "EngineDeadError"}, status_code=500)
         assert body["stream"] and body["stream_options"] == {"include_usage": True}

@@ -48,7 +48,6 @@ from hyperqwen.bench.quality import (
     parse_battery_options,
     run_battery,
 )
-from hyperqwen.bench.quality_ppl import QualityClient
 from hyperqwen.bench.results import (
     ComparisonRow,
     add_results_subcommands,
@@ -59,7 +58,7 @@ from hyperqwen.bench.results import (
 )
 from hyperqwen.bench.rows import Row, format_row
 from hyperqwen.bench.run import run_bench, served_model
-from hyperqwen.bench.workload import SALT_TOKENS, RequestFactory
+from hyperqwen.bench.workload import SALT_TOKENS, RequestFactory, served_token_ids
 from hyperqwen.launch import build_launch
 from hyperqwen.patches import (
     PatchSeriesError,
@@ -339,7 +338,12 @@ def run_side(side: str, args: argparse.Namespace, workdir: Path) -> SideResult:
         client = BenchClient(base, None, args.timeout)
         model, max_model_len = served_model(client, None)
         version = server_version(client)
-        factory = RequestFactory(model, seed=args.seed, temperature=args.temperature)
+        factory = RequestFactory(
+            model,
+            seed=args.seed,
+            temperature=args.temperature,
+            token_ids=served_token_ids(client, model),
+        )
 
         def keep(row: Row) -> None:
             rows.append(row)
@@ -382,7 +386,7 @@ def side_quality(
         "options": battery_options(options),
         "header": {"side": side, "server": base},
     }
-    client = QualityClient(base, None, args.timeout)
+    client = BenchClient(base, None, args.timeout)
     run_battery(client, model, max_model_len, options, document, out)
     print("\n".join(f"   {line}" for line in format_summary(document)), flush=True)
     return document

@@ -26,6 +26,7 @@ from hyperqwen.bench.workload import (
     DatasetMissing,
     RequestFactory,
     load_sharegpt_prompts,
+    served_token_ids,
 )
 from hyperqwen.settings import MODES, SettingsError, load_settings, resolve_api_key
 
@@ -84,7 +85,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             write_results(out, time.strftime(DATE_FORMAT, started), header, rows, command)
 
         factory = RequestFactory(
-            model, seed=args.seed, temperature=args.temperature, sharegpt_prompts=sharegpt
+            model,
+            seed=args.seed,
+            temperature=args.temperature,
+            token_ids=served_token_ids(client, model),
+            sharegpt_prompts=sharegpt,
         )
         run_bench(client, factory, plan, keep)
     except BenchError as error:

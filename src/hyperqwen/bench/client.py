@@ -172,6 +172,14 @@ class BenchClient:
     def get_json(self, path: str) -> Any:
         return self._request("GET", path).json()
 
+    def post_json(self, path: str, body: dict[str, Any]) -> Any:
+        return self._request("POST", path, json=body).json()
+
+    def tokenize(self, model: str, text: str) -> list[int]:
+        """Token ids of `text` as the server's tokenizer makes them, no special tokens."""
+        body = {"model": model, "prompt": text, "add_special_tokens": False}
+        return list(self.post_json("/tokenize", body)["tokens"])
+
     def counters(self) -> dict[str, float]:
         """The vLLM counters on /metrics right now (see parse_counters)."""
         return parse_counters(self._request("GET", "/metrics").text)

@@ -22,10 +22,10 @@ from typing import Any
 from tqdm import tqdm
 
 from hyperqwen.bench import quality_gsm8k, quality_ifbench
-from hyperqwen.bench.client import BenchError
+from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.header import collect_header
 from hyperqwen.bench.options import DATE_FORMAT
-from hyperqwen.bench.quality_ppl import PPL_SOURCES, QualityClient, measure_perplexity
+from hyperqwen.bench.quality_ppl import PPL_SOURCES, measure_perplexity
 from hyperqwen.bench.run import served_model
 from hyperqwen.bench.workload import CHAT_PATH
 from hyperqwen.settings import SettingsError, load_settings, resolve_api_key
@@ -61,7 +61,7 @@ def _sources(text: str) -> tuple[str, ...]:
 class ChatGenerator:
     """Greedy chat answers (message content only, no reasoning) from one server."""
 
-    def __init__(self, client: QualityClient, model: str, args: argparse.Namespace) -> None:
+    def __init__(self, client: BenchClient, model: str, args: argparse.Namespace) -> None:
         self.client = client
         self.model = model
         self.max_tokens = args.max_tokens
@@ -147,7 +147,7 @@ def format_summary(document: dict[str, Any]) -> list[str]:
 
 
 def run_battery(
-    client: QualityClient,
+    client: BenchClient,
     model: str,
     max_model_len: int | None,
     options: argparse.Namespace,
@@ -202,7 +202,7 @@ def cmd_quality(args: argparse.Namespace) -> int:
         print(f"hyperqwen bench quality: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     api_key, _ = resolve_api_key(loaded.settings)
-    client = QualityClient(args.url or f"http://127.0.0.1:{loaded.settings.PORT}", api_key)
+    client = BenchClient(args.url or f"http://127.0.0.1:{loaded.settings.PORT}", api_key)
     started = time.localtime()
     out = Path(args.out or f"bench-results/quality-{time.strftime('%Y%m%d-%H%M%S', started)}.json")
     try:

@@ -55,18 +55,6 @@ SHAREGPT_MIN_CHARS = 200
 DOCUMENT_SEPARATOR = "\n\n"
 
 
-class QualityClient(BenchClient):
-    """BenchClient plus the non-streamed calls the quality battery needs."""
-
-    def post_json(self, path: str, body: dict[str, Any]) -> Any:
-        return self._request("POST", path, json=body).json()
-
-    def tokenize(self, model: str, text: str) -> list[int]:
-        """Token ids of `text` as the server's tokenizer makes them, no special tokens."""
-        body = {"model": model, "prompt": text, "add_special_tokens": False}
-        return list(self.post_json("/tokenize", body)["tokens"])
-
-
 @dataclass(frozen=True)
 class SourceScore:
     """The sum of NLL over the scored tokens of some windows (nats)."""
@@ -123,7 +111,7 @@ def window_nll(window: list[int], prompt_logprobs: list[dict[str, Any] | None]) 
     return total
 
 
-def score_window(client: QualityClient, model: str, window: list[int]) -> float:
+def score_window(client: BenchClient, model: str, window: list[int]) -> float:
     body = {
         "model": model,
         "prompt": window,
@@ -157,7 +145,7 @@ def cut_windows(
 
 
 def tokenized_documents(
-    client: QualityClient, model: str, documents: Iterable[str]
+    client: BenchClient, model: str, documents: Iterable[str]
 ) -> Iterator[list[int]]:
     for document in documents:
         yield client.tokenize(model, document + DOCUMENT_SEPARATOR)
@@ -171,7 +159,7 @@ def fingerprint(windows: list[list[int]]) -> str:
 
 
 def score_windows(
-    client: QualityClient, model: str, windows: list[list[int]], concurrency: int, label: str
+    client: BenchClient, model: str, windows: list[list[int]], concurrency: int, label: str
 ) -> SourceScore:
     with ThreadPoolExecutor(concurrency) as pool:
         nlls = list(
@@ -228,7 +216,7 @@ PPL_SOURCES = {"sharegpt": sharegpt_assistant_documents, "stdlib": stdlib_docume
 
 
 def measure_perplexity(
-    client: QualityClient,
+    client: BenchClient,
     model: str,
     sources: Iterable[str],
     window_tokens: int,

