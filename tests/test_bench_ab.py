@@ -343,6 +343,28 @@ def test_both_phases_in_one_run_without_speculation(comparison, tmp_path, capsys
     assert "prefill" not in " ".join(by_name)
 
 
+def test_cohorts_stay_within_each_sides_max_num_seqs(comparison, tmp_path, capsys) -> None:
+    from hyperqwen.bench.ab import settle_cohorts
+    from hyperqwen.cli import build_parser
+
+    # The single profile serves 4 streams: its default cohorts stop there (1,2,4, not 8) ...
+    args = build_parser().parse_args(["bench", *comparison, "--mode", "single"])
+    settle_cohorts(args)
+    assert args.cohorts == (1, 2, 4)
+    # ... a user's limit for both sides moves the bound ...
+    raised = [*comparison, "--mode", "single", "--vllm-args=--max-num-seqs 8"]
+    args = build_parser().parse_args(["bench", *raised])
+    settle_cohorts(args)
+    assert args.cohorts == (1, 2, 4, 8)
+    # ... and cohorts beyond a limit are refused before any server starts: C64 against 4
+    # slots would time the queue (measured on the H200: TTFT 52.9 s against 0.72 s).
+    assert run_in_process("bench", *comparison, "--mode", "single", "--cohorts", "1,64") == 2
+    said = capsys.readouterr().err
+    assert "--cohorts 64: the patched side serves at most 4 streams" in said
+    assert "MAX_SEQS" in said
+    assert not (tmp_path / "work").exists()
+
+
 def test_quality_battery_rows_come_from_each_sides_server(comparison, tmp_path, capsys) -> None:
     quality = "--ppl-sources stdlib --ppl-windows 2 --window-tokens 64 --skip-ifbench"
     argv = [*comparison, "--mode", "batch", "--cohorts", "1", "--prefill", "none"]

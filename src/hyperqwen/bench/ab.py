@@ -217,6 +217,48 @@ def check_synthetic_acceptance(args: argparse.Namespace) -> None:
         print(f"note: only the {sides[0]} side speculates; the rates apply to it", flush=True)
 
 
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of the last `flag V` or `flag=V` in argv (vLLM keeps the last), else None."""
+    value = None
+    for index, token in enumerate(argv):
+        if token == flag and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif token.startswith(flag + "="):
+            value = token[len(flag) + 1 :]
+    return value
+
+
+def settle_cohorts(args: argparse.Namespace) -> None:
+    """Keep every cohort within each side's --max-num-seqs, so no row measures a queue.
+
+    A stream beyond the limit waits for a free slot: its TTFT becomes the queue, and the
+    comparison would be of the limits, not of the builds. Without --cohorts the mode's
+    defaults within the limit are used; given cohorts beyond it are refused.
+    """
+    limits = {}
+    for side in SIDES:
+        value = flag_value(base_argv(side, args, PREVIEW_PORT), "--max-num-seqs")
+        if value is not None:
+            limits[side] = int(value)
+    if not limits:
+        return
+    limit = min(limits.values())
+    if args.cohorts is None:
+        args.cohorts = tuple(c for c in _int_list(DEFAULT_COHORTS[args.mode]) if c <= limit)
+        return
+    beyond = [c for c in args.cohorts if c > limit]
+    if beyond:
+        side = min(limits, key=limits.get)
+        raise ABError(
+            f"--cohorts {','.join(map(str, beyond))}: the {side} side serves at most {limit} "
+            f"streams (--max-num-seqs {limit}"
+            f"{', MAX_SEQS of the ' + args.mode + ' profile' if side == 'patched' else ''}); "
+            "more would wait in the queue and the rows would compare queues. Give cohorts up "
+            f"to {limit}, or raise the limit (MAX_SEQS in the env file, or --max-num-seqs in "
+            "--vllm-args for both sides)"
+        )
+
+
 # --- running one side ------------------------------------------------------------------------
 
 
@@ -563,6 +605,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
     try:
         validate_args(args)
         check_synthetic_acceptance(args)
+        settle_cohorts(args)
         plan = _jsonable(plan_of(args))
         if args.phase == "patched":
             state = load_state(state_path, plan)
@@ -680,8 +723,9 @@ def add_ab_subcommand(actions) -> None:
         "--cohorts",
         type=_int_list,
         metavar="LIST",
-        help=f"concurrent streams per row (default single {DEFAULT_COHORTS['single']}, "
-        f"batch {DEFAULT_COHORTS['batch']})",
+        help=f"concurrent streams per row, at most each side's --max-num-seqs (default: "
+        f"single {DEFAULT_COHORTS['single']}, batch {DEFAULT_COHORTS['batch']}, those within "
+        "the limit)",
     )
     ab.add_argument("--rounds", type=_positive, default=3, metavar="N", help="default 3")
     ab.add_argument(
