@@ -7,7 +7,7 @@ import json
 from cli_runner import hyperqwen
 
 from hyperqwen import doctor
-from hyperqwen.gpu import NoGpu, parse_smi_line
+from hyperqwen.gpu import NoGpu, parse_smi_line, visible_to_cuda
 from hyperqwen.settings import LoadedSettings, Settings
 
 
@@ -92,3 +92,16 @@ def test_exposure_posture(tmp_path):
         Settings(BIND="0.0.0.0", API_KEY_FILE=tmp_path / "none"), frozenset({"BIND"})
     )
     assert doctor.check_exposure(published, in_container=True).status == "WARN"
+
+
+def test_only_the_gpus_cuda_visible_devices_leaves_are_reported() -> None:
+    gpus = [
+        parse_smi_line(f"{index}, NVIDIA H200, 9.0, 143771, 580.159.04, 700.00")
+        for index in range(3)
+    ]
+    assert visible_to_cuda(gpus, None) == gpus
+    assert [gpu.index for gpu in visible_to_cuda(gpus, "1")] == [1]
+    assert [gpu.index for gpu in visible_to_cuda(gpus, "2,0")] == [2, 0]
+    assert [gpu.index for gpu in visible_to_cuda(gpus, "0,7,1")] == [0]  # CUDA stops at 7
+    assert visible_to_cuda(gpus, "") == []
+    assert visible_to_cuda(gpus, "GPU-5c7b1e2a") == gpus  # UUIDs: not mapped, all kept

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -35,8 +36,30 @@ class NoGpu(Exception):
     """No usable CUDA GPU; the message says why."""
 
 
+def visible_to_cuda(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]:
+    """The GPUs CUDA_VISIBLE_DEVICES leaves to this process, in its order.
+
+    nvidia-smi ignores the variable; vLLM (through CUDA) does not, so a benchmark pinned to one
+    GPU of two must report one. Only index lists are read; a list of UUIDs or MIG ids keeps all.
+    """
+    if cuda_visible_devices is None:
+        return gpus
+    entries = [entry.strip() for entry in cuda_visible_devices.split(",") if entry.strip()]
+    if not all(entry.isdigit() for entry in entries):
+        return gpus
+    by_index = {gpu.index: gpu for gpu in gpus}
+    visible = []
+    for entry in entries:
+        # CUDA stops at the first index that does not exist.
+        if int(entry) not in by_index:
+            break
+        visible.append(by_index[int(entry)])
+    return visible
+
+
 def list_gpus() -> list[Gpu]:
-    """GPUs nvidia-smi reports. Raises NoGpu with the reason when there are none."""
+    """GPUs nvidia-smi reports that CUDA_VISIBLE_DEVICES leaves visible. Raises NoGpu with the
+    reason when there are none."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         raise NoGpu("nvidia-smi not found: no NVIDIA driver on this machine")
@@ -56,7 +79,13 @@ def list_gpus() -> list[Gpu]:
     gpus = [parse_smi_line(line) for line in result.stdout.splitlines() if line.strip()]
     if not gpus:
         raise NoGpu("nvidia-smi lists no GPU")
-    return gpus
+    visible = visible_to_cuda(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if not visible:
+        raise NoGpu(
+            f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} hides all "
+            f"{len(gpus)} GPU(s) nvidia-smi lists; unset it or give their indices"
+        )
+    return visible
 
 
 def parse_smi_line(line: str) -> Gpu:
