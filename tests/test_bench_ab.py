@@ -143,6 +143,17 @@ def test_publish_names_the_file_by_date_and_docs_show_every_fact(tmp_path, capsy
     assert run_in_process("bench", "publish", str(source), "--name", "h200-27b", *where) == 2
     assert "exists already" in capsys.readouterr().err
     assert run_in_process("bench", "publish", str(source), "--name", "Bad Name", *where) == 2
+    noted = ("--note", "GPU 1 ran other tests meanwhile", "--note", "stock: vLLM defaults")
+    assert run_in_process("bench", "publish", str(source), "--name", "noted", *noted, *where) == 0
+    assert load_result(results / "2026-01-02-noted.json")[0] == {
+        **VALID,
+        "notes": ["GPU 1 ran other tests meanwhile", "stock: vLLM defaults"],
+    }
+    assert (
+        run_in_process("bench", "publish", str(source), "--name", "blank", "--note", " ", *where)
+        == 2
+    )
+    assert not (results / "2026-01-02-blank.json").exists()
 
     assert run_in_process("bench", "docs", *docs, "--check") == 1
     assert "out of date" in capsys.readouterr().err
@@ -167,6 +178,7 @@ def test_publish_names_the_file_by_date_and_docs_show_every_fact(tmp_path, capsy
     assert "| c1_tokens_per_step | tokens | - | 2.7 | - |" in text
     assert "no published runs yet" not in text.lower()
     assert "(results/2026-01-02-h200-27b.png)" in text
+    assert "- note: GPU 1 ran other tests meanwhile\n- note: stock: vLLM defaults\n" in text
 
     (results / "2026-01-03-broken.json").write_text(json.dumps({"rows": []}))
     assert run_in_process("bench", "docs", *docs) == 2

@@ -130,6 +130,9 @@ def validate_result(document: object, source: str) -> list[ComparisonRow]:
         raise ResultFileError(f"{source}: date {document['date']!r} must start YYYY-MM-DD")
     if not isinstance(document["rows"], list) or not document["rows"]:
         raise ResultFileError(f"{source}: rows must be a non-empty list")
+    notes = document.get("notes", [])
+    if not isinstance(notes, list) or not all(isinstance(note, str) and note for note in notes):
+        raise ResultFileError(f"{source}: notes must be a list of non-empty strings")
     rows = [_check_row(index, row, source) for index, row in enumerate(document["rows"])]
     names = [row.name for row in rows]
     if len(set(names)) != len(names):
@@ -185,6 +188,7 @@ def _markdown_section(path: Path, document: dict, rows: Sequence[ComparisonRow])
         f"- commit: `{document['commit']}`, date: {document['date']}",
         f"- model: {document['model']}",
         f"- data: [{path.name}](results/{path.name})",
+        *(f"- note: {note}" for note in document.get("notes", [])),
         "",
         "```",
         document["command"],
@@ -257,8 +261,9 @@ def with_headline(readme_text: str, headline: str, readme: Path) -> str:
     return f"{readme_text[: begin + len(HEADLINE_BEGIN)]}\n{headline}\n{readme_text[end:]}"
 
 
-def publish(result: Path, name: str, results_dir: Path) -> Path:
-    """Copy a result (and its PNG, if any) into results_dir as <date>-<name>.json."""
+def publish(result: Path, name: str, results_dir: Path, notes: Sequence[str] = ()) -> Path:
+    """Copy a result (and its PNG, if any) into results_dir as <date>-<name>.json, with `notes`
+    (what a reader needs beside the numbers: host conditions, known causes) added to its own."""
     if not PUBLISH_NAME.match(name):
         raise ResultFileError(
             f"--name {name!r}: use lowercase letters, digits and dashes, e.g. h200-27b-single"
@@ -267,8 +272,14 @@ def publish(result: Path, name: str, results_dir: Path) -> Path:
     target = results_dir / f"{document['date'][:10]}-{name}.json"
     if target.exists():
         raise ResultFileError(f"{target} exists already; pick another --name")
+    if any(not note.strip() for note in notes):
+        raise ResultFileError("--note: give some text")
     results_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(result, target)
+    if notes:
+        document["notes"] = [*document.get("notes", []), *notes]
+        target.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    else:
+        shutil.copyfile(result, target)
     if result.with_suffix(".png").is_file():
         shutil.copyfile(result.with_suffix(".png"), target.with_suffix(".png"))
     return target
@@ -297,7 +308,7 @@ def write_ratio_plot(path: Path, rows: Sequence[ComparisonRow], title: str) -> N
 
 def cmd_publish(args: argparse.Namespace) -> int:
     try:
-        target = publish(Path(args.result), args.name, Path(args.results_dir))
+        target = publish(Path(args.result), args.name, Path(args.results_dir), args.note)
     except ResultFileError as error:
         print(f"hyperqwen bench publish: {error}", file=sys.stderr)
         return 2
@@ -340,7 +351,8 @@ def add_results_subcommands(actions) -> None:
         help="copy a stock-vs-patched result into docs/results/",
         description="Check RESULT.json against the schema (docs/results/README.md) and copy it, "
         "with its PNG, to docs/results/<date>-NAME.json; then run `hyperqwen bench docs`.\n"
-        "Example: hyperqwen bench publish ab-work/ab-result.json --name h200-27b-single",
+        "Example: hyperqwen bench publish ab-work/ab-result.json --name h200-27b-single \\\n"
+        "             --note 'the second GPU of the host ran other tests meanwhile'",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     publish_parser.add_argument("result", metavar="RESULT.json", help="a `bench ab` result")
@@ -349,6 +361,14 @@ def add_results_subcommands(actions) -> None:
     )
     publish_parser.add_argument(
         "--results-dir", default=str(RESULTS_DIR), help=f"default {RESULTS_DIR}"
+    )
+    publish_parser.add_argument(
+        "--note",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a line shown under the run's facts in docs/benchmarks.md (repeatable): what a "
+        "reader needs beside the numbers, e.g. what else ran on the host",
     )
     publish_parser.set_defaults(func=cmd_publish)
 
