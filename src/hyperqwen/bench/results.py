@@ -244,7 +244,8 @@ def render_headline(results_dir: Path) -> str:
                 lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Each run's command, vLLM, commit, date and every other row: "
+        "Each run's command, vLLM, commit, date, notes (what else ran on the host, flags "
+        "that differ, rows that time a queue) and every other row: "
         "[docs/benchmarks.md](docs/benchmarks.md).",
     ]
     return "\n".join(lines)
