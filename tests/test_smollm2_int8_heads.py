@@ -129,9 +129,10 @@ def test_only_the_tied_embedding_changes_by_the_recorded_round_trip(folders) -> 
     for name in before:
         if name != EMBEDDING:
             assert torch.equal(before[name], after[name]), name
-    difference = (after[EMBEDDING].float() - before[EMBEDDING].float()).abs()
+    # In float64: a float32 norm over the 28M elements is off by ~1e-3 relative.
+    difference = (after[EMBEDDING].double() - before[EMBEDDING].double()).abs()
     assert difference.max().item() == pytest.approx(module["max_abs_error"], abs=1e-6)
-    relative = difference.norm() / before[EMBEDDING].float().norm()
+    relative = difference.norm() / before[EMBEDDING].double().norm()
     assert relative.item() == pytest.approx(module["relative_error"], abs=1e-6)
 
 

@@ -82,21 +82,18 @@ def prepare_int8_round_trip(weight: Any) -> tuple[Any, dict[str, Any]]:
     import torch
 
     from hyperqwen.checkpoint import w4a16
-    from hyperqwen.prepare.tensors import INT8
+    from hyperqwen.prepare.tensors import INT8, ErrorMeter
 
     original = weight.detach().to(torch.bfloat16)  # prepare quantizes the base's bf16 tensors
     in_features = original.shape[1]
     ragged = -in_features % w4a16.GROUP_SIZE
     padded = torch.nn.functional.pad(original, (0, ragged))
     restored = w4a16.unpack(w4a16.pack(padded, num_bits=INT8))[:, :in_features]
-    difference = restored.float() - original.float()
+    meter = ErrorMeter()  # prepare's own measure of the round trip
+    meter.add(original, restored)
     error = {
-        "bits": INT8,
-        "group_size": w4a16.GROUP_SIZE,
+        **meter.result(INT8),
         "last_group_columns": in_features % w4a16.GROUP_SIZE or w4a16.GROUP_SIZE,
-        # prepare's definition: ||restored - original|| / ||original||, over the whole tensor.
-        "relative_error": round(float(difference.norm() / original.float().norm()), 6),
-        "max_abs_error": round(float(difference.abs().max()), 6),
     }
     return restored.to(weight.dtype), error
 
