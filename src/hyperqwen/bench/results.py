@@ -207,22 +207,27 @@ def _markdown_section(path: Path, document: dict, rows: Sequence[ComparisonRow])
     return [*lines, ""]
 
 
-def render_benchmarks(results_dir: Path) -> str:
-    """docs/benchmarks.md for the result files in results_dir, newest first."""
+Published = list[tuple[Path, dict, list[ComparisonRow]]]
+
+
+def load_published(results_dir: Path) -> Published:
+    """Every result file in results_dir, checked, newest first: (path, document, rows)."""
+    return [(path, *load_result(path)) for path in sorted(results_dir.glob("*.json"), reverse=True)]
+
+
+def render_benchmarks(published: Published) -> str:
+    """docs/benchmarks.md for the published results."""
     lines = [DOC_HEADER]
-    paths = sorted(results_dir.glob("*.json"), reverse=True)
-    if not paths:
+    if not published:
         lines.append(NO_RUNS + " Run `hyperqwen bench ab --help` to make one.\n")
-    for path in paths:
-        document, rows = load_result(path)
+    for path, document, rows in published:
         lines += _markdown_section(path, document, rows)
     return "\n".join(lines)
 
 
-def render_headline(results_dir: Path) -> str:
-    """The README's headline table: HEADLINE_ROWS of every published result, newest first."""
-    paths = sorted(results_dir.glob("*.json"), reverse=True)
-    if not paths:
+def render_headline(published: Published) -> str:
+    """The README's headline table: HEADLINE_ROWS of every published result."""
+    if not published:
         return (
             "No published measurements yet; [docs/benchmarks.md](docs/benchmarks.md) says how "
             "they are made."
@@ -231,8 +236,7 @@ def render_headline(results_dir: Path) -> str:
         "| run | GPU | row | unit | stock vLLM 0.26.0 | HyperQwen | ratio |",
         "|---|---|---|---|---:|---:|---:|",
     ]
-    for path in paths:
-        document, rows = load_result(path)
+    for path, document, rows in published:
         for row in rows:
             if row.name in HEADLINE_ROWS:
                 shown = "-" if row.ratio is None else f"{row.ratio:.{RATIO_DECIMALS}f}"
@@ -322,8 +326,8 @@ def cmd_docs(args: argparse.Namespace) -> int:
     try:
         readme_text = readme.read_text(encoding="utf-8")
         wanted = {
-            doc: render_benchmarks(results_dir),
-            readme: with_headline(readme_text, render_headline(results_dir), readme),
+            doc: render_benchmarks(published := load_published(results_dir)),
+            readme: with_headline(readme_text, render_headline(published), readme),
         }
     except (OSError, ResultFileError) as error:
         print(f"hyperqwen bench docs: {error}", file=sys.stderr)
