@@ -14,6 +14,7 @@ import math
 import re
 import shutil
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -294,17 +295,43 @@ def write_ratio_plot(path: Path, rows: Sequence[ComparisonRow], title: str) -> N
     """A bar per row: patched / stock, with the line at 1.0 (no change)."""
     pyplot = load_pyplot()
 
-    shown = [row for row in rows if row.ratio is not None]
-    figure, axis = pyplot.subplots(figsize=(9, 0.4 * len(shown) + 1.5))
+    # A zero ratio has no place on the log axis (and no speed row is 0 on a working server).
+    shown = [row for row in rows if row.ratio]
+    figure, axis = pyplot.subplots(figsize=(9, 0.4 * len(shown) + 1.8))
     labels = [f"{row.name} ({row.unit})" for row in shown]
     colours = [
         "tab:green" if (row.ratio >= 1) != (row.unit in LOWER_IS_BETTER) else "tab:red"
         for row in shown
     ]
-    axis.barh(labels, [row.ratio for row in shown], color=colours)
+    # Bars from 1.0 on a log axis: 2x and 0.5x are equally long, and one outlier (a queued
+    # cohort's 73x TTFT) does not flatten the rest.
+    ratios = [row.ratio for row in shown]
+    axis.barh(labels, [r - 1 for r in ratios], left=1, color=colours)
+    axis.set_xscale("log")
+    # Room beyond the longest bars for their labels; ticks at powers of two.
+    low, high = min([*ratios, 1.0]) / 2, max([*ratios, 1.0]) * 2
+    axis.set_xlim(low, high)
+    powers = range(math.floor(math.log2(low)), 1 + math.ceil(math.log2(high)))
+    step = 1 if len(powers) <= 9 else 2  # every other power when the range is wide
+    ticks = [2.0**power for power in powers if power % step == 0]
+    axis.set_xticks(ticks, [f"{tick:g}x" for tick in ticks])
+    axis.minorticks_off()
+    for index, value in enumerate(ratios):
+        axis.annotate(
+            f"{value:.{RATIO_DECIMALS}f}x",
+            (value, index),
+            xytext=(4 if value >= 1 else -4, 0),
+            textcoords="offset points",
+            ha="left" if value >= 1 else "right",
+            va="center",
+            fontsize=8,
+        )
     axis.axvline(1.0, color="black", linewidth=1)
     axis.invert_yaxis()
-    axis.set(title=title, xlabel="patched / stock (green: better, red: worse)")
+    axis.set(
+        title="\n".join(textwrap.wrap(title, 70)),
+        xlabel="patched / stock, log scale (green: better, red: worse)",
+    )
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
