@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -228,15 +228,19 @@ def flag_value(argv: list[str], flag: str) -> str | None:
     return value
 
 
-def queue_notes(cohorts, commands: dict[str, list[str]]) -> list[str]:
+def max_num_seqs(commands: dict[str, list[str]]) -> dict[str, int]:
+    """Each side's --max-num-seqs, where its command sets one (stock runs vLLM's default)."""
+    values = {side: flag_value(command, "--max-num-seqs") for side, command in commands.items()}
+    return {side: int(value) for side, value in values.items() if value is not None}
+
+
+def queue_notes(cohorts: Sequence[int], commands: dict[str, list[str]]) -> list[str]:
     """One line per side whose --max-num-seqs is below a cohort: those rows time a queue."""
     notes = []
-    for side, command in commands.items():
-        value = flag_value(command, "--max-num-seqs")
-        beyond = [c for c in cohorts if value is not None and c > int(value)]
-        if beyond:
+    for side, limit in max_num_seqs(commands).items():
+        if beyond := [c for c in cohorts if c > limit]:
             notes.append(
-                f"The {side} side serves at most {value} streams (--max-num-seqs {value}): at "
+                f"The {side} side serves at most {limit} streams (--max-num-seqs {limit}): at "
                 f"C{', C'.join(map(str, beyond))} the other streams wait for a slot, so those "
                 "rows' TTFT and total tok/s include the queue."
             )
@@ -252,10 +256,9 @@ def settle_cohorts(args: argparse.Namespace) -> None:
     """
     commands = {side: base_argv(side, args, PREVIEW_PORT) for side in SIDES}
     if args.cohorts is None:
-        values = [flag_value(command, "--max-num-seqs") for command in commands.values()]
-        limits = [int(value) for value in values if value is not None]
+        limit = min(max_num_seqs(commands).values(), default=None)
         default = _int_list(DEFAULT_COHORTS[args.mode])
-        args.cohorts = tuple(c for c in default if not limits or c <= min(limits))
+        args.cohorts = tuple(c for c in default if limit is None or c <= limit)
         return
     for note in queue_notes(args.cohorts, commands):
         print(

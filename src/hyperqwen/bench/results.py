@@ -283,9 +283,7 @@ def publish(result: Path, name: str, results_dir: Path, notes: Sequence[str] = (
     results_dir.mkdir(parents=True, exist_ok=True)
     if notes:
         document["notes"] = [*document.get("notes", []), *notes]
-        target.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    else:
-        shutil.copyfile(result, target)
+    target.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     if result.with_suffix(".png").is_file():
         shutil.copyfile(result.with_suffix(".png"), target.with_suffix(".png"))
     return target
