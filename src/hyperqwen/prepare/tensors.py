@@ -242,8 +242,8 @@ class ErrorMeter:
 
     def add(self, original, restored) -> None:
         # Float64 sums: a float32 dot product over millions of elements drifts by ~1e-3
-        # relative, more than the recorded digits. Blocks are small (BLOCK_BYTES), so are the
-        # float64 temporaries.
+        # relative, more than the recorded digits. prepare feeds blocks of BLOCK_BYTES, so its
+        # float64 temporaries stay small.
         difference = restored.double().sub_(original.double()).flatten()
         self.squared_error += float(difference.dot(difference))
         reference = original.double().flatten()
