@@ -145,14 +145,18 @@ def profile_serve_argv(model: Path, port: int, mode: str, env_file: str | None) 
     return build_launch(loaded, mode, api_key=None).argv[1:]  # drop "vllm"
 
 
-def _spec_value_positions(argv: list[str]) -> list[tuple[int, str]]:
-    """(index, prefix) of every --speculative-config value: `FLAG VALUE` or `FLAG=VALUE`."""
+def _value_positions(argv: list[str], flags: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(index, prefix) of every value of one of `flags`: `FLAG VALUE` or `FLAG=VALUE`."""
     positions = []
     for index, token in enumerate(argv):
         flag, equals, _ = token.partition("=")
-        if flag in SPEC_FLAGS:
+        if flag in flags:
             positions.append((index, flag + "=") if equals else (index + 1, ""))
     return positions
+
+
+def _spec_value_positions(argv: list[str]) -> list[tuple[int, str]]:
+    return _value_positions(argv, SPEC_FLAGS)
 
 
 def speculates(argv: list[str]) -> bool:
@@ -219,13 +223,11 @@ def check_synthetic_acceptance(args: argparse.Namespace) -> None:
 
 def flag_value(argv: list[str], flag: str) -> str | None:
     """The value of the last `flag V` or `flag=V` in argv (vLLM keeps the last), else None."""
-    value = None
-    for index, token in enumerate(argv):
-        if token == flag and index + 1 < len(argv):
-            value = argv[index + 1]
-        elif token.startswith(flag + "="):
-            value = token[len(flag) + 1 :]
-    return value
+    positions = [(i, prefix) for i, prefix in _value_positions(argv, (flag,)) if i < len(argv)]
+    if not positions:
+        return None
+    index, prefix = positions[-1]
+    return argv[index][len(prefix) :]
 
 
 def max_num_seqs(commands: dict[str, list[str]]) -> dict[str, int]:
