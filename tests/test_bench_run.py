@@ -56,6 +56,7 @@ class FakeVllm:
     fail_from: int | None = None
     """Requests from this index on get HTTP 500, as from a dead engine."""
     prompts: list[object] = field(default_factory=list)
+    bodies: list[dict] = field(default_factory=list)
     in_flight_at_start: list[int] = field(default_factory=list)
     in_flight: int = 0
 
@@ -79,6 +80,7 @@ class FakeVllm:
         self.speculative = speculative
         self.fail_from = fail_from
         self.prompts.clear()
+        self.bodies.clear()
         self.in_flight_at_start.clear()
 
     def cached_tokens(self, prompt: list) -> int:
@@ -139,6 +141,7 @@ def build_app(fake: FakeVllm) -> FastAPI:
         # One "token" per character of chat text (a stand-in tokenizer), token ids as given.
         prompt = list(body["messages"][-1]["content"]) if chat else list(body["prompt"])
         fake.prompts.append(body["messages"][-1]["content"] if chat else body["prompt"])
+        fake.bodies.append(body)
         cached = fake.cached_tokens(prompt)
         engine = len(fake.prompts) % 2
         fake.preemptions[engine].inc()
@@ -421,6 +424,33 @@ def test_a_failure_mid_run_keeps_the_rows_measured_before(
     assert "HTTP 500" in captured.err and f"1 measured row(s) kept in {out}" in captured.err
     assert [row["C"] for row in json.loads(out.read_text())["rows"]] == [1]
     assert len(rows_of(captured.out)) == 1
+
+
+def test_extra_body_reaches_every_request_and_cannot_override_the_lengths(
+    server, env_file, tmp_path, capsys
+) -> None:
+    server[0].reset(speculative=False)
+    out = tmp_path / "extra.json"
+    argv = ("--cohorts", "2", "--rounds", "1", "--output-len", "3", "--prefill", "64")
+    extra = '{"top_k": 20, "chat_template_kwargs": {"enable_thinking": false}}'
+    run = ("bench", "run", "batch", "--env-file", str(env_file), "--random-tokens", *argv)
+    assert run_in_process(*run, "--extra-body", extra, "--out", str(out)) == 0
+    assert len(server[0].bodies) == 2 + 2 + 1 + 3  # warm-up + measured, decode and prefill
+    for body in server[0].bodies:
+        assert body["top_k"] == 20 and body["chat_template_kwargs"] == {"enable_thinking": False}
+        assert body["max_tokens"] in (3, 1) and body["ignore_eos"] is True
+    command = json.loads(out.read_text())["command"]
+    assert command[command.index("--extra-body") + 1] == json.dumps(json.loads(extra))
+    capsys.readouterr()
+
+    for wrong, said in [
+        ('{"max_tokens": 5, "top_k": 2}', "max_tokens: set by the harness itself"),
+        ("[1]", "give a JSON object"),
+        ("{top_k: 2}", "is not JSON"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            run_in_process(*run, "--extra-body", wrong)
+        assert exited.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_unknown_model_lists_the_served_ones(server, env_file, capsys) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from hyperqwen.bench.options import (
     DATE_FORMAT,
     DEFAULT_PREFILL,
     _int_list,
+    _json_object,
     _positive,
     build_plan,
 )
@@ -43,6 +45,8 @@ def equivalent_command(args: argparse.Namespace, cohorts: tuple[int, ...], url: 
     command += ["--prefill-requests", str(args.prefill_requests)]
     command += ["--temperature", f"{args.temperature:g}", "--seed", str(args.seed)]
     command += ["--shared"] * args.shared + ["--random-tokens"] * args.random_tokens
+    if args.extra_body:
+        command += ["--extra-body", json.dumps(args.extra_body)]
     return command + (["--model", args.model] if args.model else [])
 
 
@@ -90,6 +94,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             token_ids=served_token_ids(client, model),
             sharegpt_prompts=sharegpt,
+            extra_body=args.extra_body,
         )
         run_bench(client, factory, plan, keep)
     except BenchError as error:
@@ -224,6 +229,14 @@ def add_subcommand(subparsers) -> None:
     )
     run.add_argument(
         "--seed", metavar="N", type=int, default=0, help="seed of the prompt choice (default 0)"
+    )
+    run.add_argument(
+        "--extra-body",
+        metavar="JSON",
+        type=_json_object,
+        default={},
+        help="more request fields for every request, as `vllm bench serve --extra-body`, "
+        """e.g. '{"top_k": 20}' or '{"chat_template_kwargs": {"enable_thinking": false}}'""",
     )
     run.add_argument(
         "--timeout",

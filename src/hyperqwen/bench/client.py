@@ -10,13 +10,16 @@ of what ran between them.
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import json
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -156,17 +159,13 @@ class BenchClient:
                 method, url, headers=self._headers, timeout=self._timeout, **kwargs
             )
         except requests.ConnectionError as error:
-            raise BenchError(
-                f"no server answers at {self.base_url} ({error.__class__.__name__}). Start it "
-                "with `hyperqwen serve single|batch` (or single-user/serve.sh, batch/serve.sh) "
-                "and wait for 'Application startup complete', or point --url at it."
-            ) from None
+            raise BenchError(self._unreachable(error)) from None
         except requests.Timeout:
             raise BenchError(
                 f"{method} {url}: no answer within {self._timeout[1]:g} s (--timeout)"
             ) from None
         if response.status_code != 200:
-            raise BenchError(_http_error(method, url, response))
+            raise BenchError(_http_error(method, url, response.status_code, response.text))
         return response
 
     def get_json(self, path: str) -> Any:
@@ -180,62 +179,149 @@ class BenchClient:
         body = {"model": model, "prompt": text, "add_special_tokens": False}
         return list(self.post_json("/tokenize", body)["tokens"])
 
+    def metrics_page(self) -> str:
+        """The server's /metrics page (Prometheus text) right now."""
+        return self._request("GET", "/metrics").text
+
     def counters(self) -> dict[str, float]:
         """The vLLM counters on /metrics right now (see parse_counters)."""
-        return parse_counters(self._request("GET", "/metrics").text)
+        return parse_counters(self.metrics_page())
 
-    def stream(self, path: str, body: dict[str, Any]) -> StreamResult:
-        """POST a streaming request (/v1/completions or /v1/chat/completions) and time it."""
+    def stream_many(
+        self,
+        requests: Sequence[tuple[str, dict[str, Any]]],
+        concurrency: int,
+        on_result: Callable[[], object] = lambda: None,
+    ) -> tuple[list[StreamResult], float]:
+        """Stream (path, body) requests, `concurrency` in flight; the results in the order they
+        finish and the wall time of the whole pass.
+
+        One event loop on one thread drives every stream, as `vllm bench serve` does: a thread
+        per stream makes C threads wake up for every token. `on_result` runs as each request
+        ends (a progress bar).
+        """
+        return asyncio.run(self._stream_many(requests, concurrency, on_result))
+
+    async def _stream_many(
+        self,
+        requests: Sequence[tuple[str, dict[str, Any]]],
+        concurrency: int,
+        on_result: Callable[[], object],
+    ) -> tuple[list[StreamResult], float]:
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=self._timeout[1]
+        )
+        in_flight = asyncio.Semaphore(concurrency)
+        async with aiohttp.ClientSession(
+            headers=self._headers,
+            timeout=timeout,
+            connector=aiohttp.TCPConnector(limit=concurrency),
+            trust_env=True,  # HTTP(S)_PROXY / NO_PROXY, as requests honours them
+        ) as session:
+
+            async def one(path: str, body: dict[str, Any]) -> StreamResult:
+                async with in_flight:
+                    result = await self._stream(session, path, body)
+                on_result()
+                return result
+
+            start = time.perf_counter()
+            tasks = [asyncio.create_task(one(path, body)) for path, body in requests]
+            try:
+                results = [await task for task in asyncio.as_completed(tasks)]
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            return results, time.perf_counter() - start
+
+    async def _stream(
+        self, session: aiohttp.ClientSession, path: str, body: dict[str, Any]
+    ) -> StreamResult:
+        """POST one streaming request (/v1/completions or /v1/chat/completions) and time it."""
+        url = self.base_url + path
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        events = _TimedEvents(f"POST {url}")
         start = time.perf_counter()
-        with self._request("POST", path, json=body, stream=True) as response:
-            decoder = SseDecoder()
-            chunk_times: list[float] = []
-            text: list[str] = []
-            usage = None
-            finished_at = None
-            # chunk_size=None yields each network chunk as it arrives (a size would wait
-            # for that many bytes and blur the timing).
-            for chunk in response.iter_content(chunk_size=None):
-                now = time.perf_counter() - start
-                for payload in decoder.feed(chunk):
-                    if payload == "[DONE]":
-                        finished_at = now
-                        continue
-                    event = json.loads(payload)
-                    if "error" in event:
-                        raise BenchError(f"POST {self.base_url}{path}: {event['error']}")
-                    if event.get("choices"):
-                        chunk_times.append(now)
-                        text.extend(_choice_text(choice) for choice in event["choices"])
-                    usage = event.get("usage") or usage
-        if finished_at is None:
-            raise BenchError(f"POST {self.base_url}{path}: the stream ended before [DONE]")
-        if not chunk_times or usage is None:
+        try:
+            async with session.post(url, json=body) as response:
+                if response.status != 200:
+                    said = await response.text()
+                    raise BenchError(_http_error("POST", url, response.status, said))
+                # iter_any yields each network chunk as it arrives (a size would wait for that
+                # many bytes and blur the timing).
+                async for chunk in response.content.iter_any():
+                    events.feed(chunk, time.perf_counter() - start)
+        except TimeoutError:  # aiohttp's socket timeouts derive from it
             raise BenchError(
-                f"POST {self.base_url}{path}: the stream carried "
-                f"{'no output' if not chunk_times else 'no usage'}; the server must honour "
-                "stream_options.include_usage (vLLM does)"
-            )
-        details = usage.get("prompt_tokens_details") or {}
-        return StreamResult(
-            ttft_s=chunk_times[0],
-            e2e_s=finished_at,
-            chunk_times_s=tuple(chunk_times),
-            prompt_tokens=int(usage["prompt_tokens"]),
-            output_tokens=int(usage["completion_tokens"]),
-            cached_tokens=details.get("cached_tokens"),
-            text="".join(text),
+                f"POST {url}: no answer within {self._timeout[1]:g} s (--timeout)"
+            ) from None
+        except aiohttp.ClientConnectorError as error:
+            raise BenchError(self._unreachable(error)) from None
+        except aiohttp.ClientError as error:
+            raise BenchError(f"POST {url}: the connection broke mid-answer ({error})") from None
+        return events.result()
+
+    def _unreachable(self, error: Exception) -> str:
+        return (
+            f"no server answers at {self.base_url} ({error.__class__.__name__}). Start it "
+            "with `hyperqwen serve single|batch` (or single-user/serve.sh, batch/serve.sh) "
+            "and wait for 'Application startup complete', or point --url at it."
         )
 
 
-def _http_error(method: str, url: str, response: requests.Response) -> str:
-    said = response.text.strip()[:500]
-    if response.status_code == 401:
+class _TimedEvents:
+    """The events of one streamed answer, each timed when its network chunk arrived."""
+
+    def __init__(self, request: str) -> None:
+        self._request = request
+        self._decoder = SseDecoder()
+        self._chunk_times: list[float] = []
+        self._text: list[str] = []
+        self._usage: dict[str, Any] | None = None
+        self._finished_at: float | None = None
+
+    def feed(self, chunk: bytes, now: float) -> None:
+        for payload in self._decoder.feed(chunk):
+            if payload == "[DONE]":
+                self._finished_at = now
+                continue
+            event = json.loads(payload)
+            if "error" in event:
+                raise BenchError(f"{self._request}: {event['error']}")
+            if event.get("choices"):
+                self._chunk_times.append(now)
+                self._text.extend(_choice_text(choice) for choice in event["choices"])
+            self._usage = event.get("usage") or self._usage
+
+    def result(self) -> StreamResult:
+        if self._finished_at is None:
+            raise BenchError(f"{self._request}: the stream ended before [DONE]")
+        if not self._chunk_times or self._usage is None:
+            raise BenchError(
+                f"{self._request}: the stream carried "
+                f"{'no output' if not self._chunk_times else 'no usage'}; the server must "
+                "honour stream_options.include_usage (vLLM does)"
+            )
+        details = self._usage.get("prompt_tokens_details") or {}
+        return StreamResult(
+            ttft_s=self._chunk_times[0],
+            e2e_s=self._finished_at,
+            chunk_times_s=tuple(self._chunk_times),
+            prompt_tokens=int(self._usage["prompt_tokens"]),
+            output_tokens=int(self._usage["completion_tokens"]),
+            cached_tokens=details.get("cached_tokens"),
+            text="".join(self._text),
+        )
+
+
+def _http_error(method: str, url: str, status: int, body: str) -> str:
+    said = body.strip()[:500]
+    if status == 401:
         return (
             f"{method} {url}: HTTP 401, the server wants an API key. Set VLLM_API_KEY, or put "
             "the key in api_key.txt (API_KEY_FILE), as for the server."
         )
-    if response.status_code == 404 and "model" in said.lower():
+    if status == 404 and "model" in said.lower():
         return f"{method} {url}: HTTP 404 {said}. Pass --model with an id from /v1/models."
-    return f"{method} {url}: HTTP {response.status_code} {said}"
+    return f"{method} {url}: HTTP {status} {said}"

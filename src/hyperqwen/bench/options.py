@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from hyperqwen.bench.client import BenchError
@@ -24,6 +25,29 @@ def _int_list(text: str) -> tuple[int, ...]:
     if any(value < 1 for value in values):
         raise argparse.ArgumentTypeError(f"{text!r}: every number must be 1 or more")
     return values
+
+
+# Body fields the harness sets itself: its lengths, streaming and counting depend on them.
+HARNESS_BODY_FIELDS = frozenset(
+    ("model", "prompt", "messages", "max_tokens", "temperature", "stream", "stream_options",
+     "ignore_eos")
+)  # fmt: skip
+
+
+def _json_object(text: str) -> dict:
+    """--extra-body: a JSON object, none of whose fields the harness sets itself."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a JSON object, e.g. '{{\"top_k\": 20}}'")
+    if taken := sorted(HARNESS_BODY_FIELDS & value.keys()):
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(taken)}: set by the harness itself (use --input-len, --output-len, "
+            "--temperature, --model)"
+        )
+    return value
 
 
 def _positive(text: str) -> int:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,25 +47,8 @@ def run_pass(
     label: str,
 ) -> tuple[list[StreamResult], float]:
     """Stream `requests` with `concurrency` in flight; the results and the wall time."""
-    results: list[StreamResult] = []
-    with (
-        ThreadPoolExecutor(max_workers=concurrency) as pool,
-        tqdm(total=len(requests), desc=label, unit="req", leave=False, file=sys.stderr) as bar,
-    ):
-        start = time.perf_counter()
-        futures: list[Future[StreamResult]] = [
-            pool.submit(client.stream, path, body) for path, body in requests
-        ]
-        try:
-            for future in as_completed(futures):
-                results.append(future.result())
-                bar.update()
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
-        wall_s = time.perf_counter() - start
-    return results, wall_s
+    with tqdm(total=len(requests), desc=label, unit="req", leave=False, file=sys.stderr) as bar:
+        return client.stream_many(requests, concurrency, bar.update)
 
 
 def measure_row(

@@ -154,10 +154,13 @@ class RequestFactory:
         temperature: float,
         token_ids: tuple[int, ...],
         sharegpt_prompts: list[str] | None = None,
+        extra_body: dict[str, Any] | None = None,
     ) -> None:
-        """token_ids: what random-token prompts and salts draw from (served_token_ids)."""
+        """token_ids: what random-token prompts and salts draw from (served_token_ids);
+        extra_body: more fields for every request (sampling parameters vLLM takes)."""
         self.model = model
         self.temperature = temperature
+        self.extra_body = dict(extra_body or {})
         self.token_ids = token_ids
         self._rng = random.Random(seed)
         pool = list(sharegpt_prompts or [])
@@ -170,6 +173,7 @@ class RequestFactory:
 
     def _request(self, workload: Workload) -> tuple[str, dict[str, Any]]:
         common = {
+            **self.extra_body,
             "model": self.model,
             "max_tokens": workload.output_len,
             "temperature": self.temperature,
