@@ -162,7 +162,8 @@ class Settings(BaseModel):
     PREFIX_CACHE: Switch = knob(
         "1",
         "Reuse the KV cache and recurrent state of a shared prompt prefix (system prompts, "
-        "multi-turn chats).",
+        "multi-turn chats). vLLM 0.26 runs it in an experimental mode for this hybrid model that "
+        "raises TTFT when prompts share nothing; batch/README.md has the measured cost.",
         "--enable-prefix-caching / --no-enable-prefix-caching",
     )
     VISION: Switch = knob(
