@@ -69,10 +69,9 @@ from gpu_server import (
     with_vllm_first,
 )
 from local_server import free_port
-from prometheus_client.parser import text_string_to_metric_families
 
 from hyperqwen.bench import quality_ifbench, smollm2
-from hyperqwen.bench.client import BenchClient
+from hyperqwen.bench.client import BenchClient, parse_counters
 from hyperqwen.bench.quality import QUALITY_SCHEMA
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
@@ -149,13 +148,9 @@ def vllm_serve(model_dir: Path, name: str, port: int, *flags: str) -> list[str]:
 
 def server_tpot_totals(client: BenchClient) -> tuple[float, float]:
     """(sum, count) of the server's time-per-output-token histogram right now."""
-    totals = {"sum": 0.0, "count": 0.0}
-    for family in text_string_to_metric_families(client.metrics_page()):
-        for sample in family.samples:
-            for part in totals:
-                if sample.name == f"{SERVER_TPOT}_{part}":
-                    totals[part] += sample.value
-    return totals["sum"], totals["count"]
+    names = (f"{SERVER_TPOT}_sum", f"{SERVER_TPOT}_count")
+    totals = parse_counters(client.metrics_page(), names)
+    return totals.get(names[0], 0.0), totals.get(names[1], 0.0)
 
 
 def test_harness_agrees_with_vllm_bench_serve(patched_env, tmp_path_factory):

@@ -18,7 +18,6 @@ import asyncio
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 import types
@@ -31,7 +30,7 @@ import pytest
 from cli_runner import run_in_process
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from local_server import serving
+from local_server import free_port, serving
 
 from hyperqwen.bench.rows import Row, parse_row
 
@@ -218,6 +217,11 @@ def env_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server) -> Path:
     return path
 
 
+def bench_run(mode: str, env_file: Path, *args: str) -> int:
+    """`hyperqwen bench run MODE --env-file ENV_FILE ARGS...`, in this process; its exit code."""
+    return run_in_process("bench", "run", mode, "--env-file", str(env_file), *args)
+
+
 def rows_of(output: str) -> list:
     return [parse_row(line) for line in output.splitlines() if line.startswith("ROW ")]
 
@@ -238,12 +242,9 @@ def test_single_run_measures_what_the_server_does(server, env_file, tmp_path, ca
     fake, _ = server
     fake.reset(speculative=True)
     out = tmp_path / "results" / "single.json"
-    code = run_in_process(
-        "bench",
-        "run",
+    code = bench_run(
         "single",
-        "--env-file",
-        str(env_file),
+        env_file,
         "--cohorts",
         "1,3",
         "--rounds",
@@ -320,12 +321,9 @@ def test_shared_batch_run_hits_the_cache_and_reports_no_speculation(
 ) -> None:
     fake, _ = server
     fake.reset(speculative=False)
-    code = run_in_process(
-        "bench",
-        "run",
+    code = bench_run(
         "batch",
-        "--env-file",
-        str(env_file),
+        env_file,
         "--cohorts",
         "2",
         "--rounds",
@@ -363,12 +361,9 @@ def test_without_matplotlib_the_json_is_still_written(
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now fails
     out = tmp_path / "plain.json"
     argv = ("--cohorts", "1", "--rounds", "1", "--output-len", "2", "--prefill", "none")
-    code = run_in_process(
-        "bench",
-        "run",
+    code = bench_run(
         "single",
-        "--env-file",
-        str(env_file),
+        env_file,
         "--random-tokens",
         *argv,
         "--out",
@@ -382,22 +377,11 @@ def test_without_matplotlib_the_json_is_still_written(
 
 def test_wrong_key_and_no_server_fail_with_the_fix(server, env_file, tmp_path, capsys) -> None:
     (tmp_path / "api_key.txt").write_text("not-the-key\n")
-    assert (
-        run_in_process("bench", "run", "single", "--env-file", str(env_file), "--random-tokens")
-        == 1
-    )
+    assert bench_run("single", env_file, "--random-tokens") == 1
     assert "HTTP 401, the server wants an API key" in capsys.readouterr().err
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        free_port = probe.getsockname()[1]
-    url = f"http://127.0.0.1:{free_port}"
-    assert (
-        run_in_process(
-            "bench", "run", "single", "--url", url, "--random-tokens", "--env-file", str(env_file)
-        )
-        == 1
-    )
+    url = f"http://127.0.0.1:{free_port()}"
+    assert bench_run("single", env_file, "--url", url, "--random-tokens") == 1
     error = capsys.readouterr().err
     assert f"no server answers at {url}" in error and "hyperqwen serve" in error
 
@@ -408,12 +392,9 @@ def test_a_failure_mid_run_keeps_the_rows_measured_before(
     server[0].reset(speculative=True, fail_from=2)  # row 1: warm-up + 1 request; row 2 fails
     out = tmp_path / "partial.json"
     argv = ("--cohorts", "1,2", "--rounds", "1", "--output-len", "2", "--prefill", "none")
-    code = run_in_process(
-        "bench",
-        "run",
+    code = bench_run(
         "single",
-        "--env-file",
-        str(env_file),
+        env_file,
         "--random-tokens",
         *argv,
         "--out",
@@ -433,8 +414,8 @@ def test_extra_body_reaches_every_request_and_cannot_override_the_lengths(
     out = tmp_path / "extra.json"
     argv = ("--cohorts", "2", "--rounds", "1", "--output-len", "3", "--prefill", "64")
     extra = '{"top_k": 20, "chat_template_kwargs": {"enable_thinking": false}}'
-    run = ("bench", "run", "batch", "--env-file", str(env_file), "--random-tokens", *argv)
-    assert run_in_process(*run, "--extra-body", extra, "--out", str(out)) == 0
+    run = ("batch", env_file, "--random-tokens", *argv)
+    assert bench_run(*run, "--extra-body", extra, "--out", str(out)) == 0
     assert len(server[0].bodies) == 2 + 2 + 1 + 3  # warm-up + measured, decode and prefill
     for body in server[0].bodies:
         assert body["top_k"] == 20 and body["chat_template_kwargs"] == {"enable_thinking": False}
@@ -449,14 +430,12 @@ def test_extra_body_reaches_every_request_and_cannot_override_the_lengths(
         ("{top_k: 2}", "is not JSON"),
     ]:
         with pytest.raises(SystemExit) as exited:
-            run_in_process(*run, "--extra-body", wrong)
+            bench_run(*run, "--extra-body", wrong)
         assert exited.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_unknown_model_lists_the_served_ones(server, env_file, capsys) -> None:
-    code = run_in_process(
-        "bench", "run", "single", "--env-file", str(env_file), "--random-tokens", "--model", "other"
-    )
+    code = bench_run("single", env_file, "--random-tokens", "--model", "other")
     assert code == 1
     assert f"the server has: {MODEL}" in capsys.readouterr().err
 

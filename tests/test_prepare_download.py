@@ -6,19 +6,13 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 
 import pytest
+from local_server import free_port
 from test_prepare_common import prepare_process, tiny_base_dir
 
 from hyperqwen.doctor import PREPARED_MARKER
 from hyperqwen.prepare.download import DEFAULT_BASE_REPO
-
-
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.parametrize("network", ["offline", "unreachable"])
@@ -28,7 +22,7 @@ def test_a_failed_download_says_where_to_put_which_files(network, tmp_path):
     if network == "offline":
         env["HF_HUB_OFFLINE"] = "1"
     else:
-        env["HF_ENDPOINT"] = f"http://127.0.0.1:{_closed_port()}"
+        env["HF_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"
     done = prepare_process(str(model), "--repo", "someone/some-base", env=env)
     assert done.returncode == 2, done.stderr
     assert "downloading someone/some-base" in done.stdout

@@ -11,13 +11,13 @@ import contextlib
 import io
 import json
 import re
-import socket
 
 import pytest
 import torch
 from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
     CompressedTensorsDequantizer,
 )
+from local_server import free_port
 from transformers import AutoConfig, AutoTokenizer
 
 from hyperqwen.checkpoint import layout, shards, w4a16
@@ -233,12 +233,6 @@ def test_cli_reports_bad_overrides(tmp_path):
 # --- vLLM 0.26.0 reads the checkpoint ---------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def vllm_cpu(tiny):
     """vLLM on its CPU platform with a one-process gloo 'cluster' for the model classes."""
@@ -262,7 +256,7 @@ def vllm_cpu(tiny):
             world_size=1,
             rank=0,
             local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
             backend="gloo",
         )
         initialize_model_parallel(1, 1)

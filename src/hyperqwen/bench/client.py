@@ -15,7 +15,7 @@ import codecs
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,12 +124,13 @@ class ServerCounters:
         return 1.0 + (self.accepted_tokens or 0.0) / self.drafts
 
 
-def parse_counters(metrics_text: str) -> dict[str, float]:
-    """The counters of COUNTER_NAMES in a Prometheus text page, summed over their labels."""
+def parse_counters(metrics_text: str, names: Collection[str] = COUNTER_NAMES) -> dict[str, float]:
+    """The samples called `names` (COUNTER_NAMES, or e.g. a histogram's NAME_sum and
+    NAME_count) in a Prometheus text page, each summed over its labels; absent ones left out."""
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
-            if sample.name in COUNTER_NAMES:
+            if sample.name in names:
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
 
