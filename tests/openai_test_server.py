@@ -10,7 +10,8 @@ code point; beyond VOCAB_SIZE ids, UNKNOWN_ID) at /tokenize and, as vLLM, refuse
 an id beyond its vocabulary. For the quality battery it answers non-streamed prompt_logprobs
 requests with prompt_logprob (from the config) for every token. Each step makes one token plus the
 drafts accepted: with synthetic_acceptance_rates r the mean is 1 + sum(r), as vLLM's synthetic
-rejection sampler, spread evenly (no randomness); the spec-decode counters count them.
+rejection sampler, spread evenly (no randomness); the spec-decode counters count them. As
+vLLM, it keeps histograms of each streamed request's e2e latency and time per output token.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
         name: prometheus_client.Counter(f"vllm:spec_decode_{name}", name, registry=registry)
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
     }
+    histograms = {
+        name: prometheus_client.Histogram(f"vllm:{name}_seconds", name, registry=registry)
+        for name in ("e2e_request_latency", "request_time_per_output_token")
+    }
     app = FastAPI()
 
     @app.get("/health")
@@ -98,7 +103,9 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
             return f"data: {json.dumps({'choices': [choice]})}\n\n"
 
         async def events() -> AsyncIterator[str]:
+            arrived = time.monotonic()
             await asyncio.sleep(behaviour["prefill_ms"] / 1000)
+            first_token = time.monotonic()
             yield chunk("t ")
             made, owed = 1, 0.0
             while made < max_tokens:
@@ -112,6 +119,11 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
                     counters["num_accepted_tokens"].inc(accepted)
                 made += 1 + accepted
                 yield chunk("t " * (1 + accepted))
+            finished = time.monotonic()
+            histograms["e2e_request_latency"].observe(finished - arrived)
+            if made > 1:
+                decode_s = finished - first_token
+                histograms["request_time_per_output_token"].observe(decode_s / (made - 1))
             usage = {"prompt_tokens": len(prompt), "completion_tokens": made}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
