@@ -343,14 +343,29 @@ def test_phases_apart_measure_stock_then_patched_and_merge(comparison, tmp_path,
     assert (tmp_path / "work" / "ab-result.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_both_phases_in_one_run_without_speculation(comparison, tmp_path, capsys) -> None:
+def test_both_phases_in_one_run_without_speculation(
+    comparison, tmp_path, capsys, monkeypatch
+) -> None:
+    # Knobs from the environment shape the patched side and are part of the repeat command;
+    # the key is not (a secret), nor MODEL (bench ab sets it).
+    monkeypatch.setenv("KV", "auto")
+    monkeypatch.setenv("EXTRA_ARGS", "--seed 7 --enforce-eager")
+    monkeypatch.setenv("VLLM_API_KEY", "sk-not-for-the-record")
+    monkeypatch.setenv("MODEL", "/elsewhere")
     argv = [*comparison, "--mode", "batch", "--cohorts", "1", "--prefill", "none"]
     assert run_in_process("bench", *argv, "--synthetic-acceptance", RATES) == 2
     assert "needs speculative decoding on at least one side" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()  # refused before any server started
 
     assert run_in_process("bench", *argv, "--out", str(tmp_path / "batch.json")) == 0
-    _, rows = load_result(tmp_path / "batch.json")
+    document, rows = load_result(tmp_path / "batch.json")
+    patched_command = document["patched"]["command"]
+    assert patched_command[patched_command.index("--kv-cache-dtype") + 1] == "auto"
+    assert "--enforce-eager" in patched_command
+    words = shlex.split(document["command"])
+    assert words[:3] == ["EXTRA_ARGS=--seed 7 --enforce-eager", "KV=auto", "hyperqwen"]
+    assert "sk-not-for-the-record" not in json.dumps(document)
+    assert "/elsewhere" not in document["command"]
     by_name = {row.name: row for row in rows}
     assert by_name["c1_decode"].ratio == pytest.approx(20 / 16, rel=0.12)
     assert "c1_tokens_per_step" not in by_name  # neither side speculated

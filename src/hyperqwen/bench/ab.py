@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import requests
@@ -67,7 +67,7 @@ from hyperqwen.patches import (
     load_series,
     series_status,
 )
-from hyperqwen.settings import MODES, SettingsError, load_settings
+from hyperqwen.settings import MODES, LoadedSettings, SettingsError, knobs, load_settings
 
 STATE_SCHEMA = 1
 SIDES = ("stock", "patched")
@@ -120,6 +120,8 @@ class SideResult:
     rows: list[Row]
     log: str
     quality: dict | None = None  # the `bench quality` document, with --quality
+    # The profile's knobs taken from the environment (patched side), part of the command.
+    knobs: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, values: dict) -> SideResult:
@@ -135,14 +137,36 @@ def stock_serve_argv(model: Path, port: int) -> list[str]:
     return ["serve", str(model), *address, "--served-model-name", model.name]
 
 
-def profile_serve_argv(model: Path, port: int, mode: str, env_file: str | None) -> list[str]:
-    """The argv `hyperqwen serve MODE` would run for this model (knobs from env/.env), local."""
-    overrides = {"MODEL": str(model), "PORT": str(port), "HOST": SERVER_HOST}
+def _profile_overrides(model: Path, port: int) -> dict[str, str]:
+    return {"MODEL": str(model), "PORT": str(port), "HOST": SERVER_HOST}
+
+
+def _load_profile(model: Path, port: int, env_file: str | None) -> LoadedSettings:
+    environ = {**os.environ, **_profile_overrides(model, port)}
     try:
-        loaded = load_settings({**os.environ, **overrides}, Path(env_file) if env_file else None)
+        return load_settings(environ, Path(env_file) if env_file else None)
     except SettingsError as error:
         raise ABError(f"the project's profile cannot be built:\n{error}") from None
+
+
+def profile_serve_argv(model: Path, port: int, mode: str, env_file: str | None) -> list[str]:
+    """The argv `hyperqwen serve MODE` would run for this model (knobs from env/.env), local."""
+    loaded = _load_profile(model, port, env_file)
     return build_launch(loaded, mode, api_key=None).argv[1:]  # drop "vllm"
+
+
+def environment_knobs(model: Path, env_file: str | None) -> dict[str, str]:
+    """The profile's knobs set in the environment (not the ones bench ab sets, not secrets):
+    the command that repeats a comparison must set them too."""
+    loaded = _load_profile(model, PREVIEW_PORT, env_file)
+    secret = {info.name for info in knobs() if info.secret}
+    return {
+        name: os.environ[name]
+        for name in sorted(loaded.explicit)
+        if loaded.sources[name] == "environment"
+        and name not in _profile_overrides(model, PREVIEW_PORT)
+        and name not in secret
+    }
 
 
 def _value_positions(argv: list[str], flags: tuple[str, ...]) -> list[tuple[int, str]]:
@@ -417,6 +441,7 @@ def run_side(side: str, args: argparse.Namespace, workdir: Path) -> SideResult:
         rows=rows,
         log=str(log),
         quality=quality,
+        knobs=environment_knobs(Path(args.model), args.env_file) if side == "patched" else {},
     )
 
 
@@ -502,8 +527,10 @@ def model_fact(model: Path, vllm_args: str) -> str:
     return f"{model.name} ({architectures}){dummy}"
 
 
-def equivalent_command(plan: dict, stock_parent: str, patched_parent: str) -> str:
-    """The one command that repeats the whole comparison."""
+def equivalent_command(
+    plan: dict, stock_parent: str, patched_parent: str, knob_values: dict[str, str]
+) -> str:
+    """The one command that repeats the whole comparison, knobs from the environment first."""
     command = ["hyperqwen", "bench", "ab", plan["model"], "--mode", plan["mode"]]
     command += ["--stock-vllm", stock_parent, "--patched-vllm", patched_parent]
     command += ["--input-len", str(plan["input_len"]), "--output-len", str(plan["output_len"])]
@@ -522,7 +549,9 @@ def equivalent_command(plan: dict, stock_parent: str, patched_parent: str) -> st
         command += ["--server-command", plan["server_command"]]
     if plan["quality"]:
         command.append(f"--quality={plan['quality']}")
-    return shlex.join(command)
+    # NAME='a b' (not 'NAME=a b', which the shell would take for the command's name).
+    assignments = [f"{name}={shlex.quote(value)}" for name, value in knob_values.items()]
+    return " ".join([*assignments, shlex.join(command)])
 
 
 def build_result(state: dict) -> tuple[dict, list[ComparisonRow]]:
@@ -536,7 +565,7 @@ def build_result(state: dict) -> tuple[dict, list[ComparisonRow]]:
         f"patched {patched.version} ({patched.patches})",
         "commit": git_commit(),
         "date": state["date"],
-        "command": equivalent_command(plan, stock.vllm_parent, patched.vllm_parent),
+        "command": equivalent_command(plan, stock.vllm_parent, patched.vllm_parent, patched.knobs),
         "model": model_fact(Path(plan["model"]), plan["vllm_args"]),
     }
     details = {"plan": plan, "stock": state["stock"], "patched": state["patched"]}
