@@ -98,8 +98,9 @@ def speculative_config(settings: Settings) -> dict | None:
 
 def compilation_config(max_tokens_per_step: int) -> dict:
     # Full CUDA graphs for decode-only batches (GDN layers need them to be fast), piecewise for
-    # mixed ones; capture only the batch sizes this profile can produce: faster start, less
-    # graph memory on a 24 GB card.
+    # mixed ones; capture only up to the largest decode step: faster start, less graph memory on
+    # a 24 GB card. Steps with more tokens (prefill, prefill mixed with decode) run without
+    # graphs, where vLLM's default would capture up to min(2 x max_num_seqs, 512) tokens.
     return {
         "cudagraph_mode": "FULL_AND_PIECEWISE",
         "max_cudagraph_capture_size": max_tokens_per_step,
