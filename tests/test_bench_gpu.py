@@ -8,9 +8,10 @@ a random-weights model's greedy output depends on the prompt, and the two tools 
 random prompts, so without it they would ask the server for different text to detokenize.
 
 The tools cannot measure at the same time, and the server does not hold still between passes:
-the eager tiny model's steps are CPU-bound. On 2026-11-30 (H200) its own TPOT histogram read
-7.3 to 8.4 ms from one C1 pass to the next and 11.3 to 13.1 ms at C64; each tool's figure
-followed it to within 3 %, so raw ratios between the tools' passes swung from 0.86 to 1.21. So
+the eager tiny model's steps are CPU-bound. In two runs on 2026-11-30 (H200) its own TPOT
+histogram read 6.8 to 11.3 ms from one C1 pass to the next and 11.3 to 16.3 ms at C64; each
+tool's figure followed it to within 3.5 %, so raw ratios between the tools' passes swung from
+0.77 to 1.31. So
 the tools take turns, PAIRS pairs per cohort with the order flipped every pair, each cohort
 starts with an unmeasured harness pass (the first pass after the cohort changes ran slowest),
 and every pair's ratio is divided by the ratio of what the server itself measured during the
