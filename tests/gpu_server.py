@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -31,6 +32,7 @@ STARTUP_TIMEOUT_S = 600
 # GDN prefill on sm90 defaults to FlashInfer (JIT via nvcc); the Triton path is what the
 # users' Ampere/Ada cards run, so the tests use it on Hopper too.
 TRITON_GDN = """--additional-config '{"gdn_prefill_backend":"triton"}'"""
+COMMAND_TIMEOUT_S = 600  # one CLI run beside a started server (a bench pass, a conversion)
 
 
 def require_gpu() -> None:
@@ -143,6 +145,26 @@ def chat(base: str, model: str, key: str | None = None, max_tokens: int = 16) ->
     return response.json()
 
 
+def run_logged(command: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> str:
+    """Run `command` (in `cwd`: one without a stray .env or api_key.txt, where that matters);
+    its output goes to `log`. Returns stdout; a non-zero exit fails the test with the end of
+    the output."""
+    done = subprocess.run(
+        command,
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+        check=False,
+    )
+    log.write_text(done.stdout + done.stderr)
+    assert done.returncode == 0, (
+        f"{shlex.join(command)} exited {done.returncode}; log {log}:\n{done.stderr[-4000:]}"
+    )
+    return done.stdout
+
+
 def bench_serve(
     base: str,
     model: str,
@@ -169,10 +191,5 @@ def bench_serve(
         "--seed", "0", "--save-result",
         "--result-dir", str(result.parent), "--result-filename", result.name, *extra,
     ]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    log = result.with_suffix(".log")
-    log.write_text(done.stdout + done.stderr)
-    assert done.returncode == 0, (
-        f"vllm bench serve exited {done.returncode}; log {log}:\n" + (done.stderr[-3000:])
-    )
+    run_logged(command, env, result.with_suffix(".log"))
     return json.loads(result.read_text())

@@ -56,7 +56,6 @@ import math
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -69,6 +68,7 @@ from gpu_server import (
     log_dir,
     patched_vllm_parent,
     require_gpu,
+    run_logged,
     running_server,
     with_vllm_first,
 )
@@ -82,7 +82,6 @@ from hyperqwen.checkpoint.synthesize import synthesize
 
 pytestmark = pytest.mark.gpu
 
-COMMAND_TIMEOUT_S = 600
 TOKENS = 128  # prompt and output tokens of every agreement request
 COHORTS = (1, 64)
 REQUESTS_PER_STREAM = 8  # measured requests per pass: C1 measures 8, C64 512
@@ -120,26 +119,6 @@ def patched_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     env = with_vllm_first(patched_vllm_parent(tmp_path_factory))
     env["PYTHONPATH"] += os.pathsep + str(ROOT / "src")
     return env
-
-
-def run_logged(command: list[str], env: dict[str, str], log: Path, cwd: Path) -> str:
-    """Run `command` in `cwd` (no stray .env or api_key.txt there); its output goes to `log`.
-
-    Returns stdout; a non-zero exit fails the test with the end of the output."""
-    done = subprocess.run(
-        command,
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=COMMAND_TIMEOUT_S,
-        check=False,
-    )
-    log.write_text(done.stdout + done.stderr)
-    assert done.returncode == 0, (
-        f"{shlex.join(command)} exited {done.returncode}; log {log}:\n{done.stderr[-4000:]}"
-    )
-    return done.stdout
 
 
 def hyperqwen(*args: str) -> list[str]:

@@ -222,6 +222,14 @@ def bench_run(mode: str, env_file: Path, *args: str) -> int:
     return run_in_process("bench", "run", mode, "--env-file", str(env_file), *args)
 
 
+def short_single_run(env_file: Path, out: Path, cohorts: str) -> int:
+    """A quick `bench run single` of random tokens: one round of 2-token answers, no prefill."""
+    short = ("--rounds", "1", "--output-len", "2", "--prefill", "none")
+    return bench_run(
+        "single", env_file, "--random-tokens", "--cohorts", cohorts, *short, "--out", str(out)
+    )
+
+
 def rows_of(output: str) -> list:
     return [parse_row(line) for line in output.splitlines() if line.startswith("ROW ")]
 
@@ -360,15 +368,7 @@ def test_without_matplotlib_the_json_is_still_written(
     server[0].reset(speculative=True)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now fails
     out = tmp_path / "plain.json"
-    argv = ("--cohorts", "1", "--rounds", "1", "--output-len", "2", "--prefill", "none")
-    code = bench_run(
-        "single",
-        env_file,
-        "--random-tokens",
-        *argv,
-        "--out",
-        str(out),
-    )
+    code = short_single_run(env_file, out, cohorts="1")
     assert code == 0
     assert "matplotlib is not installed" in capsys.readouterr().err
     assert len(json.loads(out.read_text())["rows"]) == 1
@@ -391,15 +391,7 @@ def test_a_failure_mid_run_keeps_the_rows_measured_before(
 ) -> None:
     server[0].reset(speculative=True, fail_from=2)  # row 1: warm-up + 1 request; row 2 fails
     out = tmp_path / "partial.json"
-    argv = ("--cohorts", "1,2", "--rounds", "1", "--output-len", "2", "--prefill", "none")
-    code = bench_run(
-        "single",
-        env_file,
-        "--random-tokens",
-        *argv,
-        "--out",
-        str(out),
-    )
+    code = short_single_run(env_file, out, cohorts="1,2")
     captured = capsys.readouterr()
     assert code == 1
     assert "HTTP 500" in captured.err and f"1 measured row(s) kept in {out}" in captured.err

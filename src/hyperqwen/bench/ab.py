@@ -160,12 +160,11 @@ def environment_knobs(model: Path, env_file: str | None) -> dict[str, str]:
     the command that repeats a comparison must set them too."""
     loaded = _load_profile(model, PREVIEW_PORT, env_file)
     secret = {info.name for info in knobs() if info.secret}
+    left_out = secret | _profile_overrides(model, PREVIEW_PORT).keys()
     return {
         name: os.environ[name]
-        for name in sorted(loaded.explicit)
+        for name in sorted(loaded.explicit - left_out)
         if loaded.sources[name] == "environment"
-        and name not in _profile_overrides(model, PREVIEW_PORT)
-        and name not in secret
     }
 
 

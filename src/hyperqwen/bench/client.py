@@ -162,9 +162,7 @@ class BenchClient:
         except requests.ConnectionError as error:
             raise BenchError(self._unreachable(error)) from None
         except requests.Timeout:
-            raise BenchError(
-                f"{method} {url}: no answer within {self._timeout[1]:g} s (--timeout)"
-            ) from None
+            raise BenchError(self._no_answer(method, url)) from None
         if response.status_code != 200:
             raise BenchError(_http_error(method, url, response.status_code, response.text))
         return response
@@ -254,14 +252,15 @@ class BenchClient:
                 async for chunk in response.content.iter_any():
                     events.feed(chunk, time.perf_counter() - start)
         except TimeoutError:  # aiohttp's socket timeouts derive from it
-            raise BenchError(
-                f"POST {url}: no answer within {self._timeout[1]:g} s (--timeout)"
-            ) from None
+            raise BenchError(self._no_answer("POST", url)) from None
         except aiohttp.ClientConnectorError as error:
             raise BenchError(self._unreachable(error)) from None
         except aiohttp.ClientError as error:
             raise BenchError(f"POST {url}: the connection broke mid-answer ({error})") from None
         return events.result()
+
+    def _no_answer(self, method: str, url: str) -> str:
+        return f"{method} {url}: no answer within {self._timeout[1]:g} s (--timeout)"
 
     def _unreachable(self, error: Exception) -> str:
         return (
