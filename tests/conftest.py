@@ -1,4 +1,9 @@
-"""Shared fixtures: a pristine vLLM tree unpacked from the pinned wheel."""
+"""Shared fixtures: a pristine vLLM tree unpacked from the pinned wheel.
+
+Without a CUDA GPU, Triton kernels run in Triton's interpreter (NumPy on the CPU), so kernel
+tests check the same kernel source in CI. Triton reads TRITON_INTERPRET when each @triton.jit
+function is defined, its own library's included, so it is set here, before anything imports it.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,9 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+if not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from hyperqwen.bench.ab import add_ab_subcommand
 from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.header import collect_header, format_header
+from hyperqwen.bench.kernels import add_subcommand as add_kernels_subcommand
 from hyperqwen.bench.options import (
     DATE_FORMAT,
     DEFAULT_PREFILL,
@@ -254,3 +255,4 @@ def add_subcommand(subparsers) -> None:
     run.set_defaults(func=cmd_run)
     add_quality_subcommands(actions)
     add_ab_subcommand(actions)
+    add_kernels_subcommand(actions)

@@ -1,0 +1,475 @@
+"""`hyperqwen bench kernels`: W4A16 GEMMs of a model's layer shapes, vLLM's kernels against ours.
+
+For every quantized linear shape of the geometry and every M, times vLLM 0.26's W4A16 kernels
+(machete, marlin, exllama, triton: built through their own MPLinearKernel classes from the
+checkpoint layout, as vLLM builds a layer) and HyperQwen's skinny kernel over a sweep of tile
+configs, each launch replayed from a CUDA graph over rotating weight copies larger than L2, so the
+time is HBM time. Achieved bandwidth = (int4 weights + scales + activations + output bytes) /
+time, against a device-to-device copy measured in the same process. Every config of ours is checked
+against a float32 reference before it is timed; a config that disagrees is left out.
+
+Writes one result file in `bench ab`'s row schema (stock = Machete, vLLM's default W4A16 kernel
+on sm90; patched = the candidate named in the row), with every raw timing under "raw";
+`hyperqwen bench publish` takes it into docs/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hyperqwen.checkpoint.geometry import PRESETS, Geometry
+
+GROUP_SIZE = 128
+DEFAULT_MS = (1, 2, 4, 5, 8, 16, 32, 64)
+VLLM_BACKENDS = ("machete", "marlin", "exllama", "triton")
+L2_ROTATION_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One quantized linear of the model: output rows n, inputs k, how many per token."""
+
+    name: str
+    n: int
+    k: int
+    per_token: int
+
+
+def layer_shapes(g: Geometry) -> list[LinearShape]:
+    """The W4A16 linears of a qwen3_5 decoder as vLLM fuses them (one GEMM each)."""
+    layers = g.layer_types
+    gdn = layers.count("linear_attention")
+    attn = layers.count("full_attention")
+    qkvz = 2 * g.linear_key_dim + 2 * g.linear_value_dim
+    attn_qkv = 2 * g.num_attention_heads * g.head_dim + 2 * g.num_key_value_heads * g.head_dim
+    shapes = [
+        LinearShape("gdn_in_proj_qkvz", qkvz, g.hidden_size, gdn),
+        LinearShape("gdn_out_proj", g.hidden_size, g.linear_value_dim, gdn),
+        LinearShape("attn_qkv", attn_qkv, g.hidden_size, attn),
+        LinearShape("attn_o", g.hidden_size, g.num_attention_heads * g.head_dim, attn),
+        LinearShape("mlp_gate_up", 2 * g.intermediate_size, g.hidden_size, len(layers)),
+        LinearShape("mlp_down", g.hidden_size, g.intermediate_size, len(layers)),
+    ]
+    merged: dict[tuple[int, int], LinearShape] = {}
+    for shape in shapes:  # o_proj and out_proj share [hidden, 6144] on the 27B: time it once
+        key = (shape.n, shape.k)
+        if key in merged:
+            old = merged[key]
+            merged[key] = LinearShape(
+                f"{old.name}+{shape.name}", shape.n, shape.k, old.per_token + shape.per_token
+            )
+        else:
+            merged[key] = shape
+    return list(merged.values())
+
+
+def moved_bytes(m: int, n: int, k: int, act_bytes: int = 2) -> int:
+    """The fewest bytes a W4A16 GEMM moves: int4 weights, group scales, x in, y out."""
+    return n * k // 2 + n * (k // GROUP_SIZE) * act_bytes + m * k * act_bytes + m * n * act_bytes
+
+
+def sweep_configs() -> list:
+    """Our candidate tile configs (the winners of wider sweeps on the H200, kernels/README.md)."""
+    from hyperqwen.kernels.w4a16 import TileConfig
+
+    configs = []
+    for split_k in (1, 2, 4, 8):
+        configs.append(TileConfig(64, 256, split_k, num_warps=4))
+        configs.append(TileConfig(128, 256, split_k, num_warps=8))
+    return configs
+
+
+def graph_time_us(launches: list[Callable[[], object]], replays: int = 15) -> float:
+    """Median time of one launch, replaying a CUDA graph of all `launches` (one per copy)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for launch in launches:  # warm up: compile, allocate workspaces
+            launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for launch in launches:
+            launch()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / len(launches))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps() -> float:
+    """Device-to-device copy, bytes read plus written per second, median of 10 (4 GiB).
+
+    Copies for about a second first: an idle H200 sits at 345 MHz and a cold measurement read
+    2.7 TB/s where a warm one reads about 4.3.
+    """
+    import torch
+
+    src = torch.empty(2**32, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    warm_until = time.monotonic() + 1.0
+    while time.monotonic() < warm_until:
+        dst.copy_(src)
+        torch.cuda.synchronize()
+    us = graph_time_us([lambda: dst.copy_(src)], replays=10)
+    return 2 * src.numel() / (us * 1e-6) / 1e9
+
+
+class Weights:
+    """Random W4A16 weights of one shape in the checkpoint layout, plus their float reference."""
+
+    def __init__(self, n: int, k: int, copies: int, seed: int):
+        import torch
+
+        from hyperqwen.kernels.w4a16 import pack_codes
+
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.n, self.k = n, k
+        codes = torch.randint(0, 16, (n, k), device="cuda", generator=gen)
+        self.packed = [pack_codes(codes)]
+        scale = torch.rand((n, k // GROUP_SIZE), device="cuda", generator=gen) * 0.02 + 0.002
+        self.scales = [scale.to(torch.bfloat16)]
+        self.dense = (codes.to(torch.float32) - 8) * self.scales[0].float().repeat_interleave(
+            GROUP_SIZE, dim=1
+        )
+        del codes
+        for _ in range(copies - 1):  # distinct storage, same values: rotation defeats L2
+            self.packed.append(self.packed[0].clone())
+            self.scales.append(self.scales[0].clone())
+
+
+def init_vllm_single_rank() -> object:
+    """A one-rank vLLM world and config: vLLM's weight parameters ask for the TP rank."""
+    import socket
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = set_current_vllm_config(VllmConfig())
+    context.__enter__()
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        backend="gloo",
+    )
+    initialize_model_parallel(1, 1)
+    return context
+
+
+def vllm_layers(backend: str, w: Weights):
+    """One vLLM layer per weight copy, processed by `backend`'s MPLinearKernel; or a reason."""
+    import torch
+    from vllm.model_executor.kernels.linear import mixed_precision as mp
+    from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
+    from vllm.scalar_type import scalar_types
+
+    classes = {
+        "machete": "MacheteLinearKernel",
+        "marlin": "MarlinLinearKernel",
+        "exllama": "ExllamaLinearKernel",
+        "triton": "TritonW4A16LinearKernel",
+    }
+    kernel_cls = getattr(mp, classes[backend])
+    config = mp.MPLinearLayerConfig(
+        full_weight_shape=(w.k, w.n),
+        partition_weight_shape=(w.k, w.n),
+        weight_type=scalar_types.uint4b8,
+        act_type=torch.bfloat16,
+        group_size=GROUP_SIZE,
+        zero_points=False,
+        has_g_idx=False,
+    )
+    ok, reason = kernel_cls.can_implement(config)
+    if not ok:
+        return None, reason
+    built = []
+    for packed, scale in zip(w.packed, w.scales, strict=True):
+        layer = torch.nn.Module()
+        layer.register_parameter(
+            "weight_packed",
+            PackedvLLMParameter(
+                data=packed.clone(),
+                input_dim=1,
+                output_dim=0,
+                packed_dim=1,
+                packed_factor=8,
+                weight_loader=None,
+            ),
+        )
+        layer.register_parameter(
+            "weight_scale",
+            GroupQuantScaleParameter(
+                data=scale.clone(), input_dim=1, output_dim=0, weight_loader=None
+            ),
+        )
+        kernel = kernel_cls(
+            config,
+            w_q_param_name="weight_packed",
+            w_s_param_name="weight_scale",
+            w_zp_param_name="weight_zero_point",
+            w_gidx_param_name="weight_g_idx",
+        )
+        kernel.process_weights_after_loading(layer)
+        built.append((kernel, layer))
+    return built, None
+
+
+def relative_error(out, ref) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, ...], log):
+    """Every timing for one shape: {m: {"vllm": {...}, "ours": [...]}}."""
+    import torch
+
+    from hyperqwen.kernels.w4a16 import w4a16_matmul
+
+    weight_bytes = shape.n * shape.k // 2
+    copies = max(2, math.ceil(L2_ROTATION_BYTES / weight_bytes))
+    w = Weights(shape.n, shape.k, copies, seed=shape.n * 31 + shape.k)
+    layers = {}
+    for backend in backends:
+        try:
+            built, reason = vllm_layers(backend, w)
+        except Exception as error:  # a kernel vLLM ships but cannot build here: say why
+            built, reason = None, f"{type(error).__name__}: {error}"
+        layers[backend] = built if built is not None else reason
+    results = {}
+    for m in ms:
+        x = torch.randn((m, shape.k), device="cuda", dtype=torch.bfloat16)
+        ref = x.float() @ w.dense.T
+        entry = {"bytes": moved_bytes(m, shape.n, shape.k), "vllm": {}, "ours": []}
+        for backend, built in layers.items():
+            if isinstance(built, str):
+                entry["vllm"][backend] = {"error": built}
+                continue
+            try:
+                err = relative_error(built[0][0].apply_weights(built[0][1], x), ref)
+                us = graph_time_us(
+                    [lambda kl=kl, x=x: kl[0].apply_weights(kl[1], x) for kl in built]
+                )
+                entry["vllm"][backend] = {"us": us, "rel_err": err}
+            except Exception as error:
+                entry["vllm"][backend] = {"error": f"{type(error).__name__}: {error}"[:300]}
+        for config in sweep_configs():
+            if config.split_k > 1 and shape.k // config.split_k < config.block_k:
+                continue
+            try:
+                out = torch.full((m, shape.n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                w4a16_matmul(x, w.packed[0], w.scales[0], GROUP_SIZE, config, out=out)
+                err = relative_error(out, ref)
+                if not math.isfinite(err) or err > 1e-2:
+                    entry["ours"].append({"config": asdict(config), "rel_err": err})
+                    continue
+                outs = [torch.empty_like(out) for _ in range(copies)]
+                us = graph_time_us(
+                    [
+                        lambda p=p, s=s, o=o, x=x, c=config: w4a16_matmul(
+                            x, p, s, GROUP_SIZE, c, out=o
+                        )
+                        for p, s, o in zip(w.packed, w.scales, outs, strict=True)
+                    ]
+                )
+                entry["ours"].append({"config": asdict(config), "us": us, "rel_err": err})
+            except Exception as error:
+                entry["ours"].append(
+                    {"config": asdict(config), "error": f"{type(error).__name__}: {error}"[:300]}
+                )
+        timed = [o for o in entry["ours"] if "us" in o]
+        best = min(timed, key=lambda o: o["us"]) if timed else None
+        summary = " ".join(
+            f"{b}={v['us']:.1f}" if "us" in v else f"{b}=n/a" for b, v in entry["vllm"].items()
+        )
+        log(
+            f"{shape.name} n={shape.n} k={shape.k} m={m}: {summary} ours="
+            + (f"{best['us']:.1f}us ({best['config']})" if best else "n/a")
+        )
+        results[m] = entry
+    del w, layers
+    torch.cuda.empty_cache()
+    return results
+
+
+OURS = "hyperqwen"
+BASELINE = "machete"
+ROW_CANDIDATES = ("marlin", OURS)
+SUMMARY_CANDIDATES = ("machete", "marlin", "triton", OURS)
+
+
+def best_us(entry: dict, candidate: str) -> float | None:
+    """Time of `candidate` at one shape and M: a vLLM backend's, or our fastest config's."""
+    if candidate == OURS:
+        timed = [o["us"] for o in entry["ours"] if "us" in o]
+        return min(timed) if timed else None
+    return entry["vllm"].get(candidate, {}).get("us")
+
+
+def _gbps(nbytes: int, us: float | None) -> float | None:
+    return None if us is None else round(nbytes / (us * 1e-6) / 1e9, 1)
+
+
+def _row_dict(name: str, unit: str, stock: float | None, patched: float | None) -> dict:
+    from hyperqwen.bench.results import comparison_row
+
+    return asdict(comparison_row(name, unit, stock, patched))
+
+
+def result_rows(raw: dict) -> list[dict]:
+    """bench ab rows from raw timings: achieved GB/s per shape, M and candidate against Machete,
+    and per M the fraction of copy bandwidth over the whole body (shapes weighted by how many
+    of each a token runs)."""
+    rows = []
+    ms = sorted({int(m) for shape in raw["shapes"] for m in shape["m"]})
+    for shape in raw["shapes"]:
+        for m in ms:
+            entry = shape["m"].get(str(m))
+            if entry is None:
+                continue
+            stock = _gbps(entry["bytes"], best_us(entry, BASELINE))
+            for candidate in ROW_CANDIDATES:
+                patched = _gbps(entry["bytes"], best_us(entry, candidate))
+                rows.append(_row_dict(f"{shape['name']}_m{m}_{candidate}", "GB/s", stock, patched))
+    for m in ms:
+        fractions = {}
+        for candidate in SUMMARY_CANDIDATES:
+            total_bytes = total_us = 0.0
+            for shape in raw["shapes"]:
+                entry = shape["m"].get(str(m))
+                us = best_us(entry, candidate) if entry else None
+                if us is None:
+                    total_us = math.nan
+                    break
+                total_bytes += shape["per_token"] * entry["bytes"]
+                total_us += shape["per_token"] * us
+            fraction = total_bytes / (total_us * 1e-6) / 1e9 / raw["copy_gbps"]
+            fractions[candidate] = None if math.isnan(fraction) else round(fraction, 3)
+            if candidate != BASELINE:
+                rows.append(
+                    _row_dict(
+                        f"body_bw_fraction_m{m}_{candidate}",
+                        "fraction",
+                        fractions[BASELINE],
+                        fractions[candidate],
+                    )
+                )
+    copy = round(raw["copy_gbps"])
+    rows.append(_row_dict("copy_bandwidth", "GB/s", copy, copy))
+    return rows
+
+
+def result_document(raw: dict, command: str, commit: str, vllm_version: str) -> dict:
+    """A result file (docs/results schema) for a kernel run; raw timings ride along."""
+    from hyperqwen.bench.results import RESULT_SCHEMA
+
+    return {
+        "schema": RESULT_SCHEMA,
+        "gpu": raw["gpu"],
+        "vllm": f"{vllm_version}: its W4A16 kernels called directly (no server, no patches)",
+        "commit": commit,
+        "date": raw["date"],
+        "command": command,
+        "model": f"{raw['preset']} geometry W4A16 g{GROUP_SIZE} layer shapes, random int4 weights",
+        "rows": result_rows(raw),
+        "notes": [
+            "stock = Machete (vLLM 0.26's default W4A16 kernel on sm90); patched = the "
+            "kernel named at the end of the row (hyperqwen: src/hyperqwen/kernels/w4a16.py, "
+            "fastest of its swept tile configs). GB/s = (int4 weights + scales + x + y bytes) / "
+            "time; body_bw_fraction = the body's bytes per token over its GEMM time per token, "
+            "over the copy bandwidth (read + written) measured in the same process.",
+            "Each time is the median of 15 replays of a CUDA graph that runs the kernel once "
+            "per weight copy (copies together > 256 MiB, so weights come from HBM, not L2), "
+            "divided by the copies: launch gaps inside a graph are included, as in vLLM.",
+        ],
+        "raw": raw,
+    }
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    import shlex
+
+    import torch
+
+    from hyperqwen.bench.header import git_commit
+
+    if not torch.cuda.is_available():
+        print("bench kernels: needs a CUDA GPU (it times kernels on one)", file=sys.stderr)
+        return 3
+    geometry = PRESETS[args.preset].with_overrides(args.set or [])
+    shapes = layer_shapes(geometry)
+    if args.only:
+        shapes = [s for s in shapes if any(name in s.name for name in args.only)]
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    vllm_version = "vLLM not imported"
+    if args.backends:
+        import vllm
+
+        vllm_version = f"vLLM {vllm.__version__}"
+        init_vllm_single_rank()
+    copy = copy_bandwidth_gbps()
+    props = torch.cuda.get_device_properties(0)
+    print(f"bench kernels: {props.name}, copy bandwidth {copy:.0f} GB/s", flush=True)
+    raw = {
+        "gpu": f"{props.name} (sm{props.major}{props.minor}, {props.multi_processor_count} SMs)",
+        "date": started,
+        "preset": args.preset,
+        "copy_gbps": copy,
+        "shapes": [],
+    }
+    command = shlex.join(["hyperqwen", "bench", "kernels", *sys.argv[3:]])
+    commit = args.commit or git_commit()
+    out = Path(args.out)
+    for shape in shapes:
+        timings = measure_shape(shape, tuple(args.m), tuple(args.backends), print)
+        raw["shapes"].append({**asdict(shape), "m": {str(m): t for m, t in timings.items()}})
+        document = result_document(raw, command, commit, vllm_version)
+        out.write_text(json.dumps(document, indent=1) + "\n")  # after each shape: a kill keeps some
+    for row in document["rows"]:
+        if row["name"].startswith(("body_bw", "copy")):
+            print(f"{row['name']}: stock {row['stock']} patched {row['patched']}")
+    print(f"bench kernels: wrote {out} (publish: hyperqwen bench publish {out} --name NAME)")
+    return 0
+
+
+def add_subcommand(actions) -> None:
+    kernels = actions.add_parser(
+        "kernels",
+        help="time W4A16 GEMM kernels at a model's layer shapes (GPU)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    kernels.add_argument("--preset", choices=sorted(PRESETS), default="27b")
+    kernels.add_argument("--set", action="append", metavar="KEY=VALUE", help="geometry override")
+    kernels.add_argument("--m", type=int, nargs="+", default=list(DEFAULT_MS), help="rows (M)")
+    kernels.add_argument(
+        "--backends", nargs="*", default=list(VLLM_BACKENDS), choices=VLLM_BACKENDS
+    )
+    kernels.add_argument("--only", nargs="*", help="shape names containing these words")
+    kernels.add_argument(
+        "--out", default="kernels-result.json", help="result JSON (default %(default)s)"
+    )
+    kernels.add_argument(
+        "--commit",
+        help="the checkout's commit, when running from a copy without .git (default: git describe)",
+    )
+    kernels.set_defaults(func=cmd_kernels)

@@ -1,0 +1,301 @@
+"""Skinny W4A16 GEMM: y = x @ dequant(W)ᵀ for the few rows of a decode or verify step.
+
+Status: correct, and slower than vLLM's Marlin on the H200 at every measured shape (about 2x at
+M <= 16, kernels/README.md); no serving path dispatches to it yet. `hyperqwen bench kernels`
+times it beside vLLM's kernels so each change is measured against them.
+
+Reads the compressed-tensors pack-quantized layout as the checkpoint stores it (the layer would
+keep its one copy of the weights, repacked by nothing):
+
+  weight_packed  [N, K / 8]  int32    eight 4-bit codes per word along K, code j at bits 4j..4j+3
+  weight_scale   [N, K / G]  x.dtype  one scale per output row and group of G inputs
+  value          (code - 8) * scale   (symmetric uint4b8)
+
+Each program owns BLOCK_N output rows and one of SPLIT_K slices of K, and takes one group of G
+inputs at a time: the codes, OR-ed into the mantissa of a float constant (MAGIC + code, exact, no
+int-to-float conversion), meet xᵀ in a tensor-core dot (M padded to 16); subtracting
+(MAGIC + 8) * sum(x) and multiplying by the group scale happen on the small [BLOCK_N, M] product.
+Split-K partial sums go to an fp32 workspace; the last program of an output tile to arrive (an
+acq_rel counter) adds the slices in slice order, so results do not depend on arrival order,
+writes the output and re-arms the counter for the next launch (CUDA-graph replays reuse it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton 3.6's interpreter multiplies bf16 dot operands as raw bits; under it the dot runs in
+# fp32 (exact for these operands), so CPU tests check the same arithmetic.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DOT_MIN_ROWS = 16  # tl.dot's smallest M/N/K
+MAX_BLOCK_M = 64
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch shape of the kernel."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def label(self) -> str:
+        return (
+            f"n{self.block_n}_k{self.block_k}_s{self.split_k}_w{self.num_warps}_p{self.num_stages}"
+        )
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    partial_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    words_per_row,
+    groups_per_row,
+    stride_xm,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    # int64 row offsets: N * K / 8 words exceeds 2**31 for a full-vocabulary head. The row
+    # lengths come in as arguments so Triton sees their divisibility and vectorizes the loads.
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row
+    s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * groups_per_row
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+
+    GROUPS_PER_BLOCK: tl.constexpr = BLOCK_K // GROUP
+    WORDS: tl.constexpr = GROUP // 8
+    shifts = (tl.arange(0, GROUP) % 8) * 4
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    blocks_per_split = tl.cdiv(k_blocks, SPLIT_K)
+    first_block = pid_k * blocks_per_split
+    last_block = tl.minimum(first_block + blocks_per_split, k_blocks)
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for block in range(first_block, last_block):
+        for g in tl.static_range(GROUPS_PER_BLOCK):
+            group = block * GROUPS_PER_BLOCK + g
+            group_mask = n_mask[:, None] & (group * GROUP < K)
+            offs_w = group * WORDS + tl.arange(0, WORDS)
+            words = tl.load(w_rows + offs_w[None, :], mask=group_mask, other=0)
+            # each word repeated 8 times in a row, then code j of word i sits at column 8i + j
+            codes = tl.interleave(words, words)
+            codes = tl.interleave(codes, codes)
+            codes = tl.interleave(codes, codes)
+            codes = (codes >> shifts[None, :]) & 0xF
+            scale = tl.load(s_rows + group, mask=group_mask, other=0.0)
+            offs_k = group * GROUP + tl.arange(0, GROUP)
+            x = tl.load(
+                x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0
+            )
+            if x_ptr.dtype.element_ty == tl.bfloat16:
+                biased = (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                offset = 136.0  # 0x4300 is bf16 128.0; plus the uint4b8 bias 8
+            else:
+                biased = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                offset = 1032.0  # 0x6400 is fp16 1024.0
+            if DOT_IN_FP32:
+                part = tl.dot(
+                    biased.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee"
+                )
+            else:
+                part = tl.dot(biased, tl.trans(x), out_dtype=tl.float32)
+            part -= offset * tl.sum(x.to(tl.float32), axis=1)[None, :]
+            acc += part * scale.to(tl.float32)
+
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tile = pid_m * tl.num_programs(0) + pid_n
+        tile_elems: tl.constexpr = BLOCK_N * BLOCK_M
+        tile_offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        slice_base = partial_ptr + tile.to(tl.int64) * (SPLIT_K * tile_elems)
+        tl.store(slice_base + pid_k * tile_elems + tile_offs, acc)
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for piece in tl.static_range(SPLIT_K):
+                total += tl.load(slice_base + piece * tile_elems + tile_offs, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+class SplitWorkspace:
+    """Per-device fp32 partial sums and arrival counters shared by every split-K launch.
+
+    Launches on one stream run one after another, so one buffer serves all layers. `reserve`
+    grows it ahead of CUDA-graph capture; a launch that finds it too small while a graph is
+    being captured fails instead of allocating inside the graph.
+    """
+
+    def __init__(self) -> None:
+        self._partials: dict[torch.device, torch.Tensor] = {}
+        self._counters: dict[torch.device, torch.Tensor] = {}
+
+    def reserve(self, device: torch.device, partial_elems: int, tiles: int) -> None:
+        partials = self._partials.get(device)
+        if partials is None or partials.numel() < partial_elems:
+            self._partials[device] = torch.empty(partial_elems, dtype=torch.float32, device=device)
+        counters = self._counters.get(device)
+        if counters is None or counters.numel() < tiles:
+            # zeros: every launch leaves its counters at zero again
+            self._counters[device] = torch.zeros(tiles, dtype=torch.int32, device=device)
+
+    def get(
+        self, device: torch.device, partial_elems: int, tiles: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        partials = self._partials.get(device)
+        counters = self._counters.get(device)
+        if (
+            partials is None
+            or counters is None
+            or partials.numel() < partial_elems
+            or counters.numel() < tiles
+        ):
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "hyperqwen w4a16: split-K workspace too small during CUDA-graph capture "
+                    f"(needs {partial_elems} partial sums, {tiles} counters); call "
+                    "WORKSPACE.reserve(device, *workspace_size(m, n, config)) before capture"
+                )
+            self.reserve(device, partial_elems, tiles)
+            partials, counters = self._partials[device], self._counters[device]
+        return partials, counters
+
+
+WORKSPACE = SplitWorkspace()
+
+
+def _launch_geometry(m: int, n: int, config: TileConfig) -> tuple[int, int, int]:
+    """(BLOCK_M, tiles along N, tiles along M) for a launch of `config` on m rows."""
+    block_m = min(max(DOT_MIN_ROWS, triton.next_power_of_2(m)), MAX_BLOCK_M)
+    return block_m, triton.cdiv(n, config.block_n), triton.cdiv(m, block_m)
+
+
+def workspace_size(m: int, n: int, config: TileConfig) -> tuple[int, int]:
+    """(fp32 partial sums, counters) a split-K launch of `config` needs; (0, 0) without split."""
+    if config.split_k == 1:
+        return 0, 0
+    block_m, n_tiles, m_tiles = _launch_geometry(m, n, config)
+    tiles = n_tiles * m_tiles
+    return tiles * config.split_k * config.block_n * block_m, tiles
+
+
+def check_config(config: TileConfig, group_size: int, k: int) -> None:
+    """Refuse a config or shape the kernel cannot run, with the reason."""
+    problems = []
+    if group_size % 8 or group_size < DOT_MIN_ROWS:
+        problems.append(f"group_size={group_size} must be a multiple of 8, at least 16")
+    elif config.block_k % group_size:
+        problems.append(f"block_k={config.block_k} must be a multiple of group_size={group_size}")
+    if k % group_size:
+        problems.append(f"K={k} must be a multiple of group_size={group_size}")
+    if config.block_n < DOT_MIN_ROWS or config.block_n & (config.block_n - 1):
+        problems.append(f"block_n={config.block_n} must be a power of two >= {DOT_MIN_ROWS}")
+    if config.split_k < 1:
+        problems.append(f"split_k={config.split_k} must be >= 1")
+    if problems:
+        raise ValueError("w4a16 tile config " + config.label() + ": " + "; ".join(problems))
+
+
+def w4a16_matmul(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_size: int,
+    config: TileConfig,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] (bf16/fp16, rows contiguous) times dequantized weights [N, K]ᵀ -> [M, N]."""
+    m, k = x.shape
+    n = weight_packed.shape[0]
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
+    if weight_packed.shape != (n, k // 8) or weight_packed.dtype != torch.int32:
+        raise ValueError(
+            f"weight_packed must be int32 [N, K/8] = [{n}, {k // 8}], got "
+            f"{weight_packed.dtype} {list(weight_packed.shape)}"
+        )
+    if weight_scale.shape != (n, k // group_size) or weight_scale.dtype != x.dtype:
+        raise ValueError(
+            f"weight_scale must be {x.dtype} [N, K/G] = [{n}, {k // group_size}], got "
+            f"{weight_scale.dtype} {list(weight_scale.shape)}"
+        )
+    if x.stride(1) != 1 or not weight_packed.is_contiguous() or not weight_scale.is_contiguous():
+        raise ValueError("x rows and both weight tensors must be contiguous")
+    check_config(config, group_size, k)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_m, n_tiles, m_tiles = _launch_geometry(m, n, config)
+    partial_elems, tiles = workspace_size(m, n, config)
+    if tiles:
+        partials, counters = WORKSPACE.get(x.device, partial_elems, tiles)
+    else:
+        partials, counters = out, weight_packed  # not touched without split-K
+    _w4a16_kernel[(n_tiles, config.split_k, m_tiles)](
+        x,
+        weight_packed,
+        weight_scale,
+        out,
+        partials,
+        counters,
+        m,
+        n,
+        k,
+        k // 8,
+        k // group_size,
+        x.stride(0),
+        out.stride(0),
+        GROUP=group_size,
+        BLOCK_M=block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        SPLIT_K=config.split_k,
+        DOT_IN_FP32=_INTERPRETED,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 [N, K] -> int32 [N, K / 8] with code j of a word at bits 4j (as stored)."""
+    n, k = codes.shape
+    shifts = torch.arange(8, dtype=torch.int64, device=codes.device) * 4
+    words = (codes.to(torch.int64).reshape(n, k // 8, 8) << shifts).sum(dim=-1)
+    return (words - ((words >= 2**31).to(torch.int64) << 32)).to(torch.int32)
+
+
+def unpack_codes(weight_packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_codes: int32 [N, K / 8] -> int64 codes 0..15 [N, K]."""
+    shifts = torch.arange(8, dtype=torch.int64, device=weight_packed.device) * 4
+    words = weight_packed.to(torch.int64) & 0xFFFFFFFF
+    return ((words[:, :, None] >> shifts) & 0xF).reshape(weight_packed.shape[0], -1)

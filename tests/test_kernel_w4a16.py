@@ -1,0 +1,146 @@
+"""The skinny W4A16 kernel against a float64 reference, run by Triton's interpreter on the CPU.
+
+Small shapes that reach every branch of the kernel: M from 1 to beyond one M tile, N and K that
+are not multiples of the tile, split-K with empty slices, bf16 and fp16, weights in the
+checkpoint's own packed format. Full 27B shapes run on the GPU in test_kernel_w4a16_gpu.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from hyperqwen.checkpoint import w4a16 as checkpoint_format
+
+GROUP = 128
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The kernel module, interpreted: conftest turns TRITON_INTERPRET on without a GPU."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU test: this machine has a GPU (test_kernel_w4a16_gpu.py runs there)")
+    return importlib.import_module("hyperqwen.kernels.w4a16")
+
+
+def random_weights(n: int, k: int, seed: int, dtype=torch.bfloat16):
+    """Codes and scales in the stored layout, and the float64 weights they stand for."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    scale = (torch.rand((n, k // GROUP), generator=gen) * 0.02 + 0.001).to(dtype)
+    dense = (codes.double() - 8) * scale.double().repeat_interleave(GROUP, dim=1)
+    return codes, scale, dense
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def run(kernel, x, packed, scale, config):
+    """The kernel's output, written over NaN so an unwritten element cannot pass."""
+    out = torch.full((x.shape[0], packed.shape[0]), float("nan"), dtype=x.dtype)
+    result = kernel.w4a16_matmul(x, packed, scale, GROUP, config, out=out)
+    assert result is out
+    assert not out.isnan().any(), "some outputs were never written"
+    return out
+
+
+CASES = [
+    # m, n, k, (block_n, block_k, split_k)
+    (1, 64, 256, (16, 128, 1)),
+    (1, 80, 384, (64, 256, 1)),  # N and K beyond the last full tile
+    (3, 96, 512, (32, 256, 2)),
+    (4, 64, 384, (16, 128, 4)),  # 3 K blocks over 4 slices: one slice is empty
+    (5, 48, 640, (16, 128, 3)),
+    (16, 32, 256, (16, 256, 2)),
+    (17, 64, 512, (32, 256, 1)),  # BLOCK_M 32
+    (70, 40, 256, (16, 128, 2)),  # two M tiles of 64
+]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "tile"), CASES)
+def test_matches_float64_reference(kernel, m, n, k, tile):
+    codes, scale, dense = random_weights(n, k, seed=m * 1000 + n)
+    x = torch.randn((m, k), generator=torch.Generator().manual_seed(m), dtype=torch.float32)
+    x = x.to(torch.bfloat16)
+    out = run(kernel, x, kernel.pack_codes(codes), scale, kernel.TileConfig(*tile))
+    # bf16 output rounding alone is ~3e-3 relative
+    assert relative_error(out, x.double() @ dense.T) < 6e-3
+
+
+def test_fp16_activations(kernel):
+    codes, scale, dense = random_weights(64, 512, seed=7, dtype=torch.float16)
+    x = torch.randn((5, 512), generator=torch.Generator().manual_seed(7)).to(torch.float16)
+    out = run(kernel, x, kernel.pack_codes(codes), scale, kernel.TileConfig(32, 256, 2))
+    assert relative_error(out, x.double() @ dense.T) < 1e-3  # fp16 keeps 3 more bits
+
+
+def test_reads_the_checkpoint_format(kernel):
+    """Weights quantized and packed by the checkpoint module (compressed-tensors' packer)."""
+    weight = torch.randn((64, 512), generator=torch.Generator().manual_seed(3)) * 0.05
+    stored = checkpoint_format.pack(weight.to(torch.bfloat16))
+    codes = kernel.unpack_codes(stored["weight_packed"])
+    assert torch.equal(kernel.pack_codes(codes), stored["weight_packed"])
+    assert torch.equal(
+        ((codes - 8) * stored["weight_scale"].float().repeat_interleave(GROUP, dim=1)).to(
+            torch.bfloat16
+        ),
+        checkpoint_format.unpack(stored),
+    )
+    dense = (codes.double() - 8) * stored["weight_scale"].double().repeat_interleave(GROUP, 1)
+    x = torch.randn((4, 512), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    out = run(
+        kernel, x, stored["weight_packed"], stored["weight_scale"], kernel.TileConfig(16, 256, 2)
+    )
+    assert relative_error(out, x.double() @ dense.T) < 6e-3
+
+
+def test_split_k_is_deterministic_and_rearms_its_counters(kernel):
+    codes, scale, _ = random_weights(64, 1024, seed=11)
+    packed = kernel.pack_codes(codes)
+    x = torch.randn((4, 1024), generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    config = kernel.TileConfig(16, 128, 4)
+    first = run(kernel, x, packed, scale, config)
+    second = run(kernel, x, packed, scale, config)
+    assert torch.equal(first, second)
+    _, counters = kernel.WORKSPACE.get(x.device, *kernel.workspace_size(4, 64, config))
+    assert not counters.any(), "a split-K launch left an arrival counter armed"
+
+
+def test_zero_rows_writes_nothing_and_returns(kernel):
+    codes, scale, _ = random_weights(32, 256, seed=1)
+    x = torch.empty((0, 256), dtype=torch.bfloat16)
+    out = kernel.w4a16_matmul(
+        x, kernel.pack_codes(codes), scale, GROUP, kernel.TileConfig(16, 128, 1)
+    )
+    assert out.shape == (0, 32)
+
+
+@pytest.mark.parametrize(
+    ("config", "group", "k", "message"),
+    [
+        ((16, 192, 1), 128, 512, "block_k=192 must be a multiple of group_size=128"),
+        ((24, 128, 1), 128, 512, "block_n=24 must be a power of two"),
+        ((16, 128, 0), 128, 512, "split_k=0 must be >= 1"),
+        ((16, 128, 1), 128, 320, "K=320 must be a multiple of group_size=128"),
+    ],
+)
+def test_refuses_bad_configs_naming_the_value(kernel, config, group, k, message):
+    with pytest.raises(ValueError, match=message):
+        kernel.check_config(kernel.TileConfig(*config), group, k)
+
+
+def test_refuses_mismatched_tensors(kernel):
+    codes, scale, _ = random_weights(32, 256, seed=2)
+    packed = kernel.pack_codes(codes)
+    x = torch.randn((1, 256)).to(torch.bfloat16)
+    config = kernel.TileConfig(16, 128, 1)
+    with pytest.raises(ValueError, match=r"weight_scale must be torch.bfloat16 \[N, K/G\]"):
+        kernel.w4a16_matmul(x, packed, scale.half(), GROUP, config)
+    with pytest.raises(ValueError, match=r"weight_packed must be int32 \[N, K/8\] = \[32, 32\]"):
+        kernel.w4a16_matmul(x, packed[:, :16].contiguous(), scale, GROUP, config)
+    with pytest.raises(ValueError, match="x must be bfloat16 or float16"):
+        kernel.w4a16_matmul(x.float(), packed, scale, GROUP, config)

@@ -1,0 +1,51 @@
+"""The skinny W4A16 kernel at the 27B's own shapes on the GPU, against a float64 reference.
+
+Every quantized linear shape the 27B runs, plus the full-vocabulary head and the draft head
+(the largest row counts, for index arithmetic), at every M a decode or verify step uses, with
+every tile config `hyperqwen bench kernels` sweeps. Outputs are poisoned with NaN first.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hyperqwen.bench.kernels import layer_shapes, sweep_configs
+from hyperqwen.checkpoint.geometry import PRESETS
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+GROUP = 128
+G27 = PRESETS["27b"]
+SHAPES = [(s.name, s.n, s.k) for s in layer_shapes(G27)] + [
+    ("lm_head", G27.vocab_size, G27.hidden_size),
+    ("draft_head", 40_960, G27.hidden_size),
+]
+
+
+@pytest.mark.parametrize(("name", "n", "k"), SHAPES, ids=[s[0] for s in SHAPES])
+def test_full_shapes_match_float64(name, n, k):
+    from hyperqwen.kernels.w4a16 import pack_codes, w4a16_matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    codes = torch.randint(0, 16, (n, k), device="cuda", generator=gen)
+    scale = (torch.rand((n, k // GROUP), device="cuda", generator=gen) * 0.02 + 0.001).to(
+        torch.bfloat16
+    )
+    packed = pack_codes(codes)
+    dense = (codes.double() - 8) * scale.double().repeat_interleave(GROUP, dim=1)
+    del codes
+    failures = []
+    for m in (1, 2, 4, 5, 8, 16, 64):
+        x = torch.randn((m, k), device="cuda", generator=gen).to(torch.bfloat16)
+        ref = x.double() @ dense.T
+        for config in sweep_configs():
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            w4a16_matmul(x, packed, scale, GROUP, config, out=out)
+            torch.cuda.synchronize()
+            error = ((out.double() - ref).norm() / ref.norm()).item()
+            if out.isnan().any() or not error < 6e-3:
+                failures.append(f"{name} m={m} {config.label()}: rel err {error:.2e}")
+    assert not failures, "\n".join(failures)
