@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 from cli_runner import run_in_process
 
-from hyperqwen.bench.ab import profile_serve_argv, with_synthetic_acceptance
+from hyperqwen.bench.ab import (
+    SIDES,
+    baseline_note,
+    profile_serve_argv,
+    serve_argv,
+    settle_stock_spec,
+    spec_config,
+    spec_fields,
+    with_synthetic_acceptance,
+)
 from hyperqwen.bench.results import (
     BENCHMARKS_DOC,
     HEADLINE_BEGIN,
@@ -36,6 +45,14 @@ from hyperqwen.patches import SERIES_DIR_ENV, _series_names, apply_series, load_
 ROOT = Path(__file__).resolve().parents[1]
 TEST_SERVER = ROOT / "tests" / "openai_test_server.py"
 RATES = "0.77,0.55,0.40"
+SAME_SPEC_NOTE = (
+    "The stock side speculates with the patched side's --speculative-config (same method, "
+    "drafts, acceptance): the ratios are against stock with the same speculation."
+)
+NO_STOCK_SPEC_NOTE = (
+    "The stock side runs without speculation (--stock-spec none), the patched side "
+    "speculates: these ratios include speculation's gain."
+)
 BEHAVIOUR = {
     "stock": {
         "startup_s": 0.2,
@@ -214,6 +231,93 @@ def test_synthetic_acceptance_lands_in_vllms_speculative_config(tmp_path) -> Non
         with_synthetic_acceptance(argv, (0.3, 0.5, 0.6))
 
 
+def test_spec_fields_are_the_keys_vllms_speculative_config_takes() -> None:
+    import dataclasses
+
+    import vllm
+    from vllm.config.speculative import SpeculativeConfig
+
+    taken = {field.name for field in dataclasses.fields(SpeculativeConfig) if field.init}
+    assert spec_fields(Path(vllm.__file__).parents[1]) == taken
+    assert {"method", "num_speculative_tokens", "synthetic_acceptance_rates"} <= taken
+
+
+def parsed(argv: list[str]):
+    """`hyperqwen bench ARGV` as the real parser reads it, --stock-spec settled."""
+    from hyperqwen.cli import build_parser
+
+    args = build_parser().parse_args(["bench", *argv])
+    settle_stock_spec(args)
+    return args
+
+
+def sides_argv(args) -> dict[str, list[str]]:
+    return {side: serve_argv(side, args, 8000) for side in SIDES}
+
+
+@pytest.mark.parametrize("knobs", ["", "SPEC=mtp\nDRAFT_SAMPLE=probabilistic\n", "SPEC=ngram\n"])
+def test_stock_side_speculates_as_the_patched_side_by_default(comparison, tmp_path, knobs) -> None:
+    (tmp_path / "empty.env").write_text(knobs)
+    single = [*comparison, "--mode", "single"]
+    drafts = spec_config(sides_argv(parsed(single))["patched"])["num_speculative_tokens"]
+    rates = ",".join(["0.77", "0.55", "0.40", "0.2"][:drafts])  # mtp drafts 3 tokens, ngram 4
+    args = parsed([*single, "--synthetic-acceptance", rates])
+    assert args.stock_spec == "same"
+    commands = sides_argv(args)
+    # The stock tree (the pinned wheel's) takes every key of the profile's config as it is.
+    stock, patched = spec_config(commands["stock"]), spec_config(commands["patched"])
+    assert stock == patched and stock["method"] == ("ngram" if "ngram" in knobs else "mtp")
+    assert stock["rejection_sample_method"] == "synthetic"
+    assert stock["synthetic_acceptance_rates"] == [float(rate) for rate in rates.split(",")]
+    assert commands["stock"][-4:] == ["--load-format", "dummy", "--max-model-len", "4096"]
+    assert baseline_note(commands) == SAME_SPEC_NOTE
+
+
+def test_stock_spec_none_and_stock_args(comparison, capsys) -> None:
+    single = [*comparison, "--mode", "single", "--synthetic-acceptance", RATES]
+    commands = sides_argv(parsed([*single, "--stock-spec", "none"]))
+    assert "--speculative-config" not in commands["stock"]
+    assert spec_config(commands["patched"])["synthetic_acceptance_rates"] == [0.77, 0.55, 0.40]
+    assert baseline_note(commands) == NO_STOCK_SPEC_NOTE
+
+    # --stock-args: last on the stock side, nowhere on the patched one.
+    commands = sides_argv(parsed([*single, "--stock-args=--enforce-eager --max-num-seqs 4"]))
+    assert commands["stock"][-3:] == ["--enforce-eager", "--max-num-seqs", "4"]
+    assert "--enforce-eager" not in commands["patched"]
+    # A --speculative-config of its own wins (vLLM keeps the last), rates and all.
+    own = '--stock-args=--speculative-config \'{"method":"ngram","num_speculative_tokens":3}\''
+    commands = sides_argv(parsed([*single, own]))
+    stock = spec_config(commands["stock"])
+    assert stock["method"] == "ngram" and stock["synthetic_acceptance_rates"] == [0.77, 0.55, 0.4]
+    assert baseline_note(commands).startswith(
+        'The stock side speculates with its own --speculative-config ({"method":"ngram",'
+    )
+
+    assert run_in_process("bench", *single, "--stock-args=--speculative-config {nope") == 2
+    assert "--speculative-config '{nope' is not JSON" in capsys.readouterr().err
+    assert run_in_process("bench", *single, "--stock-args=--seed '7") == 2
+    error = capsys.readouterr().err
+    assert "--stock-args" in error and "cannot be read: No closing quotation" in error
+
+
+def test_keys_the_stock_tree_lacks_are_left_out_and_noted(comparison, tmp_path) -> None:
+    # A stock tree whose SpeculativeConfig predates draft_sample_method (as a key only the
+    # patched vLLM knew would be): the stock side's config goes without it.
+    older = tmp_path / "older-stock" / "vllm" / "config"
+    older.mkdir(parents=True)
+    fields = ("method", "num_speculative_tokens", "rejection_sample_method")
+    body = "".join(f"    {name}: object = None\n" for name in fields)
+    (older / "speculative.py").write_text(f"class SpeculativeConfig:\n{body}")
+    single = [*comparison, "--mode", "single", "--stock-vllm", str(older.parents[1])]
+    commands = sides_argv(parsed(single))
+    assert spec_config(commands["stock"]) == {"method": "mtp", "num_speculative_tokens": 3}
+    assert "draft_sample_method" in spec_config(commands["patched"])
+    assert baseline_note(commands) == (
+        f"{SAME_SPEC_NOTE} Left out of the stock side's: draft_sample_method (stock vLLM's "
+        "SpeculativeConfig has no such field)."
+    )
+
+
 # --- whole comparisons with real server processes ---------------------------------------------
 
 
@@ -283,20 +387,30 @@ def printed_ratios(output: str) -> dict[str, str]:
 
 def test_phases_apart_measure_stock_then_patched_and_merge(comparison, tmp_path, capsys) -> None:
     single = [*comparison, "--mode", "single", "--cohorts", "1,2", "--prefill", "256"]
+    single.append("--stock-args=--max-num-seqs 4")
     synthetic = ["--synthetic-acceptance", RATES]
     assert run_in_process("bench", *single, *synthetic, "--phase", "stock") == 0
+    assert f"note: {SAME_SPEC_NOTE}" in capsys.readouterr().out
     state = json.loads((tmp_path / "work" / "ab-state.json").read_text())
     assert state["stock"]["rows"] and "patched" not in state
+    assert state["plan"]["stock_spec"] == "same"  # the default where the patched side drafts
     assert not (tmp_path / "work" / "ab-result.json").exists()
     stock_log = (tmp_path / "work" / "stock-server.log").read_text()
     assert "Model loading took 14.00 GiB" in stock_log
-    # The stock side ran vLLM's defaults plus the user's flags: no profile, no speculation.
-    assert "--speculative-config" not in state["stock"]["command"]
-    assert state["stock"]["command"][-4:] == ["--load-format", "dummy", "--max-model-len", "4096"]
-    capsys.readouterr()
+    # The stock side ran vLLM's defaults, the profile's speculation, the user's flags for both
+    # sides and then its own: no other part of the profile.
+    stock_command = state["stock"]["command"]
+    assert "--mamba-ssm-cache-dtype" not in stock_command
+    assert stock_command[-6:] == [
+        *("--load-format", "dummy", "--max-model-len", "4096"),
+        *("--max-num-seqs", "4"),
+    ]
 
     assert run_in_process("bench", *single, "--phase", "patched") == 2  # rates left out this time
     assert "synthetic_acceptance: [0.77, 0.55, 0.4] then, None now" in capsys.readouterr().err
+    unspeculated = [*single, *synthetic, "--stock-spec", "none", "--phase", "patched"]
+    assert run_in_process("bench", *unspeculated) == 2  # another baseline than the saved half's
+    assert "stock_spec: 'same' then, 'none' now" in capsys.readouterr().err
 
     assert run_in_process("bench", *single, *synthetic, "--phase", "patched") == 0
     output = capsys.readouterr().out
@@ -313,15 +427,16 @@ def test_phases_apart_measure_stock_then_patched_and_merge(comparison, tmp_path,
         "startup_to_healthy",
         "weight_memory",
     }
-    # Patched: 1 + 0.77 + 0.55 + 0.40 = 2.72 tokens per 16 ms step; stock: 1 per 20 ms.
-    expected_decode = 2.72 * 20 / 16
+    # Both sides draft at the same rates: 1 + 0.77 + 0.55 + 0.40 = 2.72 tokens per step, a
+    # step of 16 ms (patched) against 20 ms (stock).
+    expected_decode = 20 / 16
     for cohort in (1, 2):
         decode = by_name[f"c{cohort}_decode"]
         assert decode.ratio == pytest.approx(expected_decode, rel=0.15)
         assert decode.ratio == round(decode.patched / decode.stock, 3)
         assert printed_ratios(output)[f"c{cohort}_decode"] == f"{decode.ratio:.3f}x"
     steps = by_name["c1_tokens_per_step"]
-    assert steps.stock is None and steps.ratio is None
+    assert steps.stock == pytest.approx(2.72, rel=0.1)
     assert steps.patched == pytest.approx(2.72, rel=0.1)
     assert by_name["prefill256_ttft_p50"].ratio == pytest.approx(1.0, abs=0.35)
     assert by_name["weight_memory"] == ComparisonRow("weight_memory", "GiB", 14.0, 13.0, 0.929)
@@ -333,6 +448,8 @@ def test_phases_apart_measure_stock_then_patched_and_merge(comparison, tmp_path,
     spec = json.loads(patched_command[patched_command.index("--speculative-config") + 1])
     assert spec["rejection_sample_method"] == "synthetic"
     assert spec["synthetic_acceptance_rates"] == [0.77, 0.55, 0.40]
+    assert spec_config(document["stock"]["command"]) == spec
+    assert document["notes"] == [SAME_SPEC_NOTE]
     assert "--mamba-ssm-cache-dtype" in patched_command  # the project's profile
     assert patched_command[-4:] == ["--load-format", "dummy", "--max-model-len", "4096"]
     assert "stock 0.26.0 (stock test server) (none of the" in document["vllm"]
@@ -340,6 +457,9 @@ def test_phases_apart_measure_stock_then_patched_and_merge(comparison, tmp_path,
     assert document["model"] == "synth-27b (Qwen3_5ForCausalLM) with dummy weights"
     assert document["command"].startswith("hyperqwen bench ab ")
     assert "--synthetic-acceptance 0.77,0.55,0.4" in document["command"]
+    words = shlex.split(document["command"])
+    assert words[words.index("--stock-spec") + 1] == "same"
+    assert "--stock-args=--max-num-seqs 4" in words
     assert (tmp_path / "work" / "ab-result.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -355,6 +475,10 @@ def test_both_phases_in_one_run_without_speculation(
     argv = [*comparison, "--mode", "batch", "--cohorts", "1", "--prefill", "none"]
     assert run_in_process("bench", *argv, "--synthetic-acceptance", RATES) == 2
     assert "needs speculative decoding on at least one side" in capsys.readouterr().err
+    assert run_in_process("bench", *argv, "--stock-spec", "same") == 2
+    error = capsys.readouterr().err
+    assert "--stock-spec same: the patched side does not speculate" in error
+    assert "Leave --stock-spec out (or give none)" in error
     assert not (tmp_path / "work").exists()  # refused before any server started
 
     assert run_in_process("bench", *argv, "--out", str(tmp_path / "batch.json")) == 0
@@ -369,6 +493,10 @@ def test_both_phases_in_one_run_without_speculation(
     by_name = {row.name: row for row in rows}
     assert by_name["c1_decode"].ratio == pytest.approx(20 / 16, rel=0.12)
     assert "c1_tokens_per_step" not in by_name  # neither side speculated
+    assert document["notes"] == [
+        "Neither side speculates: the ratios compare the builds without speculation."
+    ]
+    assert words[words.index("--stock-spec") + 1] == "none"  # the default without drafts
     assert "prefill" not in " ".join(by_name)
 
 
@@ -387,13 +515,17 @@ def test_cohorts_beyond_max_num_seqs_are_noted_as_queued(comparison, tmp_path, c
     assert args.cohorts == (1, 2, 4, 8)
     # ... and C64 given against 4 slots is measured, queue and all (on the H200: TTFT 52.9 s
     # against stock's 0.72 s), with a note on screen and in the result.
+    # Stock without speculation here: the old baseline, named as such in the notes.
     argv = [*comparison, "--mode", "single", "--cohorts", "1,6", "--prefill", "none"]
+    argv += ["--stock-spec", "none"]
     assert run_in_process("bench", *argv, "--out", str(tmp_path / "queued.json")) == 0
     note = "The patched side serves at most 4 streams (--max-num-seqs 4): at C6 the other streams"
     assert f"note: {note}" in capsys.readouterr().out
     document, rows = load_result(tmp_path / "queued.json")
-    (written,) = document["notes"]
-    assert written.startswith(note)
+    baseline, queued = document["notes"]
+    assert baseline == NO_STOCK_SPEC_NOTE and queued.startswith(note)
+    assert "--speculative-config" not in document["stock"]["command"]
+    assert "--speculative-config" in document["patched"]["command"]
     assert {"c1_decode", "c6_decode_total"} <= {row.name for row in rows}
 
 

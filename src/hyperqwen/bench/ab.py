@@ -4,6 +4,9 @@ Serves the stock vllm/ tree (--stock-vllm, first on PYTHONPATH) with the model a
 flags, measures it with the rows of `bench run`, stops it; then serves the patched tree
 (--patched-vllm) with the same model and flags plus the project's profile (the argv
 `hyperqwen serve MODE` would run), measures and stops it; then prints patched/stock ratios.
+Where the profile speculates, the stock side gets its --speculative-config too (--stock-spec
+same), so the ratios measure the build, not speculative decoding; --stock-args adds flags to
+the stock side alone.
 Startup-to-healthy time and weight memory (vLLM's "Model loading took X GiB" line) are rows
 too. A GPU host command may be capped at minutes, so the halves can run apart: --phase stock
 saves its half in --state, --phase patched adds the other and writes the result.
@@ -12,6 +15,7 @@ saves its half in --state, --phase patched adds the other and writes the result.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import json
 import os
@@ -72,6 +76,7 @@ from hyperqwen.settings import MODES, LoadedSettings, SettingsError, knobs, load
 STATE_SCHEMA = 1
 SIDES = ("stock", "patched")
 PHASES = ("stock", "patched", "both")
+STOCK_SPECS = ("same", "none")
 DEFAULT_SERVER_COMMAND = "{python} -m vllm.entrypoints.cli.main {args}"
 SERVER_HOST = "127.0.0.1"
 PREVIEW_PORT = 8000  # any valid port: the argv is only inspected, never run
@@ -97,6 +102,8 @@ PLAN_OPTIONS = (
     "seed",
     "synthetic_acceptance",
     "vllm_args",
+    "stock_args",
+    "stock_spec",
     "server_command",
     "quality",
 )
@@ -213,14 +220,83 @@ def with_synthetic_acceptance(argv: list[str], rates: tuple[float, ...]) -> list
     return patched
 
 
+def spec_config(argv: list[str]) -> dict | None:
+    """The --speculative-config vLLM would use (the last one), or None without one ("null"
+    too: vLLM reads it as none)."""
+    value = flag_value(argv, *SPEC_FLAGS)
+    try:
+        config = json.loads(value) if value is not None else None
+    except json.JSONDecodeError as error:
+        raise ABError(f"--speculative-config {value!r} is not JSON: {error}") from None
+    if config is not None and not isinstance(config, dict):
+        raise ABError(f"--speculative-config {value!r}: give a JSON object")
+    return config
+
+
+def spec_fields(parent: Path) -> frozenset[str]:
+    """The fields of parent/vllm's SpeculativeConfig: the keys its --speculative-config takes
+    (vLLM refuses others). Read from the source, as that tree is not the one imported here."""
+    source = parent / "vllm" / "config" / "speculative.py"
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError) as error:
+        raise ABError(
+            f"--stock-vllm {parent}: cannot read {source} ({error}); give the folder that holds "
+            "vLLM 0.26.0's vllm/"
+        ) from None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "SpeculativeConfig":
+            return frozenset(
+                item.target.id
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+            )
+    raise ABError(f"--stock-vllm {parent}: {source} defines no SpeculativeConfig")
+
+
+def stock_speculation(args: argparse.Namespace) -> list[str]:
+    """The profile's --speculative-config for the stock side (--stock-spec same), less any key
+    the stock tree's SpeculativeConfig lacks (the result's note names those). Empty where the
+    profile does not speculate: a --speculative-config in --vllm-args reaches both sides."""
+    profile = profile_serve_argv(Path(args.model), PREVIEW_PORT, args.mode, args.env_file)
+    config = spec_config(profile)
+    if config is None:
+        return []
+    if args.stock_vllm:  # absent in --phase patched, which does not start the stock side
+        accepted = spec_fields(Path(args.stock_vllm))
+        config = {key: value for key, value in config.items() if key.replace("-", "_") in accepted}
+    return ["--speculative-config", json.dumps(config, separators=(",", ":"))]
+
+
 def base_argv(side: str, args: argparse.Namespace, port: int) -> list[str]:
     """The `vllm serve ...` arguments of one side before synthetic acceptance."""
     model = Path(args.model)
-    if side == "stock":
-        base = stock_serve_argv(model, port)
-    else:
-        base = profile_serve_argv(model, port, args.mode, args.env_file)
-    return base + shlex.split(args.vllm_args)
+    if side == "patched":
+        return profile_serve_argv(model, port, args.mode, args.env_file) + shlex.split(
+            args.vllm_args
+        )
+    spec = stock_speculation(args) if args.stock_spec == "same" else []
+    vllm_args, stock_args = shlex.split(args.vllm_args), shlex.split(args.stock_args)
+    return [*stock_serve_argv(model, port), *spec, *vllm_args, *stock_args]
+
+
+def preview_commands(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Each side's `vllm serve ...` arguments, for checks before any server starts."""
+    return {side: base_argv(side, args, PREVIEW_PORT) for side in SIDES}
+
+
+def settle_stock_spec(args: argparse.Namespace) -> None:
+    """--stock-spec's default: same where the patched side speculates, else none."""
+    patched_speculates = speculates(base_argv("patched", args, PREVIEW_PORT))
+    if args.stock_spec is None:
+        args.stock_spec = "same" if patched_speculates else "none"
+    elif args.stock_spec == "same" and not patched_speculates:
+        raise ABError(
+            "--stock-spec same: the patched side does not speculate (--mode batch never does, "
+            "--mode single not with SPEC=off), so it has no --speculative-config to copy. Leave "
+            "--stock-spec out (or give none), or pass --speculative-config in --vllm-args to "
+            "speculate on both sides"
+        )
 
 
 def serve_argv(side: str, args: argparse.Namespace, port: int) -> list[str]:
@@ -234,7 +310,7 @@ def check_synthetic_acceptance(args: argparse.Namespace) -> None:
     """Synthetic rates need a side that speculates; say so before any server starts."""
     if not args.synthetic_acceptance:
         return
-    sides = [side for side in SIDES if speculates(base_argv(side, args, PREVIEW_PORT))]
+    sides = [side for side, argv in preview_commands(args).items() if speculates(argv)]
     if not sides:
         raise ABError(
             "--synthetic-acceptance needs speculative decoding on at least one side: use "
@@ -244,9 +320,10 @@ def check_synthetic_acceptance(args: argparse.Namespace) -> None:
         print(f"note: only the {sides[0]} side speculates; the rates apply to it", flush=True)
 
 
-def flag_value(argv: list[str], flag: str) -> str | None:
-    """The value of the last `flag V` or `flag=V` in argv (vLLM keeps the last), else None."""
-    positions = [(i, prefix) for i, prefix in _value_positions(argv, (flag,)) if i < len(argv)]
+def flag_value(argv: list[str], *flags: str) -> str | None:
+    """The value of the last `FLAG V` or `FLAG=V` of `flags` in argv (vLLM keeps the last),
+    else None."""
+    positions = [(i, prefix) for i, prefix in _value_positions(argv, flags) if i < len(argv)]
     if not positions:
         return None
     index, prefix = positions[-1]
@@ -272,6 +349,39 @@ def queue_notes(cohorts: Sequence[int], commands: dict[str, list[str]]) -> list[
     return notes
 
 
+def _compact(config: dict) -> str:
+    return json.dumps(config, separators=(",", ":"))
+
+
+def baseline_note(commands: dict[str, list[str]]) -> str:
+    """Which baseline the stock side was: its speculation against the patched side's."""
+    stock, patched = spec_config(commands["stock"]), spec_config(commands["patched"])
+    if stock is None and patched is None:
+        return "Neither side speculates: the ratios compare the builds without speculation."
+    if stock is None:
+        return (
+            "The stock side runs without speculation (--stock-spec none), the patched side "
+            "speculates: these ratios include speculation's gain."
+        )
+    if patched is None:
+        return f"The stock side speculates ({_compact(stock)}), the patched side does not."
+    if not stock.items() <= patched.items():
+        return (
+            f"The stock side speculates with its own --speculative-config ({_compact(stock)}, "
+            f"from --stock-args), the patched side with {_compact(patched)}."
+        )
+    note = (
+        "The stock side speculates with the patched side's --speculative-config (same method, "
+        "drafts, acceptance): the ratios are against stock with the same speculation."
+    )
+    if left_out := [key for key in patched if key not in stock]:
+        note += (
+            f" Left out of the stock side's: {', '.join(left_out)} (stock vLLM's "
+            "SpeculativeConfig has no such field)."
+        )
+    return note
+
+
 def settle_cohorts(args: argparse.Namespace) -> None:
     """Default cohorts stay within each side's --max-num-seqs; given ones beyond it are warned of.
 
@@ -279,7 +389,7 @@ def settle_cohorts(args: argparse.Namespace) -> None:
     measuring on purpose (what the single profile does when 64 clients arrive), but not by
     default; the result notes say which rows it concerns (queue_notes).
     """
-    commands = {side: base_argv(side, args, PREVIEW_PORT) for side in SIDES}
+    commands = preview_commands(args)
     if args.cohorts is None:
         limit = min(max_num_seqs(commands).values(), default=None)
         default = _int_list(DEFAULT_COHORTS[args.mode])
@@ -542,6 +652,9 @@ def equivalent_command(
         command += ["--synthetic-acceptance", rates]
     if plan["vllm_args"]:
         command.append(f"--vllm-args={plan['vllm_args']}")
+    command += ["--stock-spec", plan["stock_spec"]]
+    if plan["stock_args"]:
+        command.append(f"--stock-args={plan['stock_args']}")
     if plan["env_file"]:
         command += ["--env-file", plan["env_file"]]
     if plan["server_command"] != DEFAULT_SERVER_COMMAND:
@@ -569,8 +682,7 @@ def build_result(state: dict) -> tuple[dict, list[ComparisonRow]]:
     }
     details = {"plan": plan, "stock": state["stock"], "patched": state["patched"]}
     commands = {"stock": stock.command, "patched": patched.command}
-    if notes := queue_notes(plan["cohorts"], commands):
-        details["notes"] = notes
+    details["notes"] = [baseline_note(commands), *queue_notes(plan["cohorts"], commands)]
     document = result_document(facts, rows, **details)
     return document, rows
 
@@ -623,11 +735,15 @@ def validate_args(args: argparse.Namespace) -> None:
     for side in SIDES if args.phase == "both" else (args.phase,):
         if not getattr(args, f"{side}_vllm"):
             raise ABError(f"--phase {args.phase} needs --{side}-vllm PARENT_DIR")
+    for flag, value in (("--vllm-args", args.vllm_args), ("--stock-args", args.stock_args)):
+        try:
+            shlex.split(value)
+        except ValueError as error:
+            raise ABError(f"{flag} {value!r} cannot be read: {error}") from None
     try:
-        shlex.split(args.vllm_args)
         server_command(args.server_command, "stock", [], 0)
     except (ValueError, KeyError, IndexError) as error:
-        raise ABError(f"--vllm-args or --server-command cannot be read: {error}") from None
+        raise ABError(f"--server-command cannot be read: {error}") from None
     if args.quality:
         try:
             parse_battery_options(args.quality)
@@ -645,8 +761,10 @@ def cmd_ab(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else workdir / "ab-result.json"
     try:
         validate_args(args)
+        settle_stock_spec(args)
         check_synthetic_acceptance(args)
         settle_cohorts(args)
+        print(f"note: {baseline_note(preview_commands(args))}", flush=True)
         plan = _jsonable(plan_of(args))
         if args.phase == "patched":
             state = load_state(state_path, plan)
@@ -686,7 +804,8 @@ def _rates(text: str) -> tuple[float, ...]:
 
 AB_DESCRIPTION = """\
 Compare stock vLLM 0.26.0 with the HyperQwen build on this GPU host, one server at a time:
-  1. stock:   vllm serve MODEL + --vllm-args, with --stock-vllm's vllm/ first on PYTHONPATH
+  1. stock:   vllm serve MODEL [+ the profile's --speculative-config, with --stock-spec same]
+              + --vllm-args + --stock-args, with --stock-vllm's vllm/ first on PYTHONPATH
   2. patched: the argv of `hyperqwen serve MODE` for MODEL (knobs from the environment/.env)
               + --vllm-args, with --patched-vllm's vllm/ first on PYTHONPATH
 Each is started, timed to a healthy /health, measured with the random-token rows of
@@ -694,10 +813,20 @@ Each is started, timed to a healthy /health, measured with the random-token rows
 patched/stock ratios with both absolute figures, a result JSON (--out) and a PNG beside it.
 The stock tree must carry none of the patch series, the patched one all of it.
 
+The baseline: where the patched side speculates (single mode, SPEC=mtp or ngram), the stock
+side gets the same --speculative-config (--stock-spec same, the default there): same method,
+draft count and draft settings, so the ratios measure the build, not speculative decoding.
+Published single-mode ratios are against this stock-with-the-same-speculation baseline.
+--stock-spec none serves stock without speculation (the default in batch mode, which does not
+speculate): its ratios include speculation's gain. A key of the profile's config that the stock
+tree's SpeculativeConfig lacks is left out of the stock side's. The result's notes say which
+baseline it was. --stock-args='FLAGS' adds vLLM flags to the stock side alone, after
+--vllm-args; a --speculative-config there wins over --stock-spec's (vLLM keeps the last flag).
+
 --synthetic-acceptance sets vLLM's rejection_sample_method "synthetic" with these
 per-position acceptance rates in the --speculative-config of every side that speculates
-(single mode speculates with MTP): dummy weights then measure speculative decoding as a
-trained drafter at those rates would.
+(both, with --stock-spec same): dummy weights then measure speculative decoding as a trained
+drafter at those rates would.
 
 A 27B server needs minutes to start; where one command may run only ~10 minutes, run the
 halves apart with the same options: --phase stock, then --phase patched (the state file
@@ -714,11 +843,12 @@ Examples:
   hyperqwen bench ab models/synth-27b --mode single --stock-vllm /opt/vllm-stock \\
       --patched-vllm .venv/lib/python3.12/site-packages --vllm-args='--load-format dummy' \\
       --cohorts 1,4 --input-len 128 --output-len 512 --synthetic-acceptance 0.77,0.55,0.40
+  hyperqwen bench ab ... --stock-spec none ...   (the same, stock without speculation)
   hyperqwen bench ab models/synth-27b --mode batch --cohorts 1,64 --phase stock ...
   hyperqwen bench ab models/synth-27b --mode batch --cohorts 1,64 --phase patched ...
   hyperqwen bench smollm2 models/smollm2 --dtype bfloat16
-  REASONING_PARSER= TOOLS=0 hyperqwen bench ab models/smollm2 --mode batch --cohorts 1 \
-      --prefill none --vllm-args='--max-model-len 4096' \
+  REASONING_PARSER= TOOLS=0 hyperqwen bench ab models/smollm2 --mode batch --cohorts 1 \\
+      --prefill none --vllm-args='--max-model-len 4096' \\
       --quality='--ppl-windows 16 --limit 60 --max-tokens 512' ...
 Exit codes: 0 done, 1 a server failed while measured, 2 bad options, trees or start."""
 
@@ -752,6 +882,20 @@ def add_ab_subcommand(actions) -> None:
         default="",
         metavar="'FLAGS'",
         help="vLLM flags for both sides, appended last; write --vllm-args='--load-format dummy'",
+    )
+    ab.add_argument(
+        "--stock-args",
+        default="",
+        metavar="'FLAGS'",
+        help="vLLM flags for the stock side only, appended after --vllm-args; a "
+        "--speculative-config here wins over --stock-spec's (vLLM keeps the last flag)",
+    )
+    ab.add_argument(
+        "--stock-spec",
+        choices=STOCK_SPECS,
+        help="same: the stock side speculates with the patched side's --speculative-config "
+        "(method, drafts, synthetic acceptance); none: stock without speculation, ratios "
+        "include its gain (default: same where the patched side speculates, else none)",
     )
     ab.add_argument(
         "--synthetic-acceptance",
