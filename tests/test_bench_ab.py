@@ -37,6 +37,7 @@ from hyperqwen.bench.results import (
     ratio,
     render_benchmarks,
     render_headline,
+    stock_baseline,
     validate_result,
     with_headline,
 )
@@ -186,7 +187,7 @@ def test_publish_names_the_file_by_date_and_docs_show_every_fact(tmp_path, capsy
     assert headline.startswith("# X\n\n") and headline.endswith(f"{HEADLINE_END}\n\n## Serve\n")
     assert "old table" not in headline
     run = "[2026-01-02-h200-27b](docs/benchmarks.md#2026-01-02-h200-27b)"
-    assert f"| {run} | {VALID['gpu']} | c1_decode | tok/s | 40 | 100 | 2.500 |" in headline
+    assert f"| {run} | {VALID['gpu']} | c1_decode | - | tok/s | 40 | 100 | 2.500 |" in headline
     assert f"| {run} | {VALID['gpu']} | weight_memory | GiB | 14 | 13 | 0.929 |" in headline
     assert "c1_tokens_per_step" not in headline
     assert run_in_process("bench", "docs", *docs, "--check") == 0
@@ -569,3 +570,20 @@ def test_help_teaches_with_examples(capsys) -> None:
         run_in_process("bench", "ab", "--help")
     text = capsys.readouterr().out
     assert "--phase stock" in text and "--synthetic-acceptance" in text and "Exit codes" in text
+
+
+@pytest.mark.parametrize(
+    ("stock", "patched", "shown"),
+    [
+        (["serve", "m", "--speculative-config", "{}"], ["serve", "m", "--speculative-config={}"],
+         "same speculation"),
+        (["serve", "m"], ["serve", "m", "--speculative-config", "{}"], "**without** speculation"),
+        (["serve", "m"], ["serve", "m"], "neither speculates"),
+        (None, None, "-"),
+    ],
+)  # fmt: skip
+def test_headline_says_which_baseline_the_stock_side_was(stock, patched, shown):
+    document = (
+        {} if stock is None else {"stock": {"command": stock}, "patched": {"command": patched}}
+    )
+    assert stock_baseline(document) == shown

@@ -226,6 +226,20 @@ def render_benchmarks(published: Published) -> str:
     return "\n".join(lines)
 
 
+def stock_baseline(document: dict) -> str:
+    """Whether the stock side ran the patched side's speculative decoding, from both commands."""
+    commands = [document.get(side, {}).get("command") for side in ("stock", "patched")]
+    if not all(isinstance(command, list) for command in commands):
+        return "-"
+    stock, patched = (
+        any(arg.startswith(("--speculative-config", "--speculative_config")) for arg in command)
+        for command in commands
+    )
+    if patched:
+        return "same speculation" if stock else "**without** speculation"
+    return "stock speculates" if stock else "neither speculates"
+
+
 def render_headline(published: Published) -> str:
     """The README's headline table: HEADLINE_ROWS of every published result."""
     if not published:
@@ -234,8 +248,8 @@ def render_headline(published: Published) -> str:
             "they are made."
         )
     lines = [
-        "| run | GPU | row | unit | stock vLLM 0.26.0 | HyperQwen | ratio |",
-        "|---|---|---|---|---:|---:|---:|",
+        "| run | GPU | row | stock side | unit | stock vLLM 0.26.0 | HyperQwen | ratio |",
+        "|---|---|---|---|---|---:|---:|---:|",
     ]
     for path, document, rows in published:
         for row in rows:
@@ -243,11 +257,15 @@ def render_headline(published: Published) -> str:
                 shown = "-" if row.ratio is None else f"{row.ratio:.{RATIO_DECIMALS}f}"
                 run = f"[{path.stem}](docs/benchmarks.md#{path.stem})"
                 cells = (
-                    run, document["gpu"], row.name, row.unit,
+                    run, document["gpu"], row.name, stock_baseline(document), row.unit,
                     _number(row.stock), _number(row.patched), shown,
                 )  # fmt: skip
                 lines.append("| " + " | ".join(cells) + " |")
     lines += [
+        "",
+        "Stock side: whether stock vLLM ran the same speculative decoding as HyperQwen; a ratio "
+        "against stock **without** speculation includes speculation's own gain and is not the "
+        "comparison a user has (single-mode runs from `bench ab --stock-spec same` on are).",
         "",
         "Each run's command, vLLM, commit, date, notes (what else ran on the host, flags "
         "that differ, rows that time a queue) and every other row: "
