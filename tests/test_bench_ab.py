@@ -188,7 +188,7 @@ def test_publish_names_the_file_by_date_and_docs_show_every_fact(tmp_path, capsy
     assert "old table" not in headline
     run = "[2026-01-02-h200-27b](docs/benchmarks.md#2026-01-02-h200-27b)"
     assert f"| {run} | {VALID['gpu']} | c1_decode | - | tok/s | 40 | 100 | 2.500 |" in headline
-    assert f"| {run} | {VALID['gpu']} | weight_memory | GiB | 14 | 13 | 0.929 |" in headline
+    assert f"| {run} | {VALID['gpu']} | weight_memory | - | GiB | 14 | 13 | 0.929 |" in headline
     assert "c1_tokens_per_step" not in headline
     assert run_in_process("bench", "docs", *docs, "--check") == 0
 
