@@ -59,3 +59,25 @@ def pristine_vllm_dir(vllm_wheel: Path, tmp_path_factory: pytest.TempPathFactory
 def vllm_tree_copy(pristine_vllm_dir: Path, tmp_path: Path) -> Path:
     """A private, writable copy of the pristine vllm/ package (its parent is a fresh folder)."""
     return Path(shutil.copytree(pristine_vllm_dir, tmp_path / "site-packages" / "vllm"))
+
+
+@pytest.fixture(scope="session")
+def patched_vllm(pristine_vllm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the pristine tree with the repository's whole series applied. Read it (import
+    it in a subprocess), never write it: several test modules share it."""
+    from hyperqwen.patches import apply_series, load_series
+
+    target = tmp_path_factory.mktemp("series-patched") / "vllm"
+    shutil.copytree(pristine_vllm_dir, target)
+    apply_series(load_series(Path(__file__).resolve().parents[1] / "patches"), target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Config, tokenizer and chat template of a tiny Qwen3.5 model (no weights)."""
+    from hyperqwen.checkpoint.geometry import PRESETS
+    from hyperqwen.checkpoint.synthesize import synthesize
+
+    target = tmp_path_factory.mktemp("tiny-qwen") / "checkpoint"
+    return synthesize(target, PRESETS["tiny"], config_only=True, progress=False).directory

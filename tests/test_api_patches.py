@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -650,27 +649,6 @@ def _env_key_checks() -> dict:
 
 
 # --- pytest -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def patched_vllm(pristine_vllm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of the pristine tree with the repository's whole series applied."""
-    from hyperqwen.patches import apply_series, load_series
-
-    target = tmp_path_factory.mktemp("api-patched") / "vllm"
-    shutil.copytree(pristine_vllm_dir, target)
-    apply_series(load_series(ROOT / "patches"), target)
-    return target
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Config, tokenizer and chat template of a tiny Qwen3.5 model (no weights)."""
-    from hyperqwen.checkpoint.geometry import PRESETS
-    from hyperqwen.checkpoint.synthesize import synthesize
-
-    target = tmp_path_factory.mktemp("tiny-qwen") / "checkpoint"
-    return synthesize(target, PRESETS["tiny"], config_only=True, progress=False).directory
 
 
 @pytest.fixture(scope="module")
