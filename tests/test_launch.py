@@ -9,7 +9,7 @@ import pytest
 
 from hyperqwen.launch import FLAG_ALIASES, build_launch, redact_argv
 from hyperqwen.patches import series_status
-from hyperqwen.settings import LoadedSettings, Settings
+from hyperqwen.settings import DRAFT_VOCAB_ENV, LoadedSettings, Settings
 
 
 def loaded(**values: str) -> LoadedSettings:
@@ -235,3 +235,16 @@ def test_draft_overrides_reach_speculative_config(vllm_serve):
     }
     assert args.compilation_config.max_cudagraph_capture_size == 12
     assert json.loads(json.dumps(args.speculative_config))
+
+
+@pytest.mark.parametrize(
+    ("mode", "values", "expected"),
+    [
+        ("single", {}, "auto"),
+        ("single", {"DRAFT_VOCAB": "off"}, "off"),
+        ("batch", {"DRAFT_VOCAB": "off"}, None),  # batch never drafts
+    ],
+)
+def test_draft_vocab_reaches_the_patched_vllm_through_its_env(mode, values, expected):
+    plan = build_launch(loaded(**values), mode, None)
+    assert plan.env.get(DRAFT_VOCAB_ENV) == expected

@@ -62,14 +62,16 @@ LOGPROB_TOLERANCE = 0.05
 NEAR_TIE = 2 * LOGPROB_TOLERANCE
 
 
-def _tiny_server(model: Path, port: int) -> list[str]:
+MTP2 = {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def tiny_server(model: Path, port: int, speculative: dict | None = MTP2) -> list[str]:
+    spec = ["--speculative-config", json.dumps(speculative)] if speculative else []
     return [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
         "--language-model-only", "--enforce-eager", "--max-model-len", "2048",
-        "--gpu-memory-utilization", "0.2", "--seed", "0",
-        "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2}),
-        *shlex.split(TRITON_GDN),
+        "--gpu-memory-utilization", "0.2", "--seed", "0", *spec, *shlex.split(TRITON_GDN),
     ]  # fmt: skip
 
 
@@ -83,7 +85,7 @@ def _complete(base: str, prompt: str, **extra) -> dict:
     return response.json()["choices"][0]
 
 
-def _observe(base: str) -> dict:
+def observe(base: str) -> dict:
     """Per prompt: the prompt tokens' log-probabilities (teacher-forced) and a greedy
     continuation with each step's top-2 margin; plus the server's draft counter."""
     observed = {}
@@ -119,7 +121,7 @@ def _observe(base: str) -> dict:
     return {"prompts": observed, "drafted": float(drafted.group(1)) if drafted else 0.0}
 
 
-def _agreeing_prefix(reference: dict, candidate: dict) -> tuple[int, bool]:
+def agreeing_prefix(reference: dict, candidate: dict) -> tuple[int, bool]:
     """(tokens equal before the first difference, whether that difference is at a near tie)."""
     for index, (want, got) in enumerate(
         zip(reference["greedy_ids"], candidate["greedy_ids"], strict=True)
@@ -143,8 +145,8 @@ def test_prepared_tiny_checkpoint_matches_the_unprepared_one(tmp_path, tmp_path_
     for name, model in (("unprepared", base_model), ("prepared", prepared_model)):
         port = free_port()
         log = logs / f"prepare-tiny-{name}-server.log"
-        with running_server(_tiny_server(model, port), f"http://127.0.0.1:{port}", log, env) as url:
-            results[name] = _observe(url)
+        with running_server(tiny_server(model, port), f"http://127.0.0.1:{port}", log, env) as url:
+            results[name] = observe(url)
 
     summary = {"drafted": {name: result["drafted"] for name, result in results.items()}}
     for prompt in PROMPTS:
@@ -154,7 +156,7 @@ def test_prepared_tiny_checkpoint_matches_the_unprepared_one(tmp_path, tmp_path_
             for a, b in zip(reference["prompt_logprobs"], candidate["prompt_logprobs"], strict=True)
             if a is not None
         ]
-        agreed, at_near_tie = _agreeing_prefix(reference, candidate)
+        agreed, at_near_tie = agreeing_prefix(reference, candidate)
         summary[prompt] = {
             "max_abs_logprob_difference": max(differences),
             "mean_abs_logprob_difference": sum(differences) / len(differences),

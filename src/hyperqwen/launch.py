@@ -13,7 +13,14 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hyperqwen.settings import NO_REASONING_PARSER, LoadedSettings, Mode, Settings, knobs
+from hyperqwen.settings import (
+    DRAFT_VOCAB_ENV,
+    NO_REASONING_PARSER,
+    LoadedSettings,
+    Mode,
+    Settings,
+    knobs,
+)
 
 
 @dataclass(frozen=True)
@@ -213,6 +220,8 @@ def build_launch(
     env: dict[str, str] = {}
     if api_key:
         env["VLLM_API_KEY"] = api_key
+    if mode == "single":
+        env[DRAFT_VOCAB_ENV] = settings.DRAFT_VOCAB
     return LaunchPlan(argv, env, warnings, notices, host, path, served_name)
 
 

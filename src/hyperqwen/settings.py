@@ -30,9 +30,12 @@ SpecMethod = Literal["mtp", "ngram", "off"]
 ContextProfile = Literal["fast", "long", "huge"]
 KvCacheDtype = Literal["auto", "fp8"]
 DraftSample = Literal["greedy", "probabilistic"]
+DraftVocab = Literal["auto", "off"]
 Switch = Literal["0", "1"]
 
 PINNED_VLLM = "0.26.0"
+# How DRAFT_VOCAB reaches the patched vLLM (hyperqwen/engine/draft_vocab.py reads it there).
+DRAFT_VOCAB_ENV = "HYPERQWEN_DRAFT_VOCAB"
 DEFAULT_PORT = 18020
 
 
@@ -214,6 +217,16 @@ class Settings(BaseModel):
         "How the drafter picks tokens: greedy (argmax) or probabilistic (samples; can accept "
         "more at temperature > 0, costs memory for draft logits).",
         "--speculative-config draft_sample_method",
+        modes=SINGLE,
+    )
+
+    DRAFT_VOCAB: DraftVocab = knob(
+        "auto",
+        "With SPEC=mtp: the drafter scores only the draft vocabulary prepare cut (40,960 ids, "
+        "hyperqwen-draft-head.safetensors in the model folder) instead of all 248,320, and each "
+        "draft token reads a sixth of the head. Output is unchanged (the model verifies every "
+        "draft against the full vocabulary). auto: on when the file exists; off: full head.",
+        "env HYPERQWEN_DRAFT_VOCAB (patched vLLM)",
         modes=SINGLE,
     )
 

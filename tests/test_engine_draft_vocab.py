@@ -1,0 +1,98 @@
+"""The MTP draft vocabulary's CPU side: reading prepare's draft head, the id remap, the logits.
+
+The install into a running vLLM drafter and the greedy-equivalence proof run on the GPU
+(test_engine_draft_vocab_gpu.py); here: what install() builds on, on real prepared files.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_prepare_common import GEOMETRY, prepare_copy, tiny_base_dir
+
+from hyperqwen.checkpoint import shards
+from hyperqwen.checkpoint import w4a16 as checkpoint_format
+from hyperqwen.engine import draft_vocab
+from hyperqwen.prepare import folder
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    return prepare_copy(
+        tiny_base_dir(tmp_path_factory), tmp_path_factory.mktemp("draft-vocab") / "model"
+    )
+
+
+def test_reads_the_prepared_head_rows_of_the_draft_ids(prepared):
+    head = draft_vocab.load_draft_head(
+        prepared / folder.DRAFT_HEAD_FILE,
+        GEOMETRY.vocab_size,
+        GEOMETRY.hidden_size,
+        torch.bfloat16,
+    )
+    ids = [
+        int(line)
+        for line in (prepared / folder.DRAFT_IDS_FILE).read_text().splitlines()
+        if not line.startswith("#")
+    ]
+    assert head.token_ids.tolist() == ids and len(ids) == 40_960
+    lm_head = checkpoint_format.read_linear(shards.ShardedReader(prepared), "lm_head")
+    assert torch.equal(head.weight, lm_head[head.token_ids])  # int8 rows, dequantized alike
+    assert torch.equal(head.token_ids, torch.arange(len(ids)) + head.offsets)
+
+
+def test_greedy_remap_and_full_logits_pick_what_the_draft_rows_pick():
+    gen = torch.Generator().manual_seed(5)
+    vocab_size = 1000
+    token_ids = torch.sort(torch.randperm(vocab_size, generator=gen)[:96]).values
+    head = draft_vocab.DraftHead(token_ids, torch.zeros(96, 8))
+    draft_logits = torch.randn((7, 96), generator=gen)
+    full = draft_vocab.full_vocab_logits(draft_logits, token_ids, vocab_size)
+    best = draft_logits.argmax(dim=-1)
+    # LocalArgmaxMixin's remap (k + offsets[k]) and the full-vocabulary argmax agree
+    assert torch.equal(best + head.offsets[best], full.argmax(dim=-1))
+    assert torch.equal(full[:, token_ids], draft_logits)
+    outside = torch.ones(vocab_size, dtype=torch.bool)
+    outside[token_ids] = False
+    assert torch.isneginf(full[:, outside]).all()
+    probs = torch.softmax(full, dim=-1)  # what a sampled draft draws from: the same, restricted
+    assert torch.allclose(probs[:, token_ids], torch.softmax(draft_logits, dim=-1))
+    assert not probs[:, outside].any()
+
+
+def write_head(path, token_ids, weight):
+    save_file({"draft_head.token_ids": token_ids, "draft_head.weight": weight}, str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "rows", "message"),
+    [
+        (torch.tensor([3, 2, 9]), (3, 8), "not strictly increasing"),
+        (torch.tensor([3, 5, 1000]), (3, 8), "outside the model's vocabulary of 1000"),
+        (torch.tensor([1, 2, 3]), (3, 16), r"rows have shape \[3, 16\], expected \[3, 8\]"),
+    ],
+)
+def test_refuses_a_broken_head_naming_file_and_fix(tmp_path, token_ids, rows, message):
+    path = write_head(tmp_path / folder.DRAFT_HEAD_FILE, token_ids, torch.randn(rows))
+    with pytest.raises(draft_vocab.DraftVocabError, match=message) as refused:
+        draft_vocab.load_draft_head(path, 1000, 8, torch.bfloat16)
+    assert str(path) in str(refused.value) and "DRAFT_VOCAB=off" in str(refused.value)
+
+
+def test_refuses_a_head_without_rows(tmp_path):
+    path = tmp_path / folder.DRAFT_HEAD_FILE
+    save_file({"draft_head.token_ids": torch.tensor([1, 2])}, str(path))
+    with pytest.raises(draft_vocab.DraftVocabError, match=r"neither draft_head\.weight"):
+        draft_vocab.load_draft_head(path, 1000, 8, torch.bfloat16)
+
+
+def test_knob_reads_auto_by_default_and_refuses_other_words(monkeypatch):
+    monkeypatch.delenv(draft_vocab.ENV, raising=False)
+    assert draft_vocab.choice() == "auto"
+    monkeypatch.setenv(draft_vocab.ENV, "off")
+    assert draft_vocab.choice() == "off"
+    monkeypatch.setenv(draft_vocab.ENV, "on")
+    with pytest.raises(draft_vocab.DraftVocabError, match="expected one of auto, off"):
+        draft_vocab.choice()

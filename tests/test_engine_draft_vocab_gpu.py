@@ -1,0 +1,70 @@
+"""The MTP draft vocabulary in the patched vLLM on a GPU: lossless, and really installed.
+
+The tiny synthetic checkpoint, prepared (so it has hyperqwen-draft-head.safetensors), is served
+three times from files: without speculation, with MTP and the draft vocabulary (the default),
+and with MTP and HYPERQWEN_DRAFT_VOCAB=off. Greedy continuations must be the same tokens up to
+the first near tie (speculation changes batch shapes, not the function); the draft-vocabulary
+server must log the install and draft. Acceptance of the three is written to the summary.
+
+Run on the GPU host: `pytest -m gpu tests/test_engine_draft_vocab_gpu.py`; summary and server
+logs go to $HYPERQWEN_TEST_LOGS (draft-vocab-summary.json).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from gpu_server import log_dir, patched_vllm_parent, require_gpu, running_server, with_vllm_first
+from local_server import free_port
+from test_prepare_common import run_prepare
+from test_prepare_gpu import PROMPTS, agreeing_prefix, observe, tiny_server
+
+from hyperqwen.checkpoint.geometry import PRESETS
+from hyperqwen.checkpoint.synthesize import synthesize
+from hyperqwen.settings import DRAFT_VOCAB_ENV
+
+pytestmark = pytest.mark.gpu
+
+SIDES = {  # name: (speculative config, HYPERQWEN_DRAFT_VOCAB)
+    "no-speculation": (None, "auto"),
+    "mtp-draft-vocab": ({"method": "mtp", "num_speculative_tokens": 3}, "auto"),
+    "mtp-full-head": ({"method": "mtp", "num_speculative_tokens": 3}, "off"),
+}
+
+
+def test_draft_vocabulary_keeps_greedy_output_and_is_installed(tmp_path, tmp_path_factory):
+    require_gpu()
+    logs = log_dir(tmp_path)
+    base_env = with_vllm_first(patched_vllm_parent(tmp_path_factory))
+    model = tmp_path / "tiny-prepared"
+    shutil.copytree(synthesize(tmp_path / "tiny", PRESETS["tiny"], progress=False).directory, model)
+    code, out, err = run_prepare(str(model), "--quiet")
+    assert code == 0, err + out
+
+    results, server_logs = {}, {}
+    for name, (speculative, draft_vocab) in SIDES.items():
+        port = free_port()
+        log = logs / f"draft-vocab-{name}-server.log"
+        env = {**base_env, DRAFT_VOCAB_ENV: draft_vocab}
+        command = tiny_server(model, port, speculative)
+        with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
+            results[name] = observe(url)
+        server_logs[name] = log.read_text()
+
+    reference = results["no-speculation"]["prompts"]
+    summary = {"drafted": {name: result["drafted"] for name, result in results.items()}}
+    for name in ("mtp-draft-vocab", "mtp-full-head"):
+        summary[name] = {
+            prompt: agreeing_prefix(reference[prompt], results[name]["prompts"][prompt])
+            for prompt in PROMPTS
+        }
+    (logs / "draft-vocab-summary.json").write_text(json.dumps(summary, indent=1))
+
+    assert "draft vocabulary: 40960 of 248320 ids" in server_logs["mtp-draft-vocab"]
+    assert "draft vocabulary:" not in server_logs["mtp-full-head"]
+    assert results["mtp-draft-vocab"]["drafted"] > 0
+    for name in ("mtp-draft-vocab", "mtp-full-head"):
+        for prompt, (agreed, at_near_tie) in summary[name].items():
+            assert at_near_tie, f"{name}: greedy output differs at token {agreed} of {prompt!r}"
