@@ -49,7 +49,7 @@ def run(kernel, x, packed, scale, config):
 
 
 CASES = [
-    # m, n, k, (block_n, block_k, split_k)
+    # m, n, k, (block_n, block_k, split_k[, num_warps, num_stages, planes])
     (1, 64, 256, (16, 128, 1)),
     (1, 80, 384, (64, 256, 1)),  # N and K beyond the last full tile
     (3, 96, 512, (32, 256, 2)),
@@ -58,6 +58,10 @@ CASES = [
     (16, 32, 256, (16, 256, 2)),
     (17, 64, 512, (32, 256, 1)),  # BLOCK_M 32
     (70, 40, 256, (16, 128, 2)),  # two M tiles of 64
+    (1, 80, 384, (16, 128, 2, 1, 3, True)),  # nibble planes: N and K beyond the last tile
+    (5, 64, 640, (32, 256, 3, 2, 3, True)),
+    (17, 48, 512, (16, 256, 1, 1, 3, True)),
+    (70, 32, 256, (16, 128, 2, 1, 3, True)),
 ]
 
 
@@ -74,8 +78,10 @@ def test_matches_float64_reference(kernel, m, n, k, tile):
 def test_fp16_activations(kernel):
     codes, scale, dense = random_weights(64, 512, seed=7, dtype=torch.float16)
     x = torch.randn((5, 512), generator=torch.Generator().manual_seed(7)).to(torch.float16)
-    out = run(kernel, x, kernel.pack_codes(codes), scale, kernel.TileConfig(32, 256, 2))
-    assert relative_error(out, x.double() @ dense.T) < 1e-3  # fp16 keeps 3 more bits
+    for planes in (False, True):
+        config = kernel.TileConfig(32, 256, 2, planes=planes)
+        out = run(kernel, x, kernel.pack_codes(codes), scale, config)
+        assert relative_error(out, x.double() @ dense.T) < 1e-3  # fp16 keeps 3 more bits
 
 
 def test_reads_the_checkpoint_format(kernel):

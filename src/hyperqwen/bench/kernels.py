@@ -77,13 +77,18 @@ def moved_bytes(m: int, n: int, k: int, act_bytes: int = 2) -> int:
 
 
 def sweep_configs() -> list:
-    """Our candidate tile configs (the winners of wider sweeps on the H200, kernels/README.md)."""
+    """Our candidate tile configs: the winners of wider sweeps on the H200 (kernels/README.md),
+    and the nibble-plane unpack at the shapes whose PTX keeps the codes out of shared memory."""
     from hyperqwen.kernels.w4a16 import TileConfig
 
     configs = []
     for split_k in (1, 2, 4, 8):
         configs.append(TileConfig(64, 256, split_k, num_warps=4))
         configs.append(TileConfig(128, 256, split_k, num_warps=8))
+        # nibble planes, not timed yet: small warps keep the dot operand in registers (PTX)
+        configs.append(TileConfig(16, 256, split_k, num_warps=1, planes=True))
+        configs.append(TileConfig(32, 256, split_k, num_warps=1, planes=True))
+        configs.append(TileConfig(64, 256, split_k, num_warps=4, planes=True))
     return configs
 
 

@@ -12,9 +12,11 @@ keep its one copy of the weights, repacked by nothing):
   value          (code - 8) * scale   (symmetric uint4b8)
 
 Each program owns BLOCK_N output rows and one of SPLIT_K slices of K, and takes one group of G
-inputs at a time: the codes, OR-ed into the mantissa of a float constant (MAGIC + code, exact, no
-int-to-float conversion), meet xᵀ in a tensor-core dot (M padded to 16); subtracting
-(MAGIC + 8) * sum(x) and multiplying by the group scale happen on the small [BLOCK_N, M] product.
+inputs at a time. The codes, OR-ed into the mantissa of a float constant (MAGIC + code, exact, no
+int-to-float conversion), meet xᵀ in tensor-core dots (M padded to 16), either unpacked in K
+order (one dot of K = G; the (MAGIC + 8) * sum(x) it carries is subtracted after) or as 8 nibble
+planes (8 dots of K = 16, the bias subtracted in x's dtype first); the group scale multiplies the
+small [BLOCK_N, M] product.
 Split-K partial sums go to an fp32 workspace; the last program of an output tile to arrive (an
 acq_rel counter) adds the slices in slice order, so results do not depend on arrival order,
 writes the output and re-arms the counter for the next launch (CUDA-graph replays reuse it).
@@ -45,11 +47,75 @@ class TileConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    planes: bool = False  # unpack as 8 nibble planes (see _group_planes), not in K order
 
     def label(self) -> str:
+        unpack = "planes_" if self.planes else ""
         return (
-            f"n{self.block_n}_k{self.block_k}_s{self.split_k}_w{self.num_warps}_p{self.num_stages}"
+            f"{unpack}n{self.block_n}_k{self.block_k}_s{self.split_k}"
+            f"_w{self.num_warps}_p{self.num_stages}"
         )
+
+
+@triton.jit
+def _magic(x_ptr):
+    """(bit pattern, value) of the float whose mantissa takes a 4-bit code exactly, in x's dtype:
+    bf16 0x4300 = 128.0, fp16 0x6400 = 1024.0."""
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        return 0x4300, 128.0
+    else:
+        return 0x6400, 1024.0
+
+
+@triton.jit
+def _as_x_dtype(bits, x_ptr):
+    """int32 holding a 16-bit pattern -> that pattern as x's float dtype."""
+    return bits.to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
+
+
+@triton.jit
+def _group_interleaved(words, x_ptr, x_rows, offs_k, m_mask, K, DOT_IN_FP32: tl.constexpr):
+    """One group's [BLOCK_N, BLOCK_M] product, codes unpacked into K order (three interleaves)."""
+    GROUP: tl.constexpr = offs_k.shape[0]
+    shifts = (tl.arange(0, GROUP) % 8) * 4
+    # each word repeated 8 times in a row, then code j of word i sits at column 8i + j
+    codes = tl.interleave(words, words)
+    codes = tl.interleave(codes, codes)
+    codes = tl.interleave(codes, codes)
+    codes = (codes >> shifts[None, :]) & 0xF
+    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+    bits, value = _magic(x_ptr)
+    biased = _as_x_dtype(codes | bits, x_ptr)  # value + code, exact
+    if DOT_IN_FP32:
+        part = tl.dot(biased.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+    else:
+        part = tl.dot(biased, tl.trans(x), out_dtype=tl.float32)
+    # the dot carried (value + 8) * sum(x) too: one subtraction per output removes it
+    return part - (value + 8.0) * tl.sum(x.to(tl.float32), axis=1)[None, :]
+
+
+@triton.jit
+def _group_planes(
+    words, x_ptr, x_cols, first_k, m_mask, K, BLOCK_M: tl.constexpr, DOT_IN_FP32: tl.constexpr
+):
+    """One group's product as 8 dots of K = 16: nibble plane j of every word against x[8i + j].
+    Only elementwise work on the loaded words, so Triton keeps the dot operand in registers."""
+    WORDS: tl.constexpr = words.shape[1]
+    bits, value = _magic(x_ptr)
+    part = tl.zeros((words.shape[0], BLOCK_M), dtype=tl.float32)
+    for j in tl.static_range(8):
+        codes = _as_x_dtype(((words >> (4 * j)) & 0xF) | bits, x_ptr)
+        offs_k = first_k + tl.arange(0, WORDS) * 8 + j
+        x_t = tl.load(
+            x_cols + offs_k[:, None], mask=m_mask[None, :] & (offs_k[:, None] < K), other=0.0
+        )
+        if DOT_IN_FP32:
+            weights = codes.to(tl.float32) - (value + 8.0)
+            part = tl.dot(weights, x_t.to(tl.float32), part, input_precision="ieee")
+        else:
+            weights = (codes - (value + 8.0)).to(x_ptr.dtype.element_ty)  # -8..7, exact
+            part = tl.dot(weights, x_t, part)
+    return part
 
 
 @triton.jit
@@ -73,6 +139,7 @@ def _w4a16_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    PLANES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -86,10 +153,10 @@ def _w4a16_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row
     s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * groups_per_row
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
 
     GROUPS_PER_BLOCK: tl.constexpr = BLOCK_K // GROUP
     WORDS: tl.constexpr = GROUP // 8
-    shifts = (tl.arange(0, GROUP) % 8) * 4
     k_blocks = tl.cdiv(K, BLOCK_K)
     blocks_per_split = tl.cdiv(k_blocks, SPLIT_K)
     first_block = pid_k * blocks_per_split
@@ -102,29 +169,14 @@ def _w4a16_kernel(
             group_mask = n_mask[:, None] & (group * GROUP < K)
             offs_w = group * WORDS + tl.arange(0, WORDS)
             words = tl.load(w_rows + offs_w[None, :], mask=group_mask, other=0)
-            # each word repeated 8 times in a row, then code j of word i sits at column 8i + j
-            codes = tl.interleave(words, words)
-            codes = tl.interleave(codes, codes)
-            codes = tl.interleave(codes, codes)
-            codes = (codes >> shifts[None, :]) & 0xF
             scale = tl.load(s_rows + group, mask=group_mask, other=0.0)
-            offs_k = group * GROUP + tl.arange(0, GROUP)
-            x = tl.load(
-                x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0
-            )
-            if x_ptr.dtype.element_ty == tl.bfloat16:
-                biased = (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                offset = 136.0  # 0x4300 is bf16 128.0; plus the uint4b8 bias 8
-            else:
-                biased = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-                offset = 1032.0  # 0x6400 is fp16 1024.0
-            if DOT_IN_FP32:
-                part = tl.dot(
-                    biased.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee"
+            if PLANES:
+                part = _group_planes(
+                    words, x_ptr, x_cols, group * GROUP, m_mask, K, BLOCK_M, DOT_IN_FP32
                 )
             else:
-                part = tl.dot(biased, tl.trans(x), out_dtype=tl.float32)
-            part -= offset * tl.sum(x.to(tl.float32), axis=1)[None, :]
+                offs_k = group * GROUP + tl.arange(0, GROUP)
+                part = _group_interleaved(words, x_ptr, x_rows, offs_k, m_mask, K, DOT_IN_FP32)
             acc += part * scale.to(tl.float32)
 
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -280,6 +332,7 @@ def w4a16_matmul(
         BLOCK_K=config.block_k,
         SPLIT_K=config.split_k,
         DOT_IN_FP32=_INTERPRETED,
+        PLANES=config.planes,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
