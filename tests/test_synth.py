@@ -361,7 +361,27 @@ def test_27b_layout_is_what_vllm_builds_for_the_27b_config(vllm_cpu, shape_27b):
             model.load_weights(_zero_stride_weights(specs, corrupt=corrupt))
 
 
-def test_prepared_needs_config_only(tmp_path):
-    code, _, err = run_cli(str(tmp_path / "m"), "--prepared")
-    assert code == 2 and "--prepared needs --config-only" in err and "hyperqwen prepare" in err
+@pytest.mark.parametrize("flag", ["--prepared", "--draft-head"])
+def test_prepared_and_draft_head_need_config_only(tmp_path, flag):
+    code, _, err = run_cli(str(tmp_path / "m"), flag)
+    assert code == 2 and f"{flag} needs --config-only" in err and "hyperqwen prepare" in err
     assert not (tmp_path / "m").exists()
+
+
+def test_draft_head_is_what_the_draft_vocabulary_loads(tmp_path):
+    from hyperqwen.drafter.vocab import DEFAULT_DRAFT_SIZE, DEFAULT_RANKING, cut, read_ranking
+    from hyperqwen.engine.draft_vocab import load_draft_head
+    from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
+
+    geometry = PRESETS["tiny"]
+    code, out, err = run_cli(str(tmp_path / "m"), "--config-only", "--draft-head")
+    assert code == 0, err
+    assert "synthetic draft head" in out and DRAFT_HEAD_FILE in out
+    head = load_draft_head(
+        tmp_path / "m" / DRAFT_HEAD_FILE, geometry.vocab_size, geometry.hidden_size, torch.bfloat16
+    )
+    expected = cut(read_ranking(DEFAULT_RANKING), DEFAULT_DRAFT_SIZE, geometry.vocab_size)
+    assert head.token_ids.tolist() == expected
+    assert head.weight.shape == (DEFAULT_DRAFT_SIZE, geometry.hidden_size)
+    assert 0.015 < head.weight.float().std().item() < 0.025  # random rows, not zeros
+    assert not list((tmp_path / "m").glob(".*.tmp"))  # written through a temporary, renamed

@@ -47,7 +47,7 @@ examples:
   hyperqwen synth /tmp/qwen-27b-shape --preset 27b --config-only
   vllm serve /tmp/qwen-27b-shape --load-format dummy --language-model-only
 
-  hyperqwen synth /tmp/qwen-27b-prepared --preset 27b --config-only --prepared
+  hyperqwen synth /tmp/qwen-27b-prepared --preset 27b --config-only --prepared --draft-head
 
   hyperqwen synth /tmp/qwen-wide --preset tiny --set hidden_size=512 --set num_hidden_layers=8
 """
@@ -101,6 +101,14 @@ def add_subcommand(subparsers) -> None:
         "embedding)",
     )
     parser.add_argument(
+        "--draft-head",
+        action="store_true",
+        help="with --config-only: also write hyperqwen-draft-head.safetensors, random bf16 rows "
+        "for the default draft vocabulary (40,960 ids), so the patched vLLM's MTP draft "
+        "vocabulary runs (and can be timed) with --load-format dummy; real models get theirs "
+        "from `hyperqwen prepare`",
+    )
+    parser.add_argument(
         "--seed", type=int, default=0, help="random seed; same seed, same weights [0]"
     )
     parser.add_argument(
@@ -135,18 +143,44 @@ def prepared_quantization_edit(geometry):
     )
 
 
+def write_synthetic_draft_head(model_dir: Path, geometry, seed: int) -> int:
+    """Random bf16 rows for the default draft vocabulary, in the file prepare writes (written
+    atomically); returns its size."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hyperqwen.checkpoint.shards import atomic_file
+    from hyperqwen.drafter.head import PREFIX
+    from hyperqwen.drafter.vocab import DEFAULT_DRAFT_SIZE, DEFAULT_RANKING, cut, read_ranking
+    from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
+
+    ids = cut(read_ranking(DEFAULT_RANKING), DEFAULT_DRAFT_SIZE, geometry.vocab_size)
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn((len(ids), geometry.hidden_size), generator=generator) * 0.02
+    target = model_dir / DRAFT_HEAD_FILE
+    with atomic_file(target) as temporary:
+        tensors = {
+            f"{PREFIX}.token_ids": torch.tensor(ids, dtype=torch.int64),
+            f"{PREFIX}.weight": rows.to(torch.bfloat16),
+        }
+        save_file(tensors, str(temporary))
+    return target.stat().st_size
+
+
 def run(args: argparse.Namespace) -> int:
     from hyperqwen.checkpoint.geometry import PRESETS, GeometryError
     from hyperqwen.checkpoint.synthesize import synthesize
     from hyperqwen.checkpoint.w4a16 import FormatError
+    from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
 
-    if args.prepared and not args.config_only:
-        print(
-            "hyperqwen synth: error: --prepared needs --config-only (for a checkpoint with "
-            "weights, run `hyperqwen prepare OUT_DIR` on it instead)",
-            file=sys.stderr,
-        )
-        return 2
+    for flag, given in (("--prepared", args.prepared), ("--draft-head", args.draft_head)):
+        if given and not args.config_only:
+            print(
+                f"hyperqwen synth: error: {flag} needs --config-only (for a checkpoint with "
+                "weights, run `hyperqwen prepare OUT_DIR` on it instead)",
+                file=sys.stderr,
+            )
+            return 2
     try:
         geometry = PRESETS[args.preset].with_overrides(args.overrides)
         result = synthesize(
@@ -164,6 +198,11 @@ def run(args: argparse.Namespace) -> int:
     kind = "config + tokenizer only" if args.config_only else "W4A16 weights"
     if args.prepared:
         kind += ", prepared quantization config"
+    if args.draft_head:
+        result.files[DRAFT_HEAD_FILE] = write_synthetic_draft_head(
+            result.directory, geometry, args.seed
+        )
+        kind += ", synthetic draft head"
     print(
         f"wrote {result.directory} ({args.preset}, {result.parameters / 1e9:.2f} B parameters, "
         f"{kind})"
