@@ -10,7 +10,9 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -335,6 +337,58 @@ def test_vllm_loads_every_weight_of_the_model_and_its_mtp_head(vllm_cpu, tiny):
     draft_parameters = dict(draft.named_parameters())
     assert "model.layers.0.self_attn.qkv_proj.weight" in draft_parameters  # MTP stays bf16
     assert torch.equal(draft_parameters["model.fc.weight"].data, reader["mtp.fc.weight"])
+
+
+def test_draft_vocabulary_installs_into_vllms_own_mtp_drafter(
+    vllm_cpu, tiny, tmp_path, monkeypatch
+):
+    """The real Qwen3_5MTP on vLLM's CPU platform, weights loaded, then install(): greedy drafts
+    through LocalArgmaxMixin and sampled-draft logits come from the draft rows alone."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from hyperqwen.engine import draft_vocab
+    from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
+    from hyperqwen.synth import write_synthetic_draft_head
+
+    model_dir = tmp_path / "tiny-with-head"
+    shutil.copytree(tiny, model_dir, copy_function=os.link)
+    write_synthetic_draft_head(model_dir, PRESETS["tiny"], seed=1)
+    vllm_config = engine_config(
+        model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2}
+    )
+    draft_config = vllm_config.speculative_config.draft_model_config
+    with set_current_vllm_config(vllm_config):
+        draft = build_model(vllm_config, draft_config, "cpu")
+        DefaultModelLoader(vllm_config.load_config).load_weights(draft, draft_config)
+        proposer = SimpleNamespace(
+            model=draft, vllm_config=vllm_config, use_local_argmax_reduction=False
+        )
+        monkeypatch.setenv(draft_vocab.ENV, "off")
+        assert not draft_vocab.install(proposer)
+        full_head = draft.lm_head
+        monkeypatch.setenv(draft_vocab.ENV, "auto")
+        assert draft_vocab.install(proposer)
+        hidden = torch.randn((5, PRESETS["tiny"].hidden_size), dtype=torch.bfloat16)
+        greedy = draft.get_top_tokens(hidden)
+        logits = draft.compute_logits(hidden)
+
+    head = draft_vocab.load_draft_head(
+        model_dir / DRAFT_HEAD_FILE, 248_320, PRESETS["tiny"].hidden_size, torch.bfloat16
+    )
+    assert proposer.use_local_argmax_reduction and draft.lm_head is not full_head
+    reference = hidden.float() @ head.weight.float().T  # over the draft rows only
+    rows = torch.searchsorted(head.token_ids, greedy)
+    assert torch.equal(head.token_ids[rows], greedy)  # every greedy draft is a draft id
+    chosen = reference.gather(1, rows[:, None]).squeeze(1)
+    assert (chosen >= reference.max(dim=-1).values - 1e-2).all()  # the best row, up to bf16
+    assert logits.shape == (5, 248_320)
+    assert torch.equal(logits.argmax(dim=-1), greedy)
+    outside = torch.ones(248_320, dtype=torch.bool)
+    outside[head.token_ids] = False
+    assert torch.isneginf(logits[:, outside]).all() and torch.isfinite(logits[:, ~outside]).all()
 
 
 def _zero_stride_weights(specs, corrupt=None):

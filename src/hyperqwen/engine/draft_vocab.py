@@ -145,6 +145,7 @@ def install(proposer) -> bool:
             prefix="draft_head",
         )
     draft_lm_head.weight_loader(draft_lm_head.weight, head.weight.to(device))
+    draft_lm_head.quant_method.process_weights_after_loading(draft_lm_head)  # as vLLM's loader
     token_ids = head.token_ids.to(device)
     draft_logits = LogitsProcessor(len(token_ids))
 
