@@ -95,27 +95,52 @@ def _group_interleaved(words, x_ptr, x_rows, offs_k, m_mask, K, DOT_IN_FP32: tl.
 
 
 @triton.jit
-def _group_planes(
-    words, x_ptr, x_cols, first_k, m_mask, K, BLOCK_M: tl.constexpr, DOT_IN_FP32: tl.constexpr
-):
-    """One group's product as 8 dots of K = 16: nibble plane j of every word against x[8i + j].
-    Only elementwise work on the loaded words, so Triton keeps the dot operand in registers."""
-    WORDS: tl.constexpr = words.shape[1]
+def _plane(words, j: tl.constexpr, x_ptr, DOT_IN_FP32: tl.constexpr):
+    """Nibble j of every word as weights -8..7 in x's dtype (fp32 under the interpreter)."""
     bits, value = _magic(x_ptr)
-    part = tl.zeros((words.shape[0], BLOCK_M), dtype=tl.float32)
-    for j in tl.static_range(8):
-        codes = _as_x_dtype(((words >> (4 * j)) & 0xF) | bits, x_ptr)
-        offs_k = first_k + tl.arange(0, WORDS) * 8 + j
-        x_t = tl.load(
-            x_cols + offs_k[:, None], mask=m_mask[None, :] & (offs_k[:, None] < K), other=0.0
+    biased = _as_x_dtype(((words >> (4 * j)) & 0xF) | bits, x_ptr)  # value + code, exact
+    if DOT_IN_FP32:
+        return biased.to(tl.float32) - (value + 8.0)
+    else:
+        return (biased - (value + 8.0)).to(x_ptr.dtype.element_ty)  # exact in bf16/fp16
+
+
+@triton.jit
+def _plane_dot(words, j: tl.constexpr, x_t, part, x_ptr, DOT_IN_FP32: tl.constexpr):
+    if DOT_IN_FP32:
+        return tl.dot(
+            _plane(words, j, x_ptr, True), x_t.to(tl.float32), part, input_precision="ieee"
         )
-        if DOT_IN_FP32:
-            weights = codes.to(tl.float32) - (value + 8.0)
-            part = tl.dot(weights, x_t.to(tl.float32), part, input_precision="ieee")
-        else:
-            weights = (codes - (value + 8.0)).to(x_ptr.dtype.element_ty)  # -8..7, exact
-            part = tl.dot(weights, x_t, part)
-    return part
+    else:
+        return tl.dot(_plane(words, j, x_ptr, False), x_t, part)
+
+
+@triton.jit
+def _group_planes(words, x_ptr, x_rows, offs_k, m_mask, K, DOT_IN_FP32: tl.constexpr):
+    """One group's product as 8 dots of K = 16: nibble plane j of every word against
+    x[8i + j]. Only elementwise work touches the loaded words, so Triton keeps the dot operand
+    in registers; x is loaded once, contiguous, and split into its planes in registers."""
+    BLOCK_M: tl.constexpr = x_rows.shape[0]
+    WORDS: tl.constexpr = words.shape[1]
+    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+    # k = 8i + 4a + 2b + c: move i first, then peel a, b and c off as the last dimension
+    x = tl.permute(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)), (1, 0, 2, 3, 4))
+    a0, a1 = tl.split(tl.permute(x, (0, 1, 3, 4, 2)))
+    b00, b01 = tl.split(tl.permute(a0, (0, 1, 3, 2)))
+    b10, b11 = tl.split(tl.permute(a1, (0, 1, 3, 2)))
+    x0, x1 = tl.split(b00)
+    x2, x3 = tl.split(b01)
+    x4, x5 = tl.split(b10)
+    x6, x7 = tl.split(b11)
+    part = tl.zeros((words.shape[0], BLOCK_M), dtype=tl.float32)
+    part = _plane_dot(words, 0, x0, part, x_ptr, DOT_IN_FP32)
+    part = _plane_dot(words, 1, x1, part, x_ptr, DOT_IN_FP32)
+    part = _plane_dot(words, 2, x2, part, x_ptr, DOT_IN_FP32)
+    part = _plane_dot(words, 3, x3, part, x_ptr, DOT_IN_FP32)
+    part = _plane_dot(words, 4, x4, part, x_ptr, DOT_IN_FP32)
+    part = _plane_dot(words, 5, x5, part, x_ptr, DOT_IN_FP32)
+    part = _plane_dot(words, 6, x6, part, x_ptr, DOT_IN_FP32)
+    return _plane_dot(words, 7, x7, part, x_ptr, DOT_IN_FP32)
 
 
 @triton.jit
@@ -153,7 +178,6 @@ def _w4a16_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row
     s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * groups_per_row
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
 
     GROUPS_PER_BLOCK: tl.constexpr = BLOCK_K // GROUP
     WORDS: tl.constexpr = GROUP // 8
@@ -170,12 +194,10 @@ def _w4a16_kernel(
             offs_w = group * WORDS + tl.arange(0, WORDS)
             words = tl.load(w_rows + offs_w[None, :], mask=group_mask, other=0)
             scale = tl.load(s_rows + group, mask=group_mask, other=0.0)
+            offs_k = group * GROUP + tl.arange(0, GROUP)
             if PLANES:
-                part = _group_planes(
-                    words, x_ptr, x_cols, group * GROUP, m_mask, K, BLOCK_M, DOT_IN_FP32
-                )
+                part = _group_planes(words, x_ptr, x_rows, offs_k, m_mask, K, DOT_IN_FP32)
             else:
-                offs_k = group * GROUP + tl.arange(0, GROUP)
                 part = _group_interleaved(words, x_ptr, x_rows, offs_k, m_mask, K, DOT_IN_FP32)
             acc += part * scale.to(tl.float32)
 
