@@ -85,10 +85,11 @@ def sweep_configs() -> list:
     for split_k in (1, 2, 4, 8):
         configs.append(TileConfig(64, 256, split_k, num_warps=4))
         configs.append(TileConfig(128, 256, split_k, num_warps=8))
-        # nibble planes, not timed yet: small warps keep the dot operand in registers (PTX)
+        # nibble planes, not timed yet: few warps keep the dot operand in registers (PTX)
         configs.append(TileConfig(16, 256, split_k, num_warps=1, planes=True))
+        configs.append(TileConfig(16, 512, split_k, num_warps=1, planes=True))
         configs.append(TileConfig(32, 256, split_k, num_warps=1, planes=True))
-        configs.append(TileConfig(64, 256, split_k, num_warps=4, planes=True))
+        configs.append(TileConfig(32, 256, split_k, num_warps=2, planes=True))
     return configs
 
 
