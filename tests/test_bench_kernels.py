@@ -73,3 +73,18 @@ def test_without_a_gpu_it_stops_and_says_so(capsys):
         pytest.skip("this machine has a GPU")
     assert run_in_process("bench", "kernels", "--backends") == 3
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_published_kernel_rows_are_what_the_code_computes_from_their_raw_timings():
+    import json
+    from pathlib import Path
+
+    from hyperqwen.bench.kernels import result_rows
+
+    published = sorted(
+        (Path(__file__).parents[1] / "docs" / "results").glob("*-w4a16-kernels.json")
+    )
+    assert published, "no published kernel run"
+    for path in published:
+        document = json.loads(path.read_text())
+        assert result_rows(document["raw"]) == document["rows"], path.name

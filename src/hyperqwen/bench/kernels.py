@@ -30,6 +30,8 @@ from hyperqwen.checkpoint.geometry import PRESETS, Geometry
 GROUP_SIZE = 128
 DEFAULT_MS = (1, 2, 4, 5, 8, 16, 32, 64)
 VLLM_BACKENDS = ("machete", "marlin", "exllama", "triton")
+# humming JIT-compiles its GEMMs with nvcc on first use (not timed yet): asked for by name only
+OPTIONAL_BACKENDS = ("humming",)
 L2_ROTATION_BYTES = 256 * 2**20
 
 
@@ -203,6 +205,7 @@ def vllm_layers(backend: str, w: Weights):
         "marlin": "MarlinLinearKernel",
         "exllama": "ExllamaLinearKernel",
         "triton": "TritonW4A16LinearKernel",
+        "humming": "HummingLinearKernel",
     }
     kernel_cls = getattr(mp, classes[backend])
     config = mp.MPLinearLayerConfig(
@@ -328,7 +331,7 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
 OURS = "hyperqwen"
 BASELINE = "machete"
 ROW_CANDIDATES = ("marlin", OURS)
-SUMMARY_CANDIDATES = ("machete", "marlin", "triton", OURS)
+SUMMARY_CANDIDATES = ("machete", "marlin", "triton", "humming", OURS)
 
 
 def best_us(entry: dict, candidate: str) -> float | None:
@@ -364,9 +367,10 @@ def result_rows(raw: dict) -> list[dict]:
             for candidate in ROW_CANDIDATES:
                 patched = _gbps(entry["bytes"], best_us(entry, candidate))
                 rows.append(_row_dict(f"{shape['name']}_m{m}_{candidate}", "GB/s", stock, patched))
+    timed = {OURS} | {b for shape in raw["shapes"] for e in shape["m"].values() for b in e["vllm"]}
     for m in ms:
         fractions = {}
-        for candidate in SUMMARY_CANDIDATES:
+        for candidate in (c for c in SUMMARY_CANDIDATES if c in timed):
             total_bytes = total_us = 0.0
             for shape in raw["shapes"]:
                 entry = shape["m"].get(str(m))
@@ -476,7 +480,12 @@ def add_subcommand(actions) -> None:
     kernels.add_argument("--set", action="append", metavar="KEY=VALUE", help="geometry override")
     kernels.add_argument("--m", type=int, nargs="+", default=list(DEFAULT_MS), help="rows (M)")
     kernels.add_argument(
-        "--backends", nargs="*", default=list(VLLM_BACKENDS), choices=VLLM_BACKENDS
+        "--backends",
+        nargs="*",
+        default=list(VLLM_BACKENDS),
+        choices=VLLM_BACKENDS + OPTIONAL_BACKENDS,
+        help=f"vLLM kernels to time beside ours (default: {' '.join(VLLM_BACKENDS)}; humming "
+        "JIT-compiles with nvcc first)",
     )
     kernels.add_argument("--only", nargs="*", help="shape names containing these words")
     kernels.add_argument(
