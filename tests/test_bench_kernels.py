@@ -5,9 +5,24 @@ from __future__ import annotations
 import pytest
 from cli_runner import run_in_process
 
-from hyperqwen.bench.kernels import layer_shapes, moved_bytes, result_document, sweep_configs
+from hyperqwen.bench.kernels import (
+    head_shapes,
+    layer_shapes,
+    moved_bytes,
+    result_document,
+    sweep_configs,
+)
 from hyperqwen.bench.results import validate_result
 from hyperqwen.checkpoint.geometry import PRESETS
+
+
+def test_head_shapes_are_the_verify_and_draft_heads_at_8_bits():
+    heads = {s.name: (s.n, s.k, s.bits) for s in head_shapes(PRESETS["27b"])}
+    assert heads == {"lm_head": (248_320, 5120, 8), "draft_head": (40_960, 5120, 8)}
+    assert (
+        moved_bytes(1, 40_960, 5120, bits=8)
+        == 40_960 * 5120 + 40_960 * 40 * 2 + 5120 * 2 + 40_960 * 2
+    )
 
 
 def test_27b_shapes_are_the_fused_linears_a_token_runs():
@@ -58,6 +73,31 @@ def test_rows_give_bandwidth_per_candidate_and_the_body_fraction():
     assert rows["body_bw_fraction_m1_triton"].patched is None  # not measured stays unmeasured
     assert rows["copy_bandwidth"].stock == 4000
     assert document["raw"] is raw
+    assert not any(name.startswith("lm_head") for name in rows)  # no head was timed
+
+
+def test_head_rows_compare_int8_kernels_with_the_bf16_head_in_ms():
+    head = fake_entry(4096, 512, 1, machete_us=30.0, marlin_us=20.0, ours_us=[])
+    head["vllm"]["bf16_torch"] = {"us": 50.0}
+    raw = {
+        "gpu": "test GPU", "date": "2026-12-01T10:00:00+0000", "preset": "27b",
+        "copy_gbps": 4000.0,
+        "shapes": [
+            {"name": "a", "n": 1024, "k": 2048, "per_token": 1,
+             "m": {"1": fake_entry(1024, 2048, 1, 2.0, 1.0, [4.0])}},
+            {"name": "lm_head", "n": 4096, "k": 512, "per_token": 1, "bits": 8, "m": {"1": head}},
+        ],
+    }  # fmt: skip
+    rows = {row.name: row for row in validate_result(result_document(raw, "c", "x", "v"), "t")}
+    assert rows["lm_head_m1_int8_marlin"].unit == "ms"
+    assert (rows["lm_head_m1_int8_marlin"].stock, rows["lm_head_m1_int8_marlin"].patched) == (
+        0.05,
+        0.02,
+    )
+    assert rows["lm_head_m1_int8_machete"].ratio == 0.6
+    # heads stay out of the body's bandwidth fraction
+    body_bytes = moved_bytes(1, 1024, 2048)
+    assert rows["body_bw_fraction_m1_marlin"].patched == round(body_bytes / 1e-6 / 1e9 / 4000, 3)
 
 
 def test_sweep_stays_within_the_kernels_limits():

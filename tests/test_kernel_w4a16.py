@@ -150,3 +150,14 @@ def test_refuses_mismatched_tensors(kernel):
         kernel.w4a16_matmul(x, packed[:, :16].contiguous(), scale, GROUP, config)
     with pytest.raises(ValueError, match="x must be bfloat16 or float16"):
         kernel.w4a16_matmul(x.float(), packed, scale, GROUP, config)
+
+
+def test_int8_packing_is_the_checkpoints_too(kernel):
+    """The 8-bit heads prepare writes (uint8b128) use the same word order at 4 codes per word."""
+    weight = torch.randn((32, 256), generator=torch.Generator().manual_seed(8)) * 0.05
+    stored = checkpoint_format.pack(weight.to(torch.bfloat16), num_bits=8)
+    codes = kernel.unpack_codes(stored["weight_packed"], bits=8)
+    assert int(codes.max()) > 200 and int(codes.min()) < 50  # the whole 0..255 range in use
+    assert torch.equal(kernel.pack_codes(codes, bits=8), stored["weight_packed"])
+    dense = (codes - 128) * stored["weight_scale"].float().repeat_interleave(GROUP, dim=1)
+    assert torch.equal(dense.to(torch.bfloat16), checkpoint_format.unpack(stored))

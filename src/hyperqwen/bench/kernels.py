@@ -43,6 +43,7 @@ class LinearShape:
     n: int
     k: int
     per_token: int
+    bits: int = 4  # 4: the W4A16 body; 8: prepare's int8 heads (timed against their bf16 form)
 
 
 def layer_shapes(g: Geometry) -> list[LinearShape]:
@@ -73,9 +74,20 @@ def layer_shapes(g: Geometry) -> list[LinearShape]:
     return list(merged.values())
 
 
-def moved_bytes(m: int, n: int, k: int, act_bytes: int = 2) -> int:
-    """The fewest bytes a W4A16 GEMM moves: int4 weights, group scales, x in, y out."""
-    return n * k // 2 + n * (k // GROUP_SIZE) * act_bytes + m * k * act_bytes + m * n * act_bytes
+def head_shapes(g: Geometry) -> list[LinearShape]:
+    """The heads a speculative step reads: the verify lm_head and the draft vocabulary's rows."""
+    from hyperqwen.drafter.vocab import DEFAULT_DRAFT_SIZE
+
+    return [
+        LinearShape("lm_head", g.vocab_size, g.hidden_size, 1, bits=8),
+        LinearShape("draft_head", DEFAULT_DRAFT_SIZE, g.hidden_size, 1, bits=8),
+    ]
+
+
+def moved_bytes(m: int, n: int, k: int, act_bytes: int = 2, bits: int = 4) -> int:
+    """The fewest bytes a WnA16 GEMM moves: n-bit weights, group scales, x in, y out."""
+    weights = n * k * bits // 8
+    return weights + n * (k // GROUP_SIZE) * act_bytes + m * k * act_bytes + m * n * act_bytes
 
 
 def sweep_configs() -> list:
@@ -148,20 +160,21 @@ def copy_bandwidth_gbps() -> float:
 
 
 class Weights:
-    """Random W4A16 weights of one shape in the checkpoint layout, plus their float reference."""
+    """Random WnA16 weights of one shape in the checkpoint layout, plus their float reference."""
 
-    def __init__(self, n: int, k: int, copies: int, seed: int):
+    def __init__(self, n: int, k: int, copies: int, seed: int, bits: int = 4):
         import torch
 
         from hyperqwen.kernels.w4a16 import pack_codes
 
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        self.n, self.k = n, k
-        codes = torch.randint(0, 16, (n, k), device="cuda", generator=gen)
-        self.packed = [pack_codes(codes)]
+        self.n, self.k, self.bits = n, k, bits
+        codes = torch.randint(0, 2**bits, (n, k), device="cuda", generator=gen)
+        self.packed = [pack_codes(codes, bits)]
         scale = torch.rand((n, k // GROUP_SIZE), device="cuda", generator=gen) * 0.02 + 0.002
         self.scales = [scale.to(torch.bfloat16)]
-        self.dense = (codes.to(torch.float32) - 8) * self.scales[0].float().repeat_interleave(
+        bias = 2 ** (bits - 1)  # uint4b8 / uint8b128
+        self.dense = (codes.to(torch.float32) - bias) * self.scales[0].float().repeat_interleave(
             GROUP_SIZE, dim=1
         )
         del codes
@@ -211,7 +224,7 @@ def vllm_layers(backend: str, w: Weights):
     config = mp.MPLinearLayerConfig(
         full_weight_shape=(w.k, w.n),
         partition_weight_shape=(w.k, w.n),
-        weight_type=scalar_types.uint4b8,
+        weight_type=scalar_types.uint4b8 if w.bits == 4 else scalar_types.uint8b128,
         act_type=torch.bfloat16,
         group_size=GROUP_SIZE,
         zero_points=False,
@@ -230,7 +243,7 @@ def vllm_layers(backend: str, w: Weights):
                 input_dim=1,
                 output_dim=0,
                 packed_dim=1,
-                packed_factor=8,
+                packed_factor=32 // w.bits,
                 weight_loader=None,
             ),
         )
@@ -262,9 +275,11 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
 
     from hyperqwen.kernels.w4a16 import w4a16_matmul
 
-    weight_bytes = shape.n * shape.k // 2
+    weight_bytes = shape.n * shape.k * shape.bits // 8
     copies = max(2, math.ceil(L2_ROTATION_BYTES / weight_bytes))
-    w = Weights(shape.n, shape.k, copies, seed=shape.n * 31 + shape.k)
+    w = Weights(shape.n, shape.k, copies, seed=shape.n * 31 + shape.k, bits=shape.bits)
+    # a head's bf16 form: what stock vLLM reads for the base's bf16 lm_head (F.linear, cuBLAS)
+    bf16_heads = [w.dense.to(torch.bfloat16) for _ in range(copies)] if shape.bits == 8 else []
     layers = {}
     for backend in backends:
         try:
@@ -276,7 +291,17 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
     for m in ms:
         x = torch.randn((m, shape.k), device="cuda", dtype=torch.bfloat16)
         ref = x.float() @ w.dense.T
-        entry = {"bytes": moved_bytes(m, shape.n, shape.k), "vllm": {}, "ours": []}
+        entry = {
+            "bytes": moved_bytes(m, shape.n, shape.k, bits=shape.bits),
+            "vllm": {},
+            "ours": [],
+        }
+        if bf16_heads:
+            us = graph_time_us(
+                [lambda h=h, x=x: torch.nn.functional.linear(x, h) for h in bf16_heads]
+            )
+            err = relative_error(torch.nn.functional.linear(x, bf16_heads[0]), ref)
+            entry["vllm"][BF16] = {"us": us, "rel_err": err}
         for backend, built in layers.items():
             if isinstance(built, str):
                 entry["vllm"][backend] = {"error": built}
@@ -289,7 +314,7 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
                 entry["vllm"][backend] = {"us": us, "rel_err": err}
             except Exception as error:
                 entry["vllm"][backend] = {"error": f"{type(error).__name__}: {error}"[:300]}
-        for config in sweep_configs():
+        for config in sweep_configs() if shape.bits == 4 else ():
             if config.split_k > 1 and shape.k // config.split_k < config.block_k:
                 continue
             try:
@@ -323,12 +348,14 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
             + (f"{best['us']:.1f}us ({best['config']})" if best else "n/a")
         )
         results[m] = entry
-    del w, layers
+    del w, layers, bf16_heads
     torch.cuda.empty_cache()
     return results
 
 
 OURS = "hyperqwen"
+BF16 = "bf16_torch"  # a head in bf16 through F.linear, as stock vLLM runs the base's lm_head
+HEAD_CANDIDATES = ("machete", "marlin")
 BASELINE = "machete"
 ROW_CANDIDATES = ("marlin", OURS)
 SUMMARY_CANDIDATES = ("machete", "marlin", "triton", "humming", OURS)
@@ -340,6 +367,10 @@ def best_us(entry: dict, candidate: str) -> float | None:
         timed = [o["us"] for o in entry["ours"] if "us" in o]
         return min(timed) if timed else None
     return entry["vllm"].get(candidate, {}).get("us")
+
+
+def _ms(us: float | None) -> float | None:
+    return None if us is None else round(us / 1000, 4)
 
 
 def _gbps(nbytes: int, us: float | None) -> float | None:
@@ -358,7 +389,9 @@ def result_rows(raw: dict) -> list[dict]:
     of each a token runs)."""
     rows = []
     ms = sorted({int(m) for shape in raw["shapes"] for m in shape["m"]})
-    for shape in raw["shapes"]:
+    body = [shape for shape in raw["shapes"] if shape.get("bits", 4) == 4]
+    heads = [shape for shape in raw["shapes"] if shape.get("bits", 4) == 8]
+    for shape in body:
         for m in ms:
             entry = shape["m"].get(str(m))
             if entry is None:
@@ -367,12 +400,12 @@ def result_rows(raw: dict) -> list[dict]:
             for candidate in ROW_CANDIDATES:
                 patched = _gbps(entry["bytes"], best_us(entry, candidate))
                 rows.append(_row_dict(f"{shape['name']}_m{m}_{candidate}", "GB/s", stock, patched))
-    timed = {OURS} | {b for shape in raw["shapes"] for e in shape["m"].values() for b in e["vllm"]}
+    timed = {OURS} | {b for shape in body for e in shape["m"].values() for b in e["vllm"]}
     for m in ms:
         fractions = {}
         for candidate in (c for c in SUMMARY_CANDIDATES if c in timed):
             total_bytes = total_us = 0.0
-            for shape in raw["shapes"]:
+            for shape in body:
                 entry = shape["m"].get(str(m))
                 us = best_us(entry, candidate) if entry else None
                 if us is None:
@@ -391,6 +424,15 @@ def result_rows(raw: dict) -> list[dict]:
                         fractions[candidate],
                     )
                 )
+    for shape in heads:
+        for m in ms:
+            entry = shape["m"].get(str(m))
+            if entry is None:
+                continue
+            stock = _ms(best_us(entry, BF16))
+            for backend in HEAD_CANDIDATES:
+                patched = _ms(best_us(entry, backend))
+                rows.append(_row_dict(f"{shape['name']}_m{m}_int8_{backend}", "ms", stock, patched))
     copy = round(raw["copy_gbps"])
     rows.append(_row_dict("copy_bandwidth", "GB/s", copy, copy))
     return rows
@@ -415,6 +457,9 @@ def result_document(raw: dict, command: str, commit: str, vllm_version: str) -> 
             "fastest of its swept tile configs). GB/s = (int4 weights + scales + x + y bytes) / "
             "time; body_bw_fraction = the body's bytes per token over its GEMM time per token, "
             "over the copy bandwidth (read + written) measured in the same process.",
+            "Head rows (lm_head, draft_head; ms, lower is better): stock = the head in bf16 "
+            "through F.linear (what stock vLLM reads for the W4A16 base's bf16 lm_head), "
+            "patched = the same rows in prepare's int8 g128 format through the named vLLM kernel.",
             "Each time is the median of 15 replays of a CUDA graph that runs the kernel once "
             "per weight copy (copies together > 256 MiB, so weights come from HBM, not L2), "
             "divided by the copies: launch gaps inside a graph are included, as in vLLM.",
@@ -434,7 +479,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         print("bench kernels: needs a CUDA GPU (it times kernels on one)", file=sys.stderr)
         return 3
     geometry = PRESETS[args.preset].with_overrides(args.set or [])
-    shapes = layer_shapes(geometry)
+    shapes = layer_shapes(geometry) + (head_shapes(geometry) if args.heads else [])
     if args.only:
         shapes = [s for s in shapes if any(name in s.name for name in args.only)]
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -488,6 +533,12 @@ def add_subcommand(actions) -> None:
         "JIT-compiles with nvcc first)",
     )
     kernels.add_argument("--only", nargs="*", help="shape names containing these words")
+    kernels.add_argument(
+        "--heads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the lm_head and draft-head rows int8 (machete, marlin) against bf16",
+    )
     kernels.add_argument(
         "--out", default="kernels-result.json", help="result JSON (default %(default)s)"
     )

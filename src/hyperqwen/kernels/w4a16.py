@@ -361,16 +361,20 @@ def w4a16_matmul(
     return out
 
 
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Codes 0..15 [N, K] -> int32 [N, K / 8] with code j of a word at bits 4j (as stored)."""
+def pack_codes(codes: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """Codes [N, K] of `bits` bits -> int32 [N, K * bits / 32], code j of a word at bits
+    j * bits (the checkpoint's pack-quantized order, 4-bit body and 8-bit heads alike)."""
     n, k = codes.shape
-    shifts = torch.arange(8, dtype=torch.int64, device=codes.device) * 4
-    words = (codes.to(torch.int64).reshape(n, k // 8, 8) << shifts).sum(dim=-1)
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int64, device=codes.device) * bits
+    words = (codes.to(torch.int64).reshape(n, k // per_word, per_word) << shifts).sum(dim=-1)
     return (words - ((words >= 2**31).to(torch.int64) << 32)).to(torch.int32)
 
 
-def unpack_codes(weight_packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of pack_codes: int32 [N, K / 8] -> int64 codes 0..15 [N, K]."""
-    shifts = torch.arange(8, dtype=torch.int64, device=weight_packed.device) * 4
+def unpack_codes(weight_packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """The inverse of pack_codes: int32 [N, K * bits / 32] -> int64 codes [N, K]."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int64, device=weight_packed.device) * bits
     words = weight_packed.to(torch.int64) & 0xFFFFFFFF
-    return ((words[:, :, None] >> shifts) & 0xF).reshape(weight_packed.shape[0], -1)
+    codes = (words[:, :, None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(weight_packed.shape[0], -1)
