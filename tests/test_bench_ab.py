@@ -17,6 +17,9 @@ from cli_runner import run_in_process
 from hyperqwen.bench.ab import (
     SIDES,
     baseline_note,
+    equivalent_command,
+    model_fact,
+    plan_of,
     profile_serve_argv,
     serve_argv,
     settle_stock_spec,
@@ -587,3 +590,25 @@ def test_headline_says_which_baseline_the_stock_side_was(stock, patched, shown):
         {} if stock is None else {"stock": {"command": stock}, "patched": {"command": patched}}
     )
     assert stock_baseline(document) == shown
+
+
+def test_stock_model_serves_the_base_on_the_stock_side_only(comparison, tmp_path, capsys) -> None:
+    model = Path(comparison[1])
+    config = {"architectures": ["Qwen3_5ForCausalLM"], "hidden_size": 5120}
+    (model / "config.json").write_text(json.dumps({**config, "quantization_config": {"int8": 1}}))
+    base = tmp_path / "synth-27b-base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps(config))  # the same model, its base format
+    args = parsed([*comparison, "--stock-model", str(base)])
+    commands = sides_argv(args)
+    assert commands["stock"][:2] == ["serve", str(base)]
+    assert commands["stock"][commands["stock"].index("--served-model-name") + 1] == base.name
+    assert commands["patched"][:2] == ["serve", str(model)]
+    plan = {**plan_of(args), "cohorts": [1]}
+    assert f"--stock-model {base}" in equivalent_command(plan, "S", "P", {})
+    assert model_fact(model, "", str(base)).endswith(f"; the stock side served {base.name}")
+
+    (base / "config.json").write_text(json.dumps({**config, "hidden_size": 256}))
+    assert run_in_process("bench", *comparison, "--stock-model", str(base)) == 2
+    error = capsys.readouterr().err
+    assert "is not the model in" in error and "hidden_size 5120 vs 256" in error

@@ -90,6 +90,7 @@ EXIT_BAD_INPUT = 2
 # The options that define a comparison: both phases must agree on every one.
 PLAN_OPTIONS = (
     "model",
+    "stock_model",
     "mode",
     "env_file",
     "input_len",
@@ -277,7 +278,8 @@ def base_argv(side: str, args: argparse.Namespace, port: int) -> list[str]:
         )
     spec = stock_speculation(args) if args.stock_spec == "same" else []
     vllm_args, stock_args = shlex.split(args.vllm_args), shlex.split(args.stock_args)
-    return [*stock_serve_argv(model, port), *spec, *vllm_args, *stock_args]
+    stock_model = Path(args.stock_model) if args.stock_model else model
+    return [*stock_serve_argv(stock_model, port), *spec, *vllm_args, *stock_args]
 
 
 def preview_commands(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -629,11 +631,44 @@ def compare(stock: SideResult, patched: SideResult) -> list[ComparisonRow]:
     return rows
 
 
-def model_fact(model: Path, vllm_args: str) -> str:
+def model_fact(model: Path, vllm_args: str, stock_model: str | None = None) -> str:
     config = json.loads((model / "config.json").read_text(encoding="utf-8"))
     architectures = ", ".join(config.get("architectures") or ["architecture not given"])
     dummy = " with dummy weights" if "dummy" in shlex.split(vllm_args) else ""
-    return f"{model.name} ({architectures}){dummy}"
+    stock = f"; the stock side served {Path(stock_model).name}" if stock_model else ""
+    return f"{model.name} ({architectures}){dummy}{stock}"
+
+
+# config.json keys that may differ between a base and its prepared copy (the same model).
+PREPARED_KEYS = frozenset({"quantization_config"})
+
+
+def check_same_model(model: Path, stock_model: Path) -> None:
+    """--stock-model must be the same model as MODEL_DIR, only its weight format may differ."""
+    if not (stock_model / "config.json").is_file():
+        raise ABError(f"--stock-model {stock_model}: no config.json; give a model folder")
+    configs = [
+        json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        for folder in (model, stock_model)
+    ]
+
+    def text_config(config: dict) -> dict:
+        text = config.get("text_config", config)
+        return {key: value for key, value in text.items() if key not in PREPARED_KEYS}
+
+    first, second = (text_config(config) for config in configs)
+    differing = sorted(
+        key for key in first.keys() | second.keys() if first.get(key) != second.get(key)
+    )
+    if differing or configs[0].get("architectures") != configs[1].get("architectures"):
+        shown = (
+            ", ".join(f"{key} {first.get(key)!r} vs {second.get(key)!r}" for key in differing[:4])
+            or "architectures"
+        )
+        raise ABError(
+            f"--stock-model {stock_model} is not the model in {model} ({shown}); give the base "
+            "MODEL_DIR was prepared from, so both sides serve the same model"
+        )
 
 
 def equivalent_command(
@@ -641,6 +676,8 @@ def equivalent_command(
 ) -> str:
     """The one command that repeats the whole comparison, knobs from the environment first."""
     command = ["hyperqwen", "bench", "ab", plan["model"], "--mode", plan["mode"]]
+    if plan["stock_model"]:
+        command += ["--stock-model", plan["stock_model"]]
     command += ["--stock-vllm", stock_parent, "--patched-vllm", patched_parent]
     command += ["--input-len", str(plan["input_len"]), "--output-len", str(plan["output_len"])]
     command += ["--cohorts", ",".join(map(str, plan["cohorts"])), "--rounds", str(plan["rounds"])]
@@ -678,7 +715,7 @@ def build_result(state: dict) -> tuple[dict, list[ComparisonRow]]:
         "commit": git_commit(),
         "date": state["date"],
         "command": equivalent_command(plan, stock.vllm_parent, patched.vllm_parent, patched.knobs),
-        "model": model_fact(Path(plan["model"]), plan["vllm_args"]),
+        "model": model_fact(Path(plan["model"]), plan["vllm_args"], plan["stock_model"]),
     }
     details = {"plan": plan, "stock": state["stock"], "patched": state["patched"]}
     commands = {"stock": stock.command, "patched": patched.command}
@@ -730,6 +767,8 @@ def validate_args(args: argparse.Namespace) -> None:
             f"{model}: no config.json; give a model folder (a config-only one from `hyperqwen "
             "synth --preset 27b --config-only` works with --vllm-args='--load-format dummy')"
         )
+    if args.stock_model:
+        check_same_model(model, Path(args.stock_model))
     if min((args.input_len, *args.prefill)) <= SALT_TOKENS:
         raise ABError(f"--input-len and --prefill lengths must be more than {SALT_TOKENS} tokens")
     for side in SIDES if args.phase == "both" else (args.phase,):
@@ -756,6 +795,8 @@ def validate_args(args: argparse.Namespace) -> None:
 
 def cmd_ab(args: argparse.Namespace) -> int:
     args.model = str(Path(args.model).resolve())
+    if args.stock_model:
+        args.stock_model = str(Path(args.stock_model).resolve())
     workdir = Path(args.workdir)
     state_path = Path(args.state) if args.state else workdir / "ab-state.json"
     out = Path(args.out) if args.out else workdir / "ab-result.json"
@@ -862,6 +903,13 @@ def add_ab_subcommand(actions) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ab.add_argument("model", metavar="MODEL_DIR", help="model folder (config.json at least)")
+    ab.add_argument(
+        "--stock-model",
+        metavar="BASE_DIR",
+        help="the folder the stock side serves instead of MODEL_DIR: the base MODEL_DIR was "
+        "prepared from (stock vLLM cannot load a prepared model's int8 embedding); its config "
+        "must match MODEL_DIR's but for the quantization config",
+    )
     ab.add_argument(
         "--mode", choices=MODES, default="single", help="the project's profile (default single)"
     )
