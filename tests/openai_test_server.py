@@ -12,15 +12,21 @@ requests with prompt_logprob (from the config) for every token. Each step makes 
 drafts accepted: with synthetic_acceptance_rates r the mean is 1 + sum(r), as vLLM's synthetic
 rejection sampler, spread evenly (no randomness); the spec-decode counters count them. As
 vLLM, it keeps histograms of each streamed request's e2e latency and time per output token.
+With --profiler-config (vLLM's torch profiler) it serves /start_profile and /stop_profile, and
+stop writes a Chrome trace to torch_profiler_dir as vLLM's worker does: one
+"gpu_model_runner: forward" range per step streamed while profiling (at most max_iterations)
+and per step the GPU kernels of the side's "kernels_us" ({kernel name: microseconds}).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import prometheus_client
 import uvicorn
@@ -42,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--served-model-name")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--speculative-config")
+    parser.add_argument("--profiler-config")
     args, _vllm_flags = parser.parse_known_args(argv)
     with open(args.fake_config, encoding="utf-8") as file:
         behaviour = json.load(file)[args.side]
@@ -63,6 +70,7 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
         for name in ("e2e_request_latency", "request_time_per_output_token")
     }
     app = FastAPI()
+    profiling = {"active": False, "steps": 0}
 
     @app.get("/health")
     async def health() -> PlainTextResponse:
@@ -79,6 +87,34 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model, "max_model_len": args.max_model_len}]}
+
+    if args.profiler_config:
+        profiler = json.loads(args.profiler_config)
+
+        @app.post("/start_profile")
+        async def start_profile() -> Response:
+            profiling.update(active=True, steps=0)
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> Response:
+            profiling["active"] = False
+            steps = min(profiling["steps"], profiler.get("max_iterations") or profiling["steps"])
+            events = []
+            for step in range(steps):
+                start = step * 1000.0
+                events.append({"ph": "X", "cat": "user_annotation", "ts": start, "dur": 900,
+                               "name": "gpu_model_runner: forward"})  # fmt: skip
+                for name, us in behaviour["kernels_us"].items():
+                    events.append(
+                        {"ph": "X", "cat": "kernel", "ts": start, "dur": us, "name": name}
+                    )
+            trace_dir = Path(profiler["torch_profiler_dir"])
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            target = trace_dir / f"test-worker.{time.time_ns()}.pt.trace.json.gz"
+            with gzip.open(target, "wt", encoding="utf-8") as handle:
+                json.dump({"traceEvents": events}, handle)
+            return Response(status_code=200)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -118,6 +154,7 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
                     counters["num_draft_tokens"].inc(drafts)
                     counters["num_accepted_tokens"].inc(accepted)
                 made += 1 + accepted
+                profiling["steps"] += profiling["active"]
                 yield chunk("t " * (1 + accepted))
             finished = time.monotonic()
             histograms["e2e_request_latency"].observe(finished - arrived)

@@ -64,6 +64,7 @@ BEHAVIOUR = {
         "prefill_ms": 50,
         "step_ms": 20,
         "prompt_logprob": -0.5,
+        "kernels_us": {"void machete::Kernel<int4>(...)": 400.0, "rms_norm_kernel": 50.0},
     },
     "patched": {
         "startup_s": 2.0,
@@ -71,6 +72,7 @@ BEHAVIOUR = {
         "prefill_ms": 50,
         "step_ms": 16,
         "prompt_logprob": -0.52,
+        "kernels_us": {"void marlin::Marlin<...>(...)": 300.0, "rms_norm_kernel": 50.0},
     },
 }
 VALID = {
@@ -612,3 +614,23 @@ def test_stock_model_serves_the_base_on_the_stock_side_only(comparison, tmp_path
     assert run_in_process("bench", *comparison, "--stock-model", str(base)) == 2
     error = capsys.readouterr().err
     assert "is not the model in" in error and "hidden_size 5120 vs 256" in error
+
+
+def test_profile_steps_add_gpu_time_per_step_by_kernel_category(comparison, tmp_path) -> None:
+    argv = [*comparison, "--mode", "batch", "--cohorts", "1", "--prefill", "none"]
+    out = tmp_path / "profiled.json"
+    assert run_in_process("bench", *argv, "--profile-steps", "4", "--out", str(out)) == 0
+    document, rows = load_result(out)
+    by_name = {row.name: row for row in rows}
+    assert (by_name["step_gpu_ms"].stock, by_name["step_gpu_ms"].patched) == (0.45, 0.35)
+    gemm = by_name["step_gpu_ms_w4a16_gemm"]
+    assert (gemm.stock, gemm.patched, gemm.unit) == (0.4, 0.3, "ms")
+    assert by_name["step_gpu_ms_norm_activation"].ratio == 1.0
+    for side in ("stock", "patched"):
+        profile = document[side]["profile"]
+        assert profile["steps"] == 4  # the window the profiler config allowed
+        config = document[side]["command"][document[side]["command"].index("--profiler-config") + 1]
+        assert json.loads(config)["max_iterations"] == 4
+        assert Path(profile["trace"]).parent == tmp_path / "work" / f"{side}-trace"
+    words = shlex.split(document["command"])
+    assert words[words.index("--profile-steps") + 1] == "4"

@@ -44,6 +44,13 @@ from hyperqwen.bench.options import (
     build_plan,
 )
 from hyperqwen.bench.plot import PlotUnavailable
+from hyperqwen.bench.profile import (
+    load_trace,
+    newest_trace,
+    profile_rows,
+    profiler_flags,
+    summarize,
+)
 from hyperqwen.bench.quality import (
     IFBENCH_ACCURACIES,
     QUALITY_SCHEMA,
@@ -62,7 +69,7 @@ from hyperqwen.bench.results import (
 )
 from hyperqwen.bench.rows import Row, format_row
 from hyperqwen.bench.run import run_bench, served_model
-from hyperqwen.bench.workload import SALT_TOKENS, RequestFactory, served_token_ids
+from hyperqwen.bench.workload import SALT_TOKENS, RequestFactory, Workload, served_token_ids
 from hyperqwen.launch import build_launch
 from hyperqwen.patches import (
     PatchSeriesError,
@@ -83,6 +90,8 @@ PREVIEW_PORT = 8000  # any valid port: the argv is only inspected, never run
 DEFAULT_STARTUP_TIMEOUT_S = 900
 STOP_GRACE_S = 60
 HEALTH_POLL_S = 0.5
+# engine steps the profiler lets pass before recording: the prefill and the first decodes
+PROFILE_DELAY_STEPS = 3
 WEIGHTS_LINE = re.compile(r"Model loading took ([0-9.]+) GiB")
 SPEC_FLAGS = ("--speculative-config", "-sc")
 EXIT_FAILED = 1
@@ -107,6 +116,7 @@ PLAN_OPTIONS = (
     "stock_spec",
     "server_command",
     "quality",
+    "profile_steps",
 )
 
 
@@ -128,6 +138,7 @@ class SideResult:
     rows: list[Row]
     log: str
     quality: dict | None = None  # the `bench quality` document, with --quality
+    profile: dict | None = None  # GPU time per decode step (bench/profile.py), --profile-steps
     # The profile's knobs taken from the environment (patched side), part of the command.
     knobs: dict[str, str] = field(default_factory=dict)
 
@@ -305,7 +316,32 @@ def serve_argv(side: str, args: argparse.Namespace, port: int) -> list[str]:
     argv = base_argv(side, args, port)
     if args.synthetic_acceptance and speculates(argv):
         argv = with_synthetic_acceptance(argv, args.synthetic_acceptance)
+    if args.profile_steps:
+        argv += profiler_flags(trace_dir(args, side), args.profile_steps, PROFILE_DELAY_STEPS)
     return argv
+
+
+def trace_dir(args: argparse.Namespace, side: str) -> Path:
+    return Path(args.workdir) / f"{side}-trace"
+
+
+def profile_side(client: BenchClient, factory: RequestFactory, args: argparse.Namespace, side: str):
+    """One C1 request between /start_profile and /stop_profile; the trace's step summary."""
+    steps = args.profile_steps
+    # long enough to outlast the delay and the window even if every draft is accepted
+    workload = Workload("random", False, args.input_len, (PROFILE_DELAY_STEPS + steps + 2) * 17)
+    since = time.time()
+    client.post("/start_profile")
+    client.stream_many(factory.requests(workload, 1), 1)
+    client.post("/stop_profile")
+    trace = newest_trace(trace_dir(args, side), since)
+    summary = {"trace": str(trace), **summarize(load_trace(trace))}
+    print(
+        f"   profile: {summary['steps']} steps, {summary['gpu_ms_per_step']} GPU ms per step: "
+        + ", ".join(f"{name} {ms}" for name, ms in summary["categories"].items()),
+        flush=True,
+    )
+    return summary
 
 
 def check_synthetic_acceptance(args: argparse.Namespace) -> None:
@@ -538,6 +574,7 @@ def run_side(side: str, args: argparse.Namespace, workdir: Path) -> SideResult:
             print(format_row(row), flush=True)
 
         run_bench(client, factory, build_plan(args, max_model_len), keep)
+        profile = profile_side(client, factory, args, side) if args.profile_steps else None
         quality = (
             side_quality(side, args, base, model, max_model_len, workdir) if args.quality else None
         )
@@ -552,6 +589,7 @@ def run_side(side: str, args: argparse.Namespace, workdir: Path) -> SideResult:
         rows=rows,
         log=str(log),
         quality=quality,
+        profile=profile,
         knobs=environment_knobs(Path(args.model), args.env_file) if side == "patched" else {},
     )
 
@@ -601,6 +639,8 @@ def side_figures(side: SideResult) -> dict[str, tuple[str, float | None]]:
     figures["weight_memory"] = ("GiB", side.weight_gib)
     if side.quality:
         figures.update(quality_figures(side.quality))
+    if side.profile:
+        figures.update(profile_rows(side.profile))
     return figures
 
 
@@ -698,6 +738,8 @@ def equivalent_command(
         command += ["--server-command", plan["server_command"]]
     if plan["quality"]:
         command.append(f"--quality={plan['quality']}")
+    if plan["profile_steps"]:
+        command += ["--profile-steps", str(plan["profile_steps"])]
     # NAME='a b' (not 'NAME=a b', which the shell would take for the command's name).
     assignments = [f"{name}={shlex.quote(value)}" for name, value in knob_values.items()]
     return " ".join([*assignments, shlex.join(command)])
@@ -1002,6 +1044,15 @@ def add_ab_subcommand(actions) -> None:
         metavar="'OPTIONS'",
         help="also run the quality battery on each side with these `bench quality` options; "
         "write --quality='--ppl-windows 8 --limit 40'",
+    )
+    ab.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile N decode steps of one C1 request on each side with vLLM's torch "
+        "profiler (started with --profiler-config) and add GPU ms per step by kernel category "
+        "as rows; traces stay in WORKDIR/SIDE-trace (default 0: off)",
     )
     ab.set_defaults(func=cmd_ab, random_tokens=True, shared=False)
     add_results_subcommands(actions)

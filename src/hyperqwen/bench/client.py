@@ -173,6 +173,10 @@ class BenchClient:
     def post_json(self, path: str, body: dict[str, Any]) -> Any:
         return self._request("POST", path, json=body).json()
 
+    def post(self, path: str) -> None:
+        """POST with no body, for endpoints that answer 200 and nothing (/start_profile)."""
+        self._request("POST", path)
+
     def tokenize(self, model: str, text: str) -> list[int]:
         """Token ids of `text` as the server's tokenizer makes them, no special tokens."""
         body = {"model": model, "prompt": text, "add_special_tokens": False}
