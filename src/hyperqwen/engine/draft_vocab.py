@@ -115,6 +115,7 @@ def choice() -> str:
 def install(proposer) -> bool:
     """Give a loaded vLLM MTP proposer the draft head (vLLM's seam: after load_model shared the
     target's lm_head). Returns whether it was installed; logs why not."""
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -137,17 +138,18 @@ def install(proposer) -> bool:
     vocab_size = model.logits_processor.vocab_size
     head = load_draft_head(path, vocab_size, text_config.hidden_size, config.model_config.dtype)
     device = next(model.parameters()).device
-    with torch.device(device):
+    # both read the current config (head dtype, TP group); the proposer may run outside it
+    with set_current_vllm_config(config), torch.device(device):
         draft_lm_head = ParallelLMHead(
             len(head.token_ids),
             text_config.hidden_size,
             params_dtype=config.model_config.dtype,
             prefix="draft_head",
         )
+        draft_logits = LogitsProcessor(len(head.token_ids))
     draft_lm_head.weight_loader(draft_lm_head.weight, head.weight.to(device))
     draft_lm_head.quant_method.process_weights_after_loading(draft_lm_head)  # as vLLM's loader
     token_ids = head.token_ids.to(device)
-    draft_logits = LogitsProcessor(len(token_ids))
 
     def compute_logits(hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         return full_vocab_logits(draft_logits(draft_lm_head, hidden_states), token_ids, vocab_size)
