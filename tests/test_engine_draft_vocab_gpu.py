@@ -23,7 +23,7 @@ from test_prepare_gpu import PROMPTS, agreeing_prefix, observe, tiny_server
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
-from hyperqwen.settings import DRAFT_VOCAB_ENV
+from hyperqwen.engine import DRAFT_VOCAB_ENV
 
 pytestmark = pytest.mark.gpu
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import json
+from typing import get_args
 
 import pytest
 
+from hyperqwen.engine import DRAFT_VOCAB_CHOICES, DRAFT_VOCAB_ENV
 from hyperqwen.launch import FLAG_ALIASES, build_launch, redact_argv
 from hyperqwen.patches import series_status
-from hyperqwen.settings import DRAFT_VOCAB_ENV, LoadedSettings, Settings
+from hyperqwen.settings import DraftVocab, LoadedSettings, Settings
 
 
 def loaded(**values: str) -> LoadedSettings:
@@ -248,3 +250,7 @@ def test_draft_overrides_reach_speculative_config(vllm_serve):
 def test_draft_vocab_reaches_the_patched_vllm_through_its_env(mode, values, expected):
     plan = build_launch(loaded(**values), mode, None)
     assert plan.env.get(DRAFT_VOCAB_ENV) == expected
+
+
+def test_the_engine_reads_the_values_the_knob_takes():
+    assert get_args(DraftVocab) == DRAFT_VOCAB_CHOICES

@@ -13,8 +13,8 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hyperqwen.engine import DRAFT_VOCAB_ENV
 from hyperqwen.settings import (
-    DRAFT_VOCAB_ENV,
     NO_REASONING_PARSER,
     LoadedSettings,
     Mode,

@@ -30,12 +30,12 @@ SpecMethod = Literal["mtp", "ngram", "off"]
 ContextProfile = Literal["fast", "long", "huge"]
 KvCacheDtype = Literal["auto", "fp8"]
 DraftSample = Literal["greedy", "probabilistic"]
-DraftVocab = Literal["auto", "off"]
+DraftVocab = Literal[
+    "auto", "off"
+]  # hyperqwen.engine.DRAFT_VOCAB_CHOICES (a test keeps them equal)
 Switch = Literal["0", "1"]
 
 PINNED_VLLM = "0.26.0"
-# How DRAFT_VOCAB reaches the patched vLLM (hyperqwen/engine/draft_vocab.py reads it there).
-DRAFT_VOCAB_ENV = "HYPERQWEN_DRAFT_VOCAB"
 DEFAULT_PORT = 18020
 
 

@@ -25,18 +25,16 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import get_args
 
 import torch
 from safetensors import safe_open
 
 from hyperqwen.checkpoint import w4a16 as checkpoint_format
 from hyperqwen.drafter.head import PREFIX
+from hyperqwen.engine import DRAFT_VOCAB_CHOICES as CHOICES
+from hyperqwen.engine import DRAFT_VOCAB_ENV as ENV
 from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
-from hyperqwen.settings import DRAFT_VOCAB_ENV as ENV
-from hyperqwen.settings import DraftVocab
 
-CHOICES = get_args(DraftVocab)
 log = logging.getLogger("vllm.hyperqwen.draft_vocab")
 
 
