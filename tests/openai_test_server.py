@@ -86,7 +86,8 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model, "max_model_len": args.max_model_len}]}
+        card = {"id": model, "root": args.model, "max_model_len": args.max_model_len}
+        return {"object": "list", "data": [card]}
 
     if args.profiler_config:
         profiler = json.loads(args.profiler_config)

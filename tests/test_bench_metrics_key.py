@@ -58,6 +58,10 @@ def _drive(patched_parent: str, pristine_parent: str, checkpoint: str, workdir: 
             tree: _bench_serve(parent, base_url, checkpoint, workdir / tree)
             for tree, parent in (("patched", patched_parent), ("pristine", pristine_parent))
         }
+        report["bench_asking_model"] = {
+            tree: _bench_serve(parent, base_url, checkpoint, workdir / f"{tree}-ask", True)
+            for tree, parent in (("patched", patched_parent), ("pristine", pristine_parent))
+        }
     return report
 
 
@@ -114,12 +118,16 @@ def _scrape_checks(base_url: str) -> dict:
     }
 
 
-def _bench_serve(parent: str, base_url: str, checkpoint: str, result_dir: Path) -> dict:
-    """The real `vllm bench serve` of the tree at parent, with OPENAI_API_KEY set."""
+def _bench_serve(
+    parent: str, base_url: str, checkpoint: str, result_dir: Path, ask_model: bool = False
+) -> dict:
+    """The real `vllm bench serve` of the tree at parent, with OPENAI_API_KEY set; with
+    `ask_model` no --model, so it asks the server's /v1/models for it."""
     result_dir.mkdir()
+    model = [] if ask_model else ["--model", MODEL]
     command = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-        "--base-url", base_url, "--model", MODEL, "--tokenizer", checkpoint,
+        "--base-url", base_url, *model, "--tokenizer", checkpoint,
         "--dataset-name", "random", "--random-input-len", "16",
         "--random-output-len", str(OUTPUT_LEN), "--num-prompts", str(NUM_PROMPTS),
         "--seed", "0", "--disable-tqdm", "--save-result", "--result-dir", str(result_dir),
@@ -238,6 +246,16 @@ def test_stock_vllm_bench_serve_silently_omits_acceptance_against_a_keyed_server
     assert not any(name.startswith("spec_decode") for name in bench["result"])
     assert "Speculative Decoding" not in bench["stdout"]
     assert "401" not in bench["stdout"]  # and nothing says why
+
+
+def test_without_model_the_lookup_sends_the_key_too(report):
+    patched, pristine = (report["bench_asking_model"][tree] for tree in ("patched", "pristine"))
+    assert patched["returncode"] == 0, patched["stderr"]
+    assert patched["result"]["completed"] == NUM_PROMPTS
+    assert f"First model name: {MODEL}" in patched["stdout"]
+    # stock asks /v1/models without the key and stops before the run (what the patch fixes)
+    assert pristine["returncode"] != 0 and pristine["result"] is None
+    assert "Failed to fetch models" in pristine["stderr"] + pristine["stdout"]
 
 
 if __name__ == "__main__":
