@@ -74,16 +74,15 @@ def _as_x_dtype(bits, x_ptr):
 
 
 @triton.jit
-def _group_interleaved(words, x_ptr, x_rows, offs_k, m_mask, K, DOT_IN_FP32: tl.constexpr):
+def _group_interleaved(words, x, x_ptr, DOT_IN_FP32: tl.constexpr):
     """One group's [BLOCK_N, BLOCK_M] product, codes unpacked into K order (three interleaves)."""
-    GROUP: tl.constexpr = offs_k.shape[0]
+    GROUP: tl.constexpr = x.shape[1]
     shifts = (tl.arange(0, GROUP) % 8) * 4
     # each word repeated 8 times in a row, then code j of word i sits at column 8i + j
     codes = tl.interleave(words, words)
     codes = tl.interleave(codes, codes)
     codes = tl.interleave(codes, codes)
     codes = (codes >> shifts[None, :]) & 0xF
-    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
     bits, value = _magic(x_ptr)
     biased = _as_x_dtype(codes | bits, x_ptr)  # value + code, exact
     if DOT_IN_FP32:
@@ -116,13 +115,12 @@ def _plane_dot(words, j: tl.constexpr, x_t, part, x_ptr, DOT_IN_FP32: tl.constex
 
 
 @triton.jit
-def _group_planes(words, x_ptr, x_rows, offs_k, m_mask, K, DOT_IN_FP32: tl.constexpr):
+def _group_planes(words, x, x_ptr, DOT_IN_FP32: tl.constexpr):
     """One group's product as 8 dots of K = 16: nibble plane j of every word against
     x[8i + j]. Only elementwise work touches the loaded words, so Triton keeps the dot operand
-    in registers; x is loaded once, contiguous, and split into its planes in registers."""
-    BLOCK_M: tl.constexpr = x_rows.shape[0]
+    in registers; x, loaded contiguous, is split into its planes in registers."""
+    BLOCK_M: tl.constexpr = x.shape[0]
     WORDS: tl.constexpr = words.shape[1]
-    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
     # k = 8i + 4a + 2b + c: move i first, then peel a, b and c off as the last dimension
     x = tl.permute(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)), (1, 0, 2, 3, 4))
     a0, a1 = tl.split(tl.permute(x, (0, 1, 3, 4, 2)))
@@ -195,10 +193,12 @@ def _w4a16_kernel(
             words = tl.load(w_rows + offs_w[None, :], mask=group_mask, other=0)
             scale = tl.load(s_rows + group, mask=group_mask, other=0.0)
             offs_k = group * GROUP + tl.arange(0, GROUP)
+            x_mask = m_mask[:, None] & (offs_k[None, :] < K)
+            x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
             if PLANES:
-                part = _group_planes(words, x_ptr, x_rows, offs_k, m_mask, K, DOT_IN_FP32)
+                part = _group_planes(words, x, x_ptr, DOT_IN_FP32)
             else:
-                part = _group_interleaved(words, x_ptr, x_rows, offs_k, m_mask, K, DOT_IN_FP32)
+                part = _group_interleaved(words, x, x_ptr, DOT_IN_FP32)
             acc += part * scale.to(tl.float32)
 
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
