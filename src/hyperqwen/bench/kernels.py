@@ -183,8 +183,9 @@ class Weights:
             self.scales.append(self.scales[0].clone())
 
 
-def init_vllm_single_rank() -> object:
-    """A one-rank vLLM world and config: vLLM's weight parameters ask for the TP rank."""
+def init_vllm_single_rank() -> None:
+    """A one-rank vLLM world and config for the rest of the process: vLLM's weight parameters
+    ask for the TP rank."""
     import socket
 
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -193,8 +194,7 @@ def init_vllm_single_rank() -> object:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    context = set_current_vllm_config(VllmConfig())
-    context.__enter__()
+    set_current_vllm_config(VllmConfig()).__enter__()  # never left: the process ends first
     init_distributed_environment(
         world_size=1,
         rank=0,
@@ -203,7 +203,6 @@ def init_vllm_single_rank() -> object:
         backend="gloo",
     )
     initialize_model_parallel(1, 1)
-    return context
 
 
 def vllm_layers(backend: str, w: Weights):
@@ -269,6 +268,11 @@ def relative_error(out, ref) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
+def _failure(error: Exception) -> str:
+    """What a kernel that could not be built or run raised, short enough for the result file."""
+    return f"{type(error).__name__}: {error}"[:300]
+
+
 def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, ...], log):
     """Every timing for one shape: {m: {"vllm": {...}, "ours": [...]}}."""
     import torch
@@ -285,7 +289,7 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
         try:
             built, reason = vllm_layers(backend, w)
         except Exception as error:  # a kernel vLLM ships but cannot build here: say why
-            built, reason = None, f"{type(error).__name__}: {error}"
+            built, reason = None, _failure(error)
         layers[backend] = built if built is not None else reason
     results = {}
     for m in ms:
@@ -313,7 +317,7 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
                 )
                 entry["vllm"][backend] = {"us": us, "rel_err": err}
             except Exception as error:
-                entry["vllm"][backend] = {"error": f"{type(error).__name__}: {error}"[:300]}
+                entry["vllm"][backend] = {"error": _failure(error)}
         for config in sweep_configs() if shape.bits == 4 else ():
             if config.split_k > 1 and shape.k // config.split_k < config.block_k:
                 continue
@@ -335,9 +339,7 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
                 )
                 entry["ours"].append({"config": asdict(config), "us": us, "rel_err": err})
             except Exception as error:
-                entry["ours"].append(
-                    {"config": asdict(config), "error": f"{type(error).__name__}: {error}"[:300]}
-                )
+                entry["ours"].append({"config": asdict(config), "error": _failure(error)})
         timed = [o for o in entry["ours"] if "us" in o]
         best = min(timed, key=lambda o: o["us"]) if timed else None
         summary = " ".join(
