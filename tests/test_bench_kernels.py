@@ -10,6 +10,7 @@ from hyperqwen.bench.kernels import (
     layer_shapes,
     moved_bytes,
     result_document,
+    result_rows,
     sweep_configs,
 )
 from hyperqwen.bench.results import validate_result
@@ -119,8 +120,6 @@ def test_published_kernel_rows_are_what_the_code_computes_from_their_raw_timings
     import json
     from pathlib import Path
 
-    from hyperqwen.bench.kernels import result_rows
-
     published = sorted(
         (Path(__file__).parents[1] / "docs" / "results").glob("*-w4a16-kernels.json")
     )
@@ -128,3 +127,15 @@ def test_published_kernel_rows_are_what_the_code_computes_from_their_raw_timings
     for path in published:
         document = json.loads(path.read_text())
         assert result_rows(document["raw"]) == document["rows"], path.name
+
+
+def test_rows_without_machete_have_no_stock_side():
+    entry = {"bytes": moved_bytes(1, 64, 256), "vllm": {"marlin": {"us": 1.0}}, "ours": []}
+    raw = {"copy_gbps": 4000.0, "shapes": [
+        {"name": "a", "n": 64, "k": 256, "per_token": 1, "m": {"1": entry}}]}  # fmt: skip
+    rows = {row["name"]: row for row in result_rows(raw)}
+    assert rows["body_bw_fraction_m1_marlin"]["stock"] is None
+    assert rows["body_bw_fraction_m1_marlin"]["patched"] == round(
+        moved_bytes(1, 64, 256) / 1e-6 / 1e9 / 4000.0, 3
+    )
+    assert rows["a_m1_marlin"]["stock"] is None

@@ -422,7 +422,7 @@ def result_rows(raw: dict) -> list[dict]:
                     _row_dict(
                         f"body_bw_fraction_m{m}_{candidate}",
                         "fraction",
-                        fractions[BASELINE],
+                        fractions.get(BASELINE),  # absent when --backends left Machete out
                         fractions[candidate],
                     )
                 )
