@@ -205,6 +205,11 @@ def speculates(argv: list[str]) -> bool:
     return bool(_spec_value_positions(argv))
 
 
+def _compact(config: dict) -> str:
+    """A --speculative-config value as vLLM's own help writes one: JSON without spaces."""
+    return json.dumps(config, separators=(",", ":"))
+
+
 def with_synthetic_acceptance(argv: list[str], rates: tuple[float, ...]) -> list[str]:
     """argv with vLLM 0.26's synthetic rejection sampling in every --speculative-config.
 
@@ -228,7 +233,7 @@ def with_synthetic_acceptance(argv: list[str], rates: tuple[float, ...]) -> list
                 f"drafts {drafts} tokens: give that many rates, each in [0, 1], non-increasing)"
             ) from None
         config.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=list(rates))
-        patched[index] = prefix + json.dumps(config, separators=(",", ":"))
+        patched[index] = prefix + _compact(config)
     return patched
 
 
@@ -277,7 +282,7 @@ def stock_speculation(args: argparse.Namespace) -> list[str]:
     if args.stock_vllm:  # absent in --phase patched, which does not start the stock side
         accepted = spec_fields(Path(args.stock_vllm))
         config = {key: value for key, value in config.items() if key.replace("-", "_") in accepted}
-    return ["--speculative-config", json.dumps(config, separators=(",", ":"))]
+    return ["--speculative-config", _compact(config)]
 
 
 def base_argv(side: str, args: argparse.Namespace, port: int) -> list[str]:
@@ -385,10 +390,6 @@ def queue_notes(cohorts: Sequence[int], commands: dict[str, list[str]]) -> list[
                 "rows' TTFT and total tok/s include the queue."
             )
     return notes
-
-
-def _compact(config: dict) -> str:
-    return json.dumps(config, separators=(",", ":"))
 
 
 def baseline_note(commands: dict[str, list[str]]) -> str:
