@@ -231,10 +231,9 @@ def stock_baseline(document: dict) -> str:
     commands = [document.get(side, {}).get("command") for side in ("stock", "patched")]
     if not all(isinstance(command, list) for command in commands):
         return "-"
-    stock, patched = (
-        any(arg.startswith(("--speculative-config", "--speculative_config")) for arg in command)
-        for command in commands
-    )
+    from hyperqwen.bench.ab import speculates  # ab imports this module: import at call time
+
+    stock, patched = (speculates(command) for command in commands)
     if patched:
         return "same speculation" if stock else "**without** speculation"
     return "stock speculates" if stock else "neither speculates"
