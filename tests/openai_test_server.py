@@ -4,7 +4,8 @@ Run as `python openai_test_server.py --fake-config FILE --side SIDE serve MODEL 
 it reads the flags vLLM would (--port, --served-model-name, --max-model-len,
 --speculative-config) and ignores the others, then behaves as configured for SIDE in FILE
 ({"stock": {...}, "patched": {...}}: startup_s, weight_gib, prefill_ms, step_ms). It sleeps
-startup_s before listening, logs vLLM's "Model loading took X GiB" line, and streams
+startup_s before listening, logs its HYPERQWEN_* variables and vLLM's "Model loading took X GiB"
+line, and streams
 /v1/completions with one verify step every step_ms. It tokenizes one token per character (id =
 code point; beyond VOCAB_SIZE ids, UNKNOWN_ID) at /tokenize and, as vLLM, refuses a prompt with
 an id beyond its vocabulary. For the quality battery it answers non-streamed prompt_logprobs
@@ -14,7 +15,8 @@ rejection sampler, spread evenly (no randomness); the spec-decode counters count
 vLLM, it keeps histograms of each streamed request's e2e latency and time per output token.
 With --profiler-config (vLLM's torch profiler) it serves /start_profile and /stop_profile, and
 stop writes a Chrome trace to torch_profiler_dir as vLLM's worker does: one
-"gpu_model_runner: forward" range per step streamed while profiling (at most max_iterations)
+step range (execute_context_0(0)_generation_1(N), and its GPU copy) per step streamed while
+profiling (at most max_iterations)
 and per step the GPU kernels of the side's "kernels_us" ({kernel name: microseconds}).
 """
 
@@ -24,6 +26,7 @@ import argparse
 import asyncio
 import gzip
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -104,8 +107,9 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
             events = []
             for step in range(steps):
                 start = step * 1000.0
-                events.append({"ph": "X", "cat": "user_annotation", "ts": start, "dur": 900,
-                               "name": "gpu_model_runner: forward"})  # fmt: skip
+                for cat in ("user_annotation", "gpu_user_annotation"):
+                    events.append({"ph": "X", "cat": cat, "ts": start, "dur": 900,
+                                   "name": "execute_context_0(0)_generation_1(4)"})  # fmt: skip
                 for name, us in behaviour["kernels_us"].items():
                     events.append(
                         {"ph": "X", "cat": "kernel", "ts": start, "dur": us, "name": name}
@@ -175,6 +179,9 @@ def main() -> None:
     args, behaviour = parse_args()
     # vLLM loads weights and compiles before it listens; /health is unreachable meanwhile.
     time.sleep(behaviour["startup_s"])
+    for name in sorted(os.environ):  # the engine knobs the launcher hands the patched vLLM
+        if name.startswith("HYPERQWEN_"):
+            print(f"env {name}={os.environ[name]}", flush=True)
     print(
         f"Model loading took {behaviour['weight_gib']:.2f} GiB memory and 0.5 seconds", flush=True
     )

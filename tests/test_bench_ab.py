@@ -418,8 +418,12 @@ def test_phases_apart_measure_stock_then_patched_and_merge(comparison, tmp_path,
     assert run_in_process("bench", *unspeculated) == 2  # another baseline than the saved half's
     assert "stock_spec: 'same' then, 'none' now" in capsys.readouterr().err
 
+    (tmp_path / "empty.env").write_text("DRAFT_VOCAB=off\n")  # an engine knob of the profile
     assert run_in_process("bench", *single, *synthetic, "--phase", "patched") == 0
     output = capsys.readouterr().out
+    # the launcher's environment reaches the patched server as in `hyperqwen serve`, not stock's
+    assert "env HYPERQWEN_DRAFT_VOCAB=off" in (tmp_path / "work" / "patched-server.log").read_text()
+    assert "HYPERQWEN_DRAFT_VOCAB" not in stock_log
     document, rows = load_result(tmp_path / "work" / "ab-result.json")
     by_name = {row.name: row for row in rows}
     assert set(by_name) >= {

@@ -39,8 +39,13 @@ def write_trace(path, events):
 
 
 def test_summary_is_gpu_time_per_engine_step(tmp_path):
-    step = {"ph": "X", "cat": "user_annotation", "name": profile.STEP_RANGE, "dur": 9000}
-    events = [step, step, {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 5000}]
+    # as vLLM 0.26's worker names a decode step; its GPU copy and the runner's own ranges
+    # (only with VLLM_CUSTOM_SCOPES_FOR_PROFILING) are not steps
+    name = "execute_context_0(0)_generation_1(4)"
+    step = {"ph": "X", "cat": "user_annotation", "name": name, "dur": 9000}
+    events = [step, step, {**step, "cat": "gpu_user_annotation"}]
+    events += [{**step, "name": "gpu_model_runner: forward"}]
+    events += [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 5000}]
     events += [{"ph": "X", "cat": "kernel", "name": "void marlin::Marlin<>", "dur": 3000}] * 4
     events += [{"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "dur": 100}] * 2
     events += [{"ph": "i", "cat": "kernel", "name": "instant, not a duration", "dur": 1e9}]

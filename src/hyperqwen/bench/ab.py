@@ -70,7 +70,7 @@ from hyperqwen.bench.results import (
 from hyperqwen.bench.rows import Row, format_row
 from hyperqwen.bench.run import run_bench, served_model
 from hyperqwen.bench.workload import SALT_TOKENS, RequestFactory, Workload, served_token_ids
-from hyperqwen.launch import build_launch
+from hyperqwen.launch import LaunchPlan, build_launch
 from hyperqwen.patches import (
     PatchSeriesError,
     PatchState,
@@ -168,10 +168,24 @@ def _load_profile(model: Path, port: int, env_file: str | None) -> LoadedSetting
         raise ABError(f"the project's profile cannot be built:\n{error}") from None
 
 
+def profile_launch(model: Path, port: int, mode: str, env_file: str | None) -> LaunchPlan:
+    """What `hyperqwen serve MODE` would run for this model (knobs from env/.env), local."""
+    return build_launch(_load_profile(model, port, env_file), mode, api_key=None)
+
+
 def profile_serve_argv(model: Path, port: int, mode: str, env_file: str | None) -> list[str]:
-    """The argv `hyperqwen serve MODE` would run for this model (knobs from env/.env), local."""
-    loaded = _load_profile(model, port, env_file)
-    return build_launch(loaded, mode, api_key=None).argv[1:]  # drop "vllm"
+    return profile_launch(model, port, mode, env_file).argv[1:]  # drop "vllm"
+
+
+def side_environment(side: str, args: argparse.Namespace, port: int, parent: Path) -> dict:
+    """The server's environment: this one's (less the key), with the side's vllm/ first on
+    PYTHONPATH; the patched side adds the launcher's variables (the engine's knobs, e.g.
+    HYPERQWEN_DRAFT_VOCAB, travel there as in `hyperqwen serve`)."""
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_API_KEY"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(parent), env.get("PYTHONPATH")]))
+    if side == "patched":
+        env.update(profile_launch(Path(args.model), port, args.mode, args.env_file).env)
+    return env
 
 
 def environment_knobs(model: Path, env_file: str | None) -> dict[str, str]:
@@ -552,8 +566,7 @@ def run_side(side: str, args: argparse.Namespace, workdir: Path) -> SideResult:
     port = args.port or free_port()
     argv = serve_argv(side, args, port)
     command = server_command(args.server_command, side, argv, port)
-    env = {key: value for key, value in os.environ.items() if key != "VLLM_API_KEY"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(parent), env.get("PYTHONPATH")]))
+    env = side_environment(side, args, port, parent)
     log = workdir / f"{side}-server.log"
     base = f"http://{SERVER_HOST}:{port}"
     print(f"== {side}: {shlex.join(command)}\n   (vllm/ from {parent}; log {log})", flush=True)

@@ -4,7 +4,8 @@
 (torch profiler, no Python stacks, front end left out, at most N engine steps), and after the
 measured rows sends one C1 request between `/start_profile` and `/stop_profile`. The worker's
 trace (Chrome trace JSON) is summed here: GPU kernel, memset and memcpy time per category, per
-engine step (one step = one `gpu_model_runner: forward` CPU range), plus the heaviest kernels.
+engine step (one step = one CPU range the worker names `execute_context_..._generation_...`),
+plus the heaviest kernels.
 Kernels inside CUDA graphs are recorded one by one, as in an eager step.
 """
 
@@ -32,7 +33,10 @@ CATEGORIES: tuple[tuple[str, re.Pattern], ...] = tuple(
 )
 OTHER = "other"
 GPU_EVENT_CATEGORIES = frozenset({"kernel", "gpu_memset", "gpu_memcpy"})
-STEP_RANGE = "gpu_model_runner: forward"
+# vLLM's worker wraps every engine step it profiles in a CPU range named
+# execute_context_C(T)_generation_G(T) (gpu_worker.annotate_profile); the profiler also records
+# a GPU copy of it (gpu_user_annotation), which is not another step.
+STEP_RANGE_PREFIX = "execute_context_"
 TOP_KERNELS = 12
 TRACE_WAIT_S = 120
 
@@ -71,13 +75,21 @@ def load_trace(path: Path) -> list[dict]:
     return events
 
 
+def is_step(event: dict) -> bool:
+    return (
+        event.get("ph") == "X"
+        and event.get("cat") == "user_annotation"
+        and str(event.get("name", "")).startswith(STEP_RANGE_PREFIX)
+    )
+
+
 def summarize(events: list[dict]) -> dict:
     """GPU time per engine step: total, per category, the heaviest kernels (ms per step)."""
-    steps = sum(1 for event in events if event.get("name") == STEP_RANGE)
+    steps = sum(1 for event in events if is_step(event))
     if steps == 0:
         raise ProfileError(
-            f"the trace has no {STEP_RANGE!r} range: no engine step was profiled (the request "
-            "ended before the profiler's delay, or CPU activity was off)"
+            f"the trace has no {STEP_RANGE_PREFIX}... range: no engine step was profiled (the "
+            "request ended before the profiler's delay, or CPU activity was off)"
         )
     by_category: Counter[str] = Counter()
     by_kernel: Counter[str] = Counter()
