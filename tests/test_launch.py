@@ -11,7 +11,7 @@ import pytest
 from hyperqwen.engine import DRAFT_VOCAB_CHOICES, DRAFT_VOCAB_ENV
 from hyperqwen.launch import FLAG_ALIASES, build_launch, redact_argv
 from hyperqwen.patches import series_status
-from hyperqwen.settings import DraftVocab, LoadedSettings, Settings
+from hyperqwen.settings import DraftVocab, LinearBackend, LoadedSettings, Settings
 
 
 def loaded(**values: str) -> LoadedSettings:
@@ -254,3 +254,24 @@ def test_draft_vocab_reaches_the_patched_vllm_through_its_env(mode, values, expe
 
 def test_the_engine_reads_the_values_the_knob_takes():
     assert get_args(DraftVocab) == DRAFT_VOCAB_CHOICES
+
+
+@pytest.mark.parametrize(
+    ("mode", "values", "expected"),
+    [
+        ("single", {}, "marlin"),  # Marlin is the faster kernel at a decode step's few rows
+        ("single", {"CTX": "huge"}, "marlin"),
+        ("single", {"LINEAR_BACKEND": "machete"}, "machete"),
+        ("batch", {}, "auto"),  # vLLM's choice: Machete on Hopper, faster at 64 rows
+        ("batch", {"LINEAR_BACKEND": "marlin"}, "marlin"),
+    ],
+)
+def test_linear_backend_defaults_per_mode_and_reaches_vllm(vllm_serve, mode, values, expected):
+    args = vllm_serve(build_launch(loaded(**values), mode, None).argv)
+    assert args.linear_backend == expected
+
+
+def test_linear_backend_values_are_vllms():
+    from vllm.config.kernel import LinearBackend as VllmLinearBackend
+
+    assert set(get_args(LinearBackend)) <= set(get_args(VllmLinearBackend))

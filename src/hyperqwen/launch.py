@@ -34,14 +34,17 @@ class Profile:
     # GDN recurrent state. float32 is what Qwen3.5's config asks for (mamba_ssm_dtype); it is
     # ~150 MB per sequence at the 27B geometry, so batch mode halves it to fit 64 slots.
     ssm_cache_dtype: str
+    # W4A16 GEMM kernel: Marlin beats vLLM's Hopper default Machete at the 4-16 rows of a
+    # speculative decode step, Machete wins at 64 (docs/benchmarks.md, kernel and bench ab runs).
+    linear_backend: str
 
 
 SINGLE_PROFILES: dict[str, Profile] = {
-    "fast": Profile(65536, 4, "auto", 8192, "float32"),
-    "long": Profile(131072, 4, "fp8", 8192, "float32"),
-    "huge": Profile(262144, 1, "fp8", 4096, "float32"),
+    "fast": Profile(65536, 4, "auto", 8192, "float32", "marlin"),
+    "long": Profile(131072, 4, "fp8", 8192, "float32", "marlin"),
+    "huge": Profile(262144, 1, "fp8", 4096, "float32", "marlin"),
 }
-BATCH_PROFILE = Profile(150000, 64, "fp8", 8192, "bfloat16")
+BATCH_PROFILE = Profile(150000, 64, "fp8", 8192, "bfloat16", "auto")
 DEFAULT_DRAFT_TOKENS = {"mtp": 3, "ngram": 4}
 
 
@@ -169,6 +172,7 @@ def build_launch(
         ("--tensor-parallel-size", str(settings.GPU_COUNT), "GPU_COUNT"),
         ("--kv-cache-dtype", kv_dtype, "KV" if mode == "batch" else "CTX"),
         ("--mamba-ssm-cache-dtype", profile.ssm_cache_dtype, f"mode {mode}"),
+        ("--linear-backend", settings.LINEAR_BACKEND or profile.linear_backend, "LINEAR_BACKEND"),
         (
             "--enable-prefix-caching"
             if settings.PREFIX_CACHE == "1"
