@@ -8,8 +8,8 @@ from typing import get_args
 
 import pytest
 
-from hyperqwen.engine import DRAFT_VOCAB_CHOICES, DRAFT_VOCAB_ENV
-from hyperqwen.launch import FLAG_ALIASES, build_launch, redact_argv
+from hyperqwen.engine import DRAFT_VOCAB_CHOICES, DRAFT_VOCAB_ENV, LOOKUP_ENV
+from hyperqwen.launch import FLAG_ALIASES, LOOKUP_MATCH, build_launch, redact_argv
 from hyperqwen.patches import series_status
 from hyperqwen.settings import DraftVocab, LinearBackend, LoadedSettings, Settings
 
@@ -56,7 +56,7 @@ def vllm_serve():
 SINGLE_COMBOS = [
     dict(CTX=ctx, SPEC=spec, DRAFT_SAMPLE=sample)
     for ctx, spec, sample in itertools.product(
-        ("fast", "long", "huge"), ("mtp", "ngram", "off"), ("greedy", "probabilistic")
+        ("fast", "long", "huge"), ("mtp", "ngram", "lookup", "off"), ("greedy", "probabilistic")
     )
 ]
 SWITCH_COMBOS = [
@@ -79,8 +79,8 @@ def test_single_profiles_parse(vllm_serve, values):
     if values["SPEC"] == "off":
         assert spec is None
     else:
-        assert spec["method"] == values["SPEC"]
-        assert spec["num_speculative_tokens"] == {"mtp": 3, "ngram": 4}[values["SPEC"]]
+        assert spec["method"] == {"lookup": "ngram_gpu"}.get(values["SPEC"], values["SPEC"])
+        assert spec["num_speculative_tokens"] == {"mtp": 3, "ngram": 4, "lookup": 4}[values["SPEC"]]
         tokens = args.max_num_seqs * (1 + spec["num_speculative_tokens"])
         assert args.compilation_config.max_cudagraph_capture_size == tokens
 
@@ -125,7 +125,7 @@ def test_batch_profile_parses(vllm_serve):
 def test_speculative_and_compilation_json_accepted_by_vllm_config_classes(vllm_serve):
     from vllm.config import CompilationConfig, SpeculativeConfig
 
-    for spec in ("mtp", "ngram"):
+    for spec in ("mtp", "ngram", "lookup"):
         args = vllm_serve(build_launch(loaded(SPEC=spec), "single", None).argv)
         compilation = args.compilation_config
         assert isinstance(compilation, CompilationConfig)
@@ -138,6 +138,14 @@ def test_speculative_and_compilation_json_accepted_by_vllm_config_classes(vllm_s
         **vllm_serve(build_launch(loaded(SPEC="ngram"), "single", None).argv).speculative_config
     )
     assert (ngram.method, ngram.prompt_lookup_min, ngram.prompt_lookup_max) == ("ngram", 2, 5)
+    lookup = SpeculativeConfig(
+        **vllm_serve(build_launch(loaded(SPEC="lookup"), "single", None).argv).speculative_config
+    )
+    assert (lookup.method, lookup.prompt_lookup_min, lookup.prompt_lookup_max) == (
+        "ngram_gpu",
+        *LOOKUP_MATCH,
+    )
+    assert lookup.num_speculative_tokens == 4
 
 
 def test_extra_args_come_last_and_win(vllm_serve):
@@ -205,6 +213,11 @@ def test_bind_and_key_matrix(values, key, container, host, warns):
         ("single", {"KV": "auto"}, "KV is a batch-mode knob; ignored in single mode."),
         ("single", {"SPEC": "off", "DRAFT_TOKENS": "2"}, "DRAFT_TOKENS is ignored with SPEC=off."),
         ("single", {"TOOLS": "0", "TOOL_PARSER": "hermes"}, "TOOL_PARSER is ignored with TOOLS=0."),
+        (
+            "single",
+            {"SPEC": "lookup", "DRAFT_SAMPLE": "probabilistic"},
+            "DRAFT_SAMPLE is ignored with SPEC=lookup (copied drafts are not sampled).",
+        ),
     ],
 )
 def test_ignored_knobs_warn(mode, values, expected):
@@ -275,3 +288,16 @@ def test_linear_backend_values_are_vllms():
     from vllm.config.kernel import LinearBackend as VllmLinearBackend
 
     assert set(get_args(LinearBackend)) <= set(get_args(VllmLinearBackend))
+
+
+@pytest.mark.parametrize(
+    ("mode", "values", "expected"),
+    [
+        ("single", {"SPEC": "lookup"}, "1"),
+        ("single", {"SPEC": "ngram"}, None),  # vLLM's own n-gram search
+        ("single", {}, None),
+        ("batch", {"SPEC": "lookup"}, None),  # batch never drafts
+    ],
+)
+def test_lookup_search_is_switched_on_through_the_engine_env(mode, values, expected):
+    assert build_launch(loaded(**values), mode, None).env.get(LOOKUP_ENV) == expected

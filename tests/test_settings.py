@@ -36,7 +36,7 @@ def test_unknown_variables_are_ignored_and_defaults_hold():
 @pytest.mark.parametrize(
     ("name", "value", "allowed"),
     [
-        ("SPEC", "eagle", "mtp | ngram | off"),
+        ("SPEC", "eagle", "mtp | ngram | lookup | off"),
         ("CTX", "medium", "fast | long | huge"),
         ("PORT", "70000", "integer >= 1, <= 65535"),
         ("GPU_UTIL", "1.5", "number > 0.05, <= 0.99"),

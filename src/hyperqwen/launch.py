@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hyperqwen.engine import DRAFT_VOCAB_ENV
+from hyperqwen.engine import DRAFT_VOCAB_ENV, LOOKUP_ENV
 from hyperqwen.settings import (
     NO_REASONING_PARSER,
     LoadedSettings,
@@ -45,7 +45,10 @@ SINGLE_PROFILES: dict[str, Profile] = {
     "huge": Profile(262144, 1, "fp8", 4096, "float32", "marlin"),
 }
 BATCH_PROFILE = Profile(150000, 64, "fp8", 8192, "bfloat16", "auto")
-DEFAULT_DRAFT_TOKENS = {"mtp": 3, "ngram": 4}
+DEFAULT_DRAFT_TOKENS = {"mtp": 3, "ngram": 4, "lookup": 4}
+# SPEC=lookup's match lengths: at least 3 tokens (shorter repeats are mostly chance), at most 12
+# compared (longer agreement says nothing more about what comes next).
+LOOKUP_MATCH = (3, 12)
 
 
 def profile_for(settings: Settings, mode: Mode) -> Profile:
@@ -101,6 +104,11 @@ def speculative_config(settings: Settings) -> dict | None:
     if settings.SPEC == "ngram":
         # Match 2-5 token n-grams of the prompt: long enough to avoid spurious copies.
         config.update(prompt_lookup_min=2, prompt_lookup_max=5)
+    elif settings.SPEC == "lookup":
+        # vLLM's GPU n-gram proposer, searching with HyperQwen's kernel (LOOKUP_ENV)
+        config.update(
+            method="ngram_gpu", prompt_lookup_min=LOOKUP_MATCH[0], prompt_lookup_max=LOOKUP_MATCH[1]
+        )
     else:
         config["draft_sample_method"] = settings.DRAFT_SAMPLE
     return config
@@ -226,6 +234,8 @@ def build_launch(
         env["VLLM_API_KEY"] = api_key
     if mode == "single":
         env[DRAFT_VOCAB_ENV] = settings.DRAFT_VOCAB
+        if settings.SPEC == "lookup":
+            env[LOOKUP_ENV] = "1"
     return LaunchPlan(argv, env, warnings, notices, host, path, served_name)
 
 
@@ -295,8 +305,10 @@ def _ignored_knob_warnings(settings: Settings, mode: Mode, explicit: frozenset[s
         for name in ("DRAFT_TOKENS", "DRAFT_SAMPLE"):
             if name in explicit:
                 warnings.append(f"{name} is ignored with SPEC=off.")
-    if mode == "single" and settings.SPEC == "ngram" and "DRAFT_SAMPLE" in explicit:
-        warnings.append("DRAFT_SAMPLE is ignored with SPEC=ngram (n-gram drafts are not sampled).")
+    if mode == "single" and settings.SPEC in ("ngram", "lookup") and "DRAFT_SAMPLE" in explicit:
+        warnings.append(
+            f"DRAFT_SAMPLE is ignored with SPEC={settings.SPEC} (copied drafts are not sampled)."
+        )
     if settings.TOOLS == "0" and "TOOL_PARSER" in explicit:
         warnings.append("TOOL_PARSER is ignored with TOOLS=0.")
     return warnings

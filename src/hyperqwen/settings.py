@@ -26,7 +26,7 @@ BOTH: tuple[Mode, ...] = MODES
 SINGLE: tuple[Mode, ...] = ("single",)
 BATCH: tuple[Mode, ...] = ("batch",)
 
-SpecMethod = Literal["mtp", "ngram", "off"]
+SpecMethod = Literal["mtp", "ngram", "lookup", "off"]
 ContextProfile = Literal["fast", "long", "huge"]
 KvCacheDtype = Literal["auto", "fp8"]
 DraftSample = Literal["greedy", "probabilistic"]
@@ -209,13 +209,16 @@ class Settings(BaseModel):
     SPEC: SpecMethod = knob(
         "mtp",
         "Speculative decoding. mtp: the model's own multi-token-prediction layer drafts; "
-        "ngram: drafts by copying from the prompt (no extra weights); off: none.",
+        "ngram: vLLM's n-gram drafts, copied from the prompt (no extra weights); lookup: "
+        "HyperQwen's copy drafts, searched on the GPU for the longest, most recent earlier "
+        "occurrence of the last 3-12 tokens (for models without MTP; speed not measured yet); "
+        "off: none.",
         "--speculative-config",
         modes=SINGLE,
     )
     DRAFT_TOKENS: int | None = knob(
         None,
-        "Tokens drafted per step. Default: 3 for mtp, 4 for ngram.",
+        "Tokens drafted per step. Default: 3 for mtp, 4 for ngram and lookup.",
         "--speculative-config num_speculative_tokens",
         modes=SINGLE,
         ge=1,

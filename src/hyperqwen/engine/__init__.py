@@ -7,3 +7,7 @@ anything vLLM itself does not bring; the names the launcher and the engine share
 # How Settings.DRAFT_VOCAB reaches the patched vLLM (engine/draft_vocab.py reads it there).
 DRAFT_VOCAB_ENV = "HYPERQWEN_DRAFT_VOCAB"
 DRAFT_VOCAB_CHOICES = ("auto", "off")
+
+# Set to "1" by the launcher with SPEC=lookup: vLLM's GPU n-gram proposer then searches with
+# HyperQwen's longest-latest match (engine/lookup.py) instead of its own earliest match.
+LOOKUP_ENV = "HYPERQWEN_LOOKUP"

@@ -1,0 +1,90 @@
+"""SPEC=lookup inside vLLM's GPU n-gram proposer (engine/lookup.py, patches/lookup-search.patch).
+
+The installed (patched) NgramProposerGPU runs on vLLM's CPU platform with HYPERQWEN_LOOKUP=1,
+its Triton search in Triton's interpreter: each step it writes the newly sampled tokens into
+the token buffer and proposes what followed the longest, latest earlier match, checked against
+the plain-Python reference of tests/test_kernel_lookup.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_gdn_spec import synth_config
+from test_kernel_lookup import reference_drafts, reference_match
+
+from hyperqwen.engine import LOOKUP_ENV
+from hyperqwen.engine import lookup as engine_lookup
+from hyperqwen.launch import LOOKUP_MATCH
+
+DRAFTS = 4
+WIDTH = 2048  # max_model_len
+
+
+@pytest.fixture(scope="module")
+def proposer(tmp_path_factory):
+    import vllm.platforms as platforms
+    import vllm.utils.torch_utils as torch_utils
+    from vllm.platforms.cpu import CpuPlatform
+
+    platforms._current_platform = CpuPlatform()
+    config_dir = synth_config(tmp_path_factory.mktemp("synth") / "tiny")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch_utils, "PIN_MEMORY", False)  # the CPU platform pins nothing
+        patch.setenv(LOOKUP_ENV, "1")
+        from vllm.config import set_current_vllm_config
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.spec_decode.ngram_proposer_gpu import NgramProposerGPU
+
+        config = EngineArgs(
+            model=str(config_dir),
+            language_model_only=True,
+            max_model_len=WIDTH,
+            max_num_seqs=4,
+            speculative_config={
+                "method": "ngram_gpu",
+                "num_speculative_tokens": DRAFTS,
+                "prompt_lookup_min": LOOKUP_MATCH[0],
+                "prompt_lookup_max": LOOKUP_MATCH[1],
+            },
+        ).create_engine_config()
+        with set_current_vllm_config(config):
+            yield NgramProposerGPU(config, torch.device("cpu"))
+
+
+def test_patched_proposer_drafts_the_longest_latest_match(proposer):
+    text = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    contexts = [
+        [*text, 5, 6, *text[:3]],  # copying text: 14 sampled, 15 accepted, then the rest
+        [1, 2, 3, 4, 9, 1, 2, 3, 4, 8, 1, 2, 3],  # two matches of 3: the latest wins
+        [7, 8, 9, 10],  # nothing repeats
+        [30, 31, 32] * 3,  # periodic
+    ]
+    sampled = [[14, 15, -1, -1, -1], [4, -1, -1, -1, -1], [3, -1, -1, -1, -1], [0, -1, -1, -1, -1]]
+    counts = [2, 1, 1, 0]  # the last row sampled nothing this step (e.g. still in prefill)
+    tokens = torch.randint(0, 50_000, (4, WIDTH), dtype=torch.int32)
+    for row, context in enumerate(contexts):
+        tokens[row, : len(context)] = torch.tensor(context, dtype=torch.int32)
+    lengths = torch.tensor([len(c) for c in contexts], dtype=torch.int32)
+
+    drafts, num_valid = proposer.propose(
+        DRAFTS, lengths, tokens, torch.tensor(sampled), torch.tensor(counts)
+    )
+    for row, context in enumerate(contexts):
+        now = context + sampled[row][: counts[row]]
+        assert tokens[row, : len(now)].tolist() == now  # the proposer wrote the sampled tokens
+        n, j = reference_match(now, *LOOKUP_MATCH)
+        if counts[row] == 0 or n == 0:
+            assert drafts[row].tolist() == [-1] * DRAFTS and num_valid[row] == 0
+        else:
+            assert drafts[row].tolist() == reference_drafts(now, n, j, DRAFTS)
+            assert num_valid[row] == DRAFTS
+    assert drafts[0].tolist() == [16, 17, 18, 19]
+    assert drafts[1].tolist() == [8, 1, 2, 3]
+
+
+def test_lookup_is_on_only_with_the_env(monkeypatch):
+    monkeypatch.delenv(LOOKUP_ENV, raising=False)
+    assert not engine_lookup.enabled()
+    monkeypatch.setenv(LOOKUP_ENV, "1")
+    assert engine_lookup.enabled()
