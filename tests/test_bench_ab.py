@@ -16,6 +16,7 @@ from cli_runner import run_in_process
 
 from hyperqwen.bench.ab import (
     SIDES,
+    SideResult,
     baseline_note,
     equivalent_command,
     model_fact,
@@ -23,6 +24,7 @@ from hyperqwen.bench.ab import (
     profile_serve_argv,
     serve_argv,
     settle_stock_spec,
+    side_figures,
     spec_config,
     spec_fields,
     with_synthetic_acceptance,
@@ -44,6 +46,7 @@ from hyperqwen.bench.results import (
     validate_result,
     with_headline,
 )
+from hyperqwen.bench.rows import parse_row
 from hyperqwen.patches import SERIES_DIR_ENV, _series_names, apply_series, load_series
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -638,3 +641,21 @@ def test_profile_steps_add_gpu_time_per_step_by_kernel_category(comparison, tmp_
         assert Path(profile["trace"]).parent == tmp_path / "work" / f"{side}-trace"
     words = shlex.split(document["command"])
     assert words[words.index("--profile-steps") + 1] == "4"
+
+
+def test_copy_rows_get_their_own_names_and_the_repeat_command_keeps_copy(comparison) -> None:
+    line = (
+        "ROW mode=single data={data} prompt=salted C=1 n=3 in_tok=300 out_tok=280 "
+        "decode_tok_s_per_stream={speed} decode_tok_s_total=90.0 e2e_s=3.000 ttft_p50_ms=50.0 "
+        "ttft_p99_ms=60.0 tpot_ms=10.00 tokens_per_step=3.10 cache_hit_pct=0.0 preemptions=0"
+    )
+    measured = (("random", "100.0"), ("copy", "250.0"))
+    rows = [parse_row(line.format(data=data, speed=speed)) for data, speed in measured]
+    side = SideResult("patched", "P", [], "all", "0.26.0", 1.0, 1.0, rows, "log")
+    figures = side_figures(side)
+    assert figures["c1_decode"] == ("tok/s", 100.0)
+    assert figures["copy_c1_decode"] == ("tok/s", 250.0)
+    assert figures["copy_c1_tokens_per_step"] == ("tokens", 3.1)
+    plan = {**plan_of(parsed([*comparison, "--copy"])), "cohorts": [1]}
+    assert "--copy" in shlex.split(equivalent_command(plan, "S", "P", {}))
+    assert "--copy" not in shlex.split(equivalent_command({**plan, "copy": False}, "S", "P", {}))

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from local_server import free_port, serving
 
+from hyperqwen.bench.copy_tasks import CODE_TASK, PASSAGE_CHARS, copy_prompts
 from hyperqwen.bench.rows import Row, parse_row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -455,3 +456,34 @@ def test_run_benchmarks_sh_hands_everything_to_hyperqwen_bench_run(tmp_path: Pat
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"{ROOT}|bench|run|single|--out|a b.json|"
+
+
+def test_copy_rows_send_chat_prompts_that_hold_a_passage_to_repeat(
+    server, env_file, tmp_path, capsys
+) -> None:
+    fake, _ = server
+    fake.reset(speculative=True)
+    out = tmp_path / "copy.json"
+    argv = ("--random-tokens", "--copy", "--cohorts", "2", "--rounds", "2", "--prefill", "none")
+    assert bench_run("single", env_file, *argv, "--output-len", "9", "--out", str(out)) == 0
+    rows = rows_of(capsys.readouterr().out)
+    assert [(row.data, row.C) for row in rows] == [("random", 2), ("copy", 2)]
+    assert rows[1].tokens_per_step == pytest.approx(TOKENS_PER_STEP)
+    copy_bodies = [body for body in fake.bodies if "messages" in body]
+    assert len(copy_bodies) == 2 + 4  # warm-up and measured requests of the copy row
+    prompts = set(copy_prompts())
+    for body in copy_bodies:
+        salt, text = body["messages"][0]["content"].split(" ", 1)
+        assert len(salt) == 12 and text in prompts  # salted first, then a copy task whole
+        assert "ignore_eos" not in body and body["max_tokens"] == 9  # the answer ends itself
+    assert "--copy" in json.loads(out.read_text())["command"]
+
+
+def test_copy_prompts_are_half_prose_half_code_passages_of_bounded_size() -> None:
+    prompts = copy_prompts()
+    code = [prompt for prompt in prompts if prompt.startswith(CODE_TASK.split("{")[0])]
+    assert len(prompts) >= 40 and len(code) == len(prompts) // 2
+    assert prompts == copy_prompts()  # the same every call: seeded runs send the same prompts
+    for prompt in prompts:
+        passage = prompt.split("\n\n", 1)[1].removeprefix("```python\n").removesuffix("\n```")
+        assert PASSAGE_CHARS[0] <= len(passage) <= PASSAGE_CHARS[1]

@@ -34,8 +34,10 @@ import requests
 from tqdm import tqdm
 
 from hyperqwen.bench.client import BenchClient, BenchError
+from hyperqwen.bench.copy_tasks import copy_prompts
 from hyperqwen.bench.header import git_commit, gpu_facts, server_version
 from hyperqwen.bench.options import (
+    COPY_HELP,
     DATE_FORMAT,
     DEFAULT_COHORTS,
     DEFAULT_PREFILL,
@@ -108,6 +110,7 @@ PLAN_OPTIONS = (
     "rounds",
     "prefill",
     "prefill_requests",
+    "copy",
     "temperature",
     "seed",
     "synthetic_acceptance",
@@ -581,6 +584,7 @@ def run_side(side: str, args: argparse.Namespace, workdir: Path) -> SideResult:
             seed=args.seed,
             temperature=args.temperature,
             token_ids=served_token_ids(client, model),
+            copy_prompts=copy_prompts() if args.copy else None,
         )
 
         def keep(row: Row) -> None:
@@ -643,7 +647,7 @@ def side_figures(side: SideResult) -> dict[str, tuple[str, float | None]]:
         if row.data == "prefill":
             figures[f"prefill{row.in_tok}_ttft_p50"] = ("ms", row.ttft_p50_ms)
             continue
-        prefix = f"c{row.C}"
+        prefix = f"copy_c{row.C}" if row.data == "copy" else f"c{row.C}"
         figures[f"{prefix}_decode"] = ("tok/s", row.decode_tok_s_per_stream)
         figures[f"{prefix}_decode_total"] = ("tok/s", row.decode_tok_s_total)
         figures[f"{prefix}_ttft_p50"] = ("ms", row.ttft_p50_ms)
@@ -737,6 +741,7 @@ def equivalent_command(
     command += ["--cohorts", ",".join(map(str, plan["cohorts"])), "--rounds", str(plan["rounds"])]
     command += ["--prefill", ",".join(map(str, plan["prefill"])) or "none"]
     command += ["--prefill-requests", str(plan["prefill_requests"])]
+    command += ["--copy"] * bool(plan.get("copy"))
     command += ["--temperature", f"{plan['temperature']:g}", "--seed", str(plan["seed"])]
     if plan["synthetic_acceptance"]:
         rates = ",".join(f"{rate:g}" for rate in plan["synthetic_acceptance"])
@@ -1031,6 +1036,7 @@ def add_ab_subcommand(actions) -> None:
         help=f"prefill (TTFT) prompt lengths or none (default {DEFAULT_PREFILL})",
     )
     ab.add_argument("--prefill-requests", type=_positive, default=3, metavar="N", help="default 3")
+    ab.add_argument("--copy", action="store_true", help=COPY_HELP)
     ab.add_argument("--temperature", type=float, default=0.0, metavar="T", help="default 0")
     ab.add_argument("--seed", type=int, default=0, metavar="N", help="prompt seed (default 0)")
     ab.add_argument(

@@ -10,9 +10,11 @@ from pathlib import Path
 
 from hyperqwen.bench.ab import add_ab_subcommand
 from hyperqwen.bench.client import BenchClient, BenchError
+from hyperqwen.bench.copy_tasks import copy_prompts
 from hyperqwen.bench.header import collect_header, format_header
 from hyperqwen.bench.kernels import add_subcommand as add_kernels_subcommand
 from hyperqwen.bench.options import (
+    COPY_HELP,
     DATE_FORMAT,
     DEFAULT_PREFILL,
     _int_list,
@@ -46,6 +48,7 @@ def equivalent_command(args: argparse.Namespace, cohorts: tuple[int, ...], url: 
     command += ["--prefill-requests", str(args.prefill_requests)]
     command += ["--temperature", f"{args.temperature:g}", "--seed", str(args.seed)]
     command += ["--shared"] * args.shared + ["--random-tokens"] * args.random_tokens
+    command += ["--copy"] * args.copy
     if args.extra_body:
         command += ["--extra-body", json.dumps(args.extra_body)]
     return command + (["--model", args.model] if args.model else [])
@@ -95,6 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             token_ids=served_token_ids(client, model),
             sharegpt_prompts=sharegpt,
+            copy_prompts=copy_prompts() if args.copy else None,
             extra_body=args.extra_body,
         )
         run_bench(client, factory, plan, keep)
@@ -200,6 +204,7 @@ def add_subcommand(subparsers) -> None:
         help="all prompts of a row share one prefix (salt at the end): measures the prefix "
         "cache instead of defeating it",
     )
+    run.add_argument("--copy", action="store_true", help=COPY_HELP)
     run.add_argument(
         "--random-tokens",
         action="store_true",

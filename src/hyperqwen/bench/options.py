@@ -12,6 +12,11 @@ from hyperqwen.bench.run import BenchPlan
 DATE_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
 DEFAULT_COHORTS = {"single": "1,2,4,8", "batch": "1,64"}
 DEFAULT_PREFILL = "1024,8192,32768"
+COPY_HELP = (
+    "also rows of copy-task chat prompts (quote, rewrite or edit a passage of Python's standard "
+    "library: answers that repeat the prompt, where lookup drafting pays), named copy_cC in "
+    "bench ab"
+)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -73,7 +78,8 @@ def build_plan(args: argparse.Namespace, max_model_len: int | None) -> BenchPlan
         mode=args.mode,
         cohorts=args.cohorts or _int_list(DEFAULT_COHORTS[args.mode]),
         rounds=args.rounds,
-        datasets=("random",) if args.random_tokens else ("sharegpt", "random"),
+        datasets=(("random",) if args.random_tokens else ("sharegpt", "random"))
+        + (("copy",) if args.copy else ()),
         input_len=args.input_len,
         output_len=args.output_len,
         shared=args.shared,

@@ -9,7 +9,8 @@ measured is `-`. Floats carry fixed decimals, so `parse_row(format_row(row)) == 
 `format_row(parse_row(line)) == line` for any line format_row wrote.
 
 Keys: mode (single|batch, the server profile benchmarked), data (sharegpt: real chat prompts;
-random: random token ids; prefill: long random prompts, one output token), prompt (salted:
+random: random token ids; prefill: long random prompts, one output token; copy: chat prompts
+whose answer repeats a passage of the prompt), prompt (salted:
 every prompt starts with a unique salt so the prefix cache cannot help; shared: one common
 prefix, salt at the end, so the cache is measured), C (concurrent streams), n (measured
 requests), in_tok/out_tok (mean prompt/output tokens per request, from the server's usage),

@@ -1,4 +1,5 @@
-"""What the benchmarks send: real ShareGPT chat prompts and random-token prompts, salted or shared.
+"""What the benchmarks send: real ShareGPT chat prompts, random-token prompts and copy-task chat
+prompts (bench/copy_tasks.py), salted or shared.
 
 Prompt bodies are chosen by a seeded generator, so two runs with the same seed send the same
 prompts. The salt is not seeded: it is unique to each request of each run, because the
@@ -29,7 +30,7 @@ from typing import Any, Literal
 
 from hyperqwen.bench.client import BenchClient, BenchError
 
-DataKind = Literal["sharegpt", "random", "prefill"]
+DataKind = Literal["sharegpt", "random", "prefill", "copy"]
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 
@@ -154,9 +155,11 @@ class RequestFactory:
         temperature: float,
         token_ids: tuple[int, ...],
         sharegpt_prompts: list[str] | None = None,
+        copy_prompts: list[str] | None = None,
         extra_body: dict[str, Any] | None = None,
     ) -> None:
         """token_ids: what random-token prompts and salts draw from (served_token_ids);
+        copy_prompts: the copy rows' chat prompts (bench/copy_tasks.py);
         extra_body: more fields for every request (sampling parameters vLLM takes)."""
         self.model = model
         self.temperature = temperature
@@ -166,6 +169,9 @@ class RequestFactory:
         pool = list(sharegpt_prompts or [])
         self._rng.shuffle(pool)
         self._sharegpt = itertools.cycle(pool) if pool else None
+        copies = list(copy_prompts or [])
+        self._rng.shuffle(copies)
+        self._copies = itertools.cycle(copies) if copies else None
         self._shared_bodies: dict[tuple[DataKind, int], Any] = {}
 
     def requests(self, workload: Workload, count: int) -> list[tuple[str, dict[str, Any]]]:
@@ -178,8 +184,9 @@ class RequestFactory:
             "max_tokens": workload.output_len,
             "temperature": self.temperature,
         }
-        if workload.data == "sharegpt":
-            body = self._body(workload, self._next_sharegpt)
+        if workload.data in ("sharegpt", "copy"):
+            next_prompt = self._next_sharegpt if workload.data == "sharegpt" else self._next_copy
+            body = self._body(workload, next_prompt)
             salt = text_salt()
             content = f"{body}\n{salt}" if workload.shared else f"{salt} {body}"
             return CHAT_PATH, {**common, "messages": [{"role": "user", "content": content}]}
@@ -201,6 +208,11 @@ class RequestFactory:
         if self._sharegpt is None:
             raise BenchError("ShareGPT rows need the ShareGPT prompts (load_sharegpt_prompts)")
         return next(self._sharegpt)
+
+    def _next_copy(self) -> str:
+        if self._copies is None:
+            raise BenchError("copy rows need the copy prompts (bench/copy_tasks.py)")
+        return next(self._copies)
 
     def _random_ids(self, count: int) -> list[int]:
         return [self._rng.choice(self.token_ids) for _ in range(count)]
