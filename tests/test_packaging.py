@@ -24,3 +24,21 @@ def test_wheel_carries_the_patch_series(tmp_path):
     assert f"{data}series" in names
     assert {f"{data}{name}" for name in listed} <= names
     assert "hyperqwen/cli.py" in names
+
+
+def test_python_dash_m_hyperqwen_is_the_hyperqwen_command():
+    shown = subprocess.run(
+        [sys.executable, "-m", "hyperqwen", "settings", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("usage: hyperqwen settings")
+    wrong = subprocess.run(
+        [sys.executable, "-m", "hyperqwen", "no-such-command"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert wrong.returncode == 2 and "invalid choice" in wrong.stderr  # the exit code gets out
