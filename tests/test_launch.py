@@ -114,7 +114,8 @@ def test_batch_profile_parses(vllm_serve):
             None,
         ).argv
     )
-    assert (args.max_num_seqs, args.tensor_parallel_size, args.max_model_len) == (32, 2, 32768)
+    assert (args.max_num_seqs, args.data_parallel_size, args.max_model_len) == (32, 2, 32768)
+    assert args.tensor_parallel_size == 1  # batch mode: a replica per GPU
     assert args.kv_cache_dtype == "auto"
     assert args.kv_cache_memory_bytes == 6 * 2**30
     assert args.speculative_config is None
@@ -301,3 +302,17 @@ def test_linear_backend_values_are_vllms():
 )
 def test_lookup_search_is_switched_on_through_the_engine_env(mode, values, expected):
     assert build_launch(loaded(**values), mode, None).env.get(LOOKUP_ENV) == expected
+
+
+@pytest.mark.parametrize("mode", ["single", "batch"])
+@pytest.mark.parametrize("split", [None, "tp", "dp"])
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_every_split_parses_and_shards_as_asked(vllm_serve, mode, split, count):
+    values = {"GPU_COUNT": str(count), **({"GPU_SPLIT": split} if split else {})}
+    plan = build_launch(loaded(**values), mode, None)
+    args = vllm_serve(plan.argv)
+    effective = split or {"single": "tp", "batch": "dp"}[mode]
+    assert args.tensor_parallel_size == (count if effective == "tp" else 1)
+    assert plan.tensor_parallel == args.tensor_parallel_size
+    assert args.data_parallel_size == (count if effective == "dp" else 1)
+    assert ("--data-parallel-size" in plan.argv) is (effective == "dp" and count > 1)

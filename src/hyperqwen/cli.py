@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from hyperqwen import bench, docs, doctor, patches, synth
 from hyperqwen.drafter import cli as drafter_cli
 from hyperqwen.gpu import REQUIREMENT, NoGpu, list_gpus
 from hyperqwen.launch import build_launch, effective_config_lines, redact_argv
+from hyperqwen.parallel import tensor_parallel_refusal
 from hyperqwen.prepare import cli as prepare_cli
 from hyperqwen.settings import MODES, SettingsError, load_settings, resolve_api_key
 
@@ -46,6 +48,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     print(f"hyperqwen serve {args.mode}: effective configuration", file=sys.stderr)
     _say(effective_config_lines(loaded, api_key), "")
+    config_file = plan.model_path / "config.json"
+    # before the GPU check: a split the model cannot take is wrong on any machine
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        refusal = tensor_parallel_refusal(config, plan.tensor_parallel, str(plan.model_path))
+        if refusal:
+            print(f"hyperqwen serve {args.mode}: refusing to start: {refusal}", file=sys.stderr)
+            return EXIT_BAD_SETTINGS
 
     try:
         gpus = list_gpus()

@@ -37,14 +37,16 @@ class Profile:
     # W4A16 GEMM kernel: Marlin beats vLLM's Hopper default Machete at the 4-16 rows of a
     # speculative decode step, Machete wins at 64 (docs/benchmarks.md, kernel and bench ab runs).
     linear_backend: str
+    # GPU_COUNT > 1: one sharded server (tp) or a replica per GPU (dp).
+    gpu_split: str
 
 
 SINGLE_PROFILES: dict[str, Profile] = {
-    "fast": Profile(65536, 4, "auto", 8192, "float32", "marlin"),
-    "long": Profile(131072, 4, "fp8", 8192, "float32", "marlin"),
-    "huge": Profile(262144, 1, "fp8", 4096, "float32", "marlin"),
+    "fast": Profile(65536, 4, "auto", 8192, "float32", "marlin", "tp"),
+    "long": Profile(131072, 4, "fp8", 8192, "float32", "marlin", "tp"),
+    "huge": Profile(262144, 1, "fp8", 4096, "float32", "marlin", "tp"),
 }
-BATCH_PROFILE = Profile(150000, 64, "fp8", 8192, "bfloat16", "auto")
+BATCH_PROFILE = Profile(150000, 64, "fp8", 8192, "bfloat16", "auto", "dp")
 DEFAULT_DRAFT_TOKENS = {"mtp": 3, "ngram": 4, "lookup": 4}
 # SPEC=lookup's match lengths: at least 3 tokens (shorter repeats are mostly chance), at most 12
 # compared (longer agreement says nothing more about what comes next).
@@ -76,6 +78,7 @@ class LaunchPlan:
     host: str = "127.0.0.1"
     model_path: Path = Path()
     served_name: str = ""
+    tensor_parallel: int = 1
 
 
 def is_loopback(address: str) -> bool:
@@ -163,6 +166,8 @@ def build_launch(
     served_name = path.name
     max_seqs = settings.MAX_SEQS or profile.max_seqs
     kv_dtype = settings.KV if mode == "batch" else profile.kv_cache_dtype
+    split = settings.GPU_SPLIT or profile.gpu_split
+    tensor_parallel = settings.GPU_COUNT if split == "tp" else 1
 
     # (flag, value or None, knob that decided it) — the knob names feed the shadow warning.
     flags: list[tuple[str, str | None, str]] = [
@@ -177,7 +182,7 @@ def build_launch(
             "CTX" if mode == "single" else "mode batch",
         ),
         ("--gpu-memory-utilization", f"{settings.GPU_UTIL:g}", "GPU_UTIL"),
-        ("--tensor-parallel-size", str(settings.GPU_COUNT), "GPU_COUNT"),
+        ("--tensor-parallel-size", str(tensor_parallel), "GPU_COUNT"),
         ("--kv-cache-dtype", kv_dtype, "KV" if mode == "batch" else "CTX"),
         ("--mamba-ssm-cache-dtype", profile.ssm_cache_dtype, f"mode {mode}"),
         ("--linear-backend", settings.LINEAR_BACKEND or profile.linear_backend, "LINEAR_BACKEND"),
@@ -191,6 +196,8 @@ def build_launch(
         # Clients see how much of each prompt came from the prefix cache.
         ("--enable-prompt-tokens-details", None, "always"),
     ]
+    if split == "dp" and settings.GPU_COUNT > 1:
+        flags.append(("--data-parallel-size", str(settings.GPU_COUNT), "GPU_SPLIT"))
     if settings.KV_MEM:
         flags.append(("--kv-cache-memory-bytes", settings.KV_MEM, "KV_MEM"))
     if settings.VISION == "0":
@@ -236,7 +243,7 @@ def build_launch(
         env[DRAFT_VOCAB_ENV] = settings.DRAFT_VOCAB
         if settings.SPEC == "lookup":
             env[LOOKUP_ENV] = "1"
-    return LaunchPlan(argv, env, warnings, notices, host, path, served_name)
+    return LaunchPlan(argv, env, warnings, notices, host, path, served_name, tensor_parallel)
 
 
 def choose_host(

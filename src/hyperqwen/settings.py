@@ -35,6 +35,7 @@ DraftVocab = Literal[
 ]  # hyperqwen.engine.DRAFT_VOCAB_CHOICES (a test keeps them equal)
 Switch = Literal["0", "1"]
 LinearBackend = Literal["auto", "marlin", "machete"]
+GpuSplit = Literal["tp", "dp"]
 
 PINNED_VLLM = "0.26.0"
 DEFAULT_PORT = 18020
@@ -138,7 +139,21 @@ class Settings(BaseModel):
         pattern=r"^(\d+[KMGT]?|\d+(\.\d+)?[kmgt])$",
     )
     GPU_COUNT: int = knob(
-        1, "GPUs to shard the model over (tensor parallel).", "--tensor-parallel-size", ge=1, le=8
+        1,
+        "GPUs to serve on; how they are used: GPU_SPLIT. docker-compose.yml reserves one GPU; "
+        "for more, edit `count` there.",
+        "--tensor-parallel-size or --data-parallel-size",
+        ge=1,
+        le=8,
+    )
+    GPU_SPLIT: GpuSplit | None = knob(
+        None,
+        "How GPU_COUNT > 1 GPUs serve. tp: one server sharded over them (tensor parallel: each "
+        "request decodes faster; the model's heads must divide by GPU_COUNT); dp: one whole "
+        "replica per GPU behind vLLM's own load balancer (more requests at once; each GPU must "
+        "hold the whole model). Default: single tp (speculation gains nothing from replicas), "
+        "batch dp.",
+        "--tensor-parallel-size / --data-parallel-size",
     )
     EXTRA_ARGS: str = knob(
         "",
