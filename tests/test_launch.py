@@ -8,7 +8,7 @@ from typing import get_args
 
 import pytest
 
-from hyperqwen.engine import DRAFT_VOCAB_CHOICES, DRAFT_VOCAB_ENV, LOOKUP_ENV
+from hyperqwen.engine import ALIGN_OVERLAP_ENV, DRAFT_VOCAB_CHOICES, DRAFT_VOCAB_ENV, LOOKUP_ENV
 from hyperqwen.launch import FLAG_ALIASES, LOOKUP_MATCH, build_launch, redact_argv
 from hyperqwen.patches import series_status
 from hyperqwen.settings import DraftVocab, LinearBackend, LoadedSettings, Settings
@@ -316,3 +316,15 @@ def test_every_split_parses_and_shards_as_asked(vllm_serve, mode, split, count):
     assert plan.tensor_parallel == args.tensor_parallel_size
     assert args.data_parallel_size == (count if effective == "dp" else 1)
     assert ("--data-parallel-size" in plan.argv) is (effective == "dp" and count > 1)
+
+
+@pytest.mark.parametrize(
+    ("mode", "values", "expected"),
+    [
+        ("single", {}, None),  # off until measured
+        ("single", {"PREFIX_CACHE_OVERLAP": "1"}, "1"),
+        ("batch", {"PREFIX_CACHE_OVERLAP": "1"}, None),  # batch never drafts
+    ],
+)
+def test_prefix_cache_overlap_reaches_the_engine_env(mode, values, expected):
+    assert build_launch(loaded(**values), mode, None).env.get(ALIGN_OVERLAP_ENV) == expected

@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hyperqwen.engine import DRAFT_VOCAB_ENV, LOOKUP_ENV
+from hyperqwen.engine import ALIGN_OVERLAP_ENV, DRAFT_VOCAB_ENV, LOOKUP_ENV
 from hyperqwen.settings import (
     NO_REASONING_PARSER,
     LoadedSettings,
@@ -243,6 +243,8 @@ def build_launch(
         env[DRAFT_VOCAB_ENV] = settings.DRAFT_VOCAB
         if settings.SPEC == "lookup":
             env[LOOKUP_ENV] = "1"
+        if settings.PREFIX_CACHE_OVERLAP == "1":
+            env[ALIGN_OVERLAP_ENV] = "1"
     return LaunchPlan(argv, env, warnings, notices, host, path, served_name, tensor_parallel)
 
 

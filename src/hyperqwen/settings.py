@@ -193,6 +193,15 @@ class Settings(BaseModel):
         "H200, against 1.01x with Machete), batch auto (Machete wins at 64).",
         "--linear-backend",
     )
+    PREFIX_CACHE_OVERLAP: Switch = knob(
+        "0",
+        "Experimental, single mode: with PREFIX_CACHE=1 and speculative decoding, prepare each "
+        "step while the previous one still runs, as without prefix caching (vLLM 0.26 waits "
+        "for the previous step's accepted tokens first; src/hyperqwen/engine/align_overlap.py). "
+        "Off until its speed and exactness are measured on a GPU.",
+        "env HYPERQWEN_ALIGN_OVERLAP (patched vLLM)",
+        modes=SINGLE,
+    )
     VISION: Switch = knob(
         "0",
         "Load the vision tower and accept images. 0 serves text only and frees its memory.",

@@ -11,3 +11,8 @@ DRAFT_VOCAB_CHOICES = ("auto", "off")
 # Set to "1" by the launcher with SPEC=lookup: vLLM's GPU n-gram proposer then searches with
 # HyperQwen's longest-latest match (engine/lookup.py) instead of its own earliest match.
 LOOKUP_ENV = "HYPERQWEN_LOOKUP"
+
+# Set to "1" by the launcher with PREFIX_CACHE_OVERLAP=1: vLLM's V1 runner skips its per-step wait
+# for the previous step's accepted counts where prefix caching cannot need them
+# (engine/align_overlap.py).
+ALIGN_OVERLAP_ENV = "HYPERQWEN_ALIGN_OVERLAP"
