@@ -16,6 +16,7 @@ from hyperqwen.launch import build_launch, effective_config_lines, redact_argv
 from hyperqwen.parallel import tensor_parallel_refusal
 from hyperqwen.prepare import cli as prepare_cli
 from hyperqwen.settings import MODES, SettingsError, load_settings, resolve_api_key
+from hyperqwen.toolkit import toolkit_env
 
 EXIT_BAD_SETTINGS = 2
 EXIT_NO_GPU = 3
@@ -90,7 +91,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # vLLM's own CLI module under this interpreter: the pinned (patched) vLLM of this
     # environment runs, whatever `vllm` happens to be first on PATH.
     command = [sys.executable, "-m", VLLM_CLI_MODULE, *plan.argv[1:]]
-    os.execve(sys.executable, command, {**environ, **plan.env})
+    toolkit = toolkit_env(environ)
+    if toolkit:
+        print(f"CUDA toolkit for JIT kernels: {toolkit['CUDA_HOME']} (the venv's)", file=sys.stderr)
+    os.execve(sys.executable, command, {**environ, **toolkit, **plan.env})
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

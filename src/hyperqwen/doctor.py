@@ -18,6 +18,7 @@ from hyperqwen.settings import (
     load_settings,
     resolve_api_key,
 )
+from hyperqwen.toolkit import system_toolkit, venv_toolkit
 
 Status = Literal["OK", "WARN", "FAIL"]
 PINNED_TORCH = "2.11.0"
@@ -164,6 +165,21 @@ def check_exposure(loaded: LoadedSettings, in_container: bool) -> Check:
     return Check("OK", "access", f"{where}, {key}")
 
 
+def check_toolkit(environ: dict[str, str]) -> Check:
+    """The CUDA toolkit JIT-compiled kernels (FlashInfer on Ampere/Ada) will use."""
+    if found := system_toolkit(environ):
+        return Check("OK", "toolkit", f"CUDA toolkit for JIT kernels: {found}")
+    if root := venv_toolkit():
+        return Check("OK", "toolkit", f"CUDA toolkit for JIT kernels: the venv's ({root})")
+    return Check(
+        "WARN",
+        "toolkit",
+        "no CUDA toolkit (nvcc): kernels vLLM compiles at first use (FlashInfer attention for "
+        "an fp8 KV cache on Ampere/Ada) will fail",
+        "bash install.sh (the venv brings nvcc), or install a CUDA 13 toolkit and set CUDA_HOME",
+    )
+
+
 def run_doctor(environ: dict[str, str], in_container: bool) -> tuple[list[Check], int]:
     checks = [
         check_python(),
@@ -171,6 +187,7 @@ def run_doctor(environ: dict[str, str], in_container: bool) -> tuple[list[Check]
         check_package("torch", PINNED_TORCH),
         check_patches(),
         *check_gpu(),
+        check_toolkit(environ),
     ]
     try:
         loaded = load_settings(environ)
