@@ -81,3 +81,18 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     target = tmp_path_factory.mktemp("tiny-qwen") / "checkpoint"
     return synthesize(target, PRESETS["tiny"], config_only=True, progress=False).directory
+
+
+@pytest.fixture(scope="module")
+def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GPU tests: a MODELS_DIR holding `tiny`, config and tokenizer only (served with
+    --load-format dummy)."""
+    from gpu_server import require_gpu
+
+    from hyperqwen.checkpoint.geometry import PRESETS
+    from hyperqwen.checkpoint.synthesize import synthesize
+
+    require_gpu()
+    root = tmp_path_factory.mktemp("models")
+    synthesize(root / "tiny", PRESETS["tiny"], config_only=True, progress=False)
+    return root

@@ -91,6 +91,15 @@ def running_server(
     command: list[str], base: str, log: Path, env: dict[str, str] | None = None
 ) -> Iterator[str]:
     """Run `command` in its own process group; yield `base` once /health is 200, then stop it."""
+    with started_server(command, base, log, env):
+        yield base
+
+
+@contextlib.contextmanager
+def started_server(
+    command: list[str], base: str, log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """running_server, yielding the server process (for tests that kill parts of it)."""
     with log.open("w") as sink:
         process = subprocess.Popen(
             command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
@@ -109,7 +118,7 @@ def running_server(
                 time.sleep(2)
             else:
                 raise AssertionError(f"not healthy after {STARTUP_TIMEOUT_S} s; log: {log}")
-            yield base
+            yield process
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGINT)
@@ -120,13 +129,14 @@ def running_server(
                 process.wait()
 
 
-def hyperqwen_server(mode: str, env: dict[str, str], log: Path):
-    """`hyperqwen serve MODE` with these knobs (PORT among them) as a running_server."""
+def hyperqwen_server(mode: str, env: dict[str, str], log: Path, server=None):
+    """`hyperqwen serve MODE` with these knobs (PORT among them) as a running_server (or as
+    `server`, e.g. started_server)."""
     base = f"http://127.0.0.1:{env.get('PORT', '18020')}"
     pythonpath = f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"
     full_env = {**os.environ, "PYTHONPATH": pythonpath, **env}
     command = [sys.executable, "-m", "hyperqwen.cli", "serve", mode]
-    return running_server(command, base, log, full_env)
+    return (server or running_server)(command, base, log, full_env)
 
 
 def chat(base: str, model: str, key: str | None = None, max_tokens: int = 16) -> dict:

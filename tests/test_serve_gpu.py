@@ -10,25 +10,14 @@ import json
 
 import pytest
 import requests
-from gpu_server import TRITON_GDN, chat, hyperqwen_server, log_dir, require_gpu
-
-from hyperqwen.checkpoint.geometry import PRESETS
-from hyperqwen.checkpoint.synthesize import synthesize
+from gpu_server import TRITON_GDN, chat, hyperqwen_server, log_dir
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory):
-    require_gpu()
-    root = tmp_path_factory.mktemp("models")
-    synthesize(root / "tiny", PRESETS["tiny"], config_only=True, progress=False)
-    return root
-
-
-def serve_env(models_dir, **knobs: str) -> dict[str, str]:
+def serve_env(tiny_models_dir, **knobs: str) -> dict[str, str]:
     return {
-        "MODELS_DIR": str(models_dir),
+        "MODELS_DIR": str(tiny_models_dir),
         "MODEL": "tiny",
         "GPU_UTIL": "0.5",
         "EXTRA_ARGS": f"--load-format dummy --max-model-len 4096 {TRITON_GDN}",
@@ -36,8 +25,8 @@ def serve_env(models_dir, **knobs: str) -> dict[str, str]:
     }
 
 
-def test_single_serves_with_mtp_and_enforces_the_key(models_dir, tmp_path):
-    env = serve_env(models_dir, VLLM_API_KEY="gpu-test-key", PORT="18031")
+def test_single_serves_with_mtp_and_enforces_the_key(tiny_models_dir, tmp_path):
+    env = serve_env(tiny_models_dir, VLLM_API_KEY="gpu-test-key", PORT="18031")
     with hyperqwen_server("single", env, log_dir(tmp_path) / "serve-single.log") as base:
         assert requests.get(f"{base}/v1/models", timeout=10).status_code == 401
         models = requests.get(
@@ -55,10 +44,10 @@ def test_single_serves_with_mtp_and_enforces_the_key(models_dir, tmp_path):
     assert "gpu-test-key" not in log and "VLLM_API_KEY: set (12 chars)" in log
 
 
-def test_batch_serves_concurrent_chats(models_dir, tmp_path):
+def test_batch_serves_concurrent_chats(tiny_models_dir, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    env = serve_env(models_dir, PORT="18032")
+    env = serve_env(tiny_models_dir, PORT="18032")
     with hyperqwen_server("batch", env, log_dir(tmp_path) / "serve-batch.log") as base:
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda _: chat(base, "tiny"), range(8)))
