@@ -39,7 +39,8 @@ def synth_config(directory):
 
 
 def make_builders(config_dir, pristine_vllm_dir, device: str):
-    """(patched, pristine) GDN metadata builders of one MTP k=3 config on this platform."""
+    """(patched, pristine) GDN metadata builders of one MTP k=3 config on this platform: the
+    importable vLLM's (patched) and pristine_vllm_dir's gdn_attn.py beside it."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.attention.backends import gdn_attn

@@ -9,6 +9,7 @@ and padded rows).
 from __future__ import annotations
 
 import pytest
+from gpu_server import stock_vllm_parent
 from test_engine_gdn_spec import batch, make_builders, synth_config
 
 pytestmark = pytest.mark.gpu
@@ -18,9 +19,12 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="module")
-def builders(tmp_path_factory, pristine_vllm_dir):
+def builders(tmp_path_factory):
+    """Run with the patched vLLM importable (first on PYTHONPATH) and the stock one as
+    $HYPERQWEN_STOCK_VLLM, e.g. the gpu-kit's vllm-patched and vllm-stock."""
     config_dir = synth_config(tmp_path_factory.mktemp("synth") / "tiny")
-    patched, pristine = make_builders(config_dir, pristine_vllm_dir, "cuda")
+    pristine = stock_vllm_parent() / "vllm"
+    patched, pristine = make_builders(config_dir, pristine, "cuda")
     return {"patched": patched, "pristine": pristine}
 
 
