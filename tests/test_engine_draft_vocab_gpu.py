@@ -1,8 +1,9 @@
 """The MTP draft vocabulary in the patched vLLM on a GPU: lossless, and really installed.
 
 The tiny synthetic checkpoint, prepared (so it has hyperqwen-draft-head.safetensors), is served
-three times from files: without speculation, with MTP and the draft vocabulary (the default),
-and with MTP and HYPERQWEN_DRAFT_VOCAB=off. Greedy continuations must be the same tokens up to
+four times from files: without speculation, with MTP and the draft vocabulary (the default),
+with MTP and HYPERQWEN_DRAFT_VOCAB=off, and with MTP and lookup copies fused into its drafts
+(HYPERQWEN_LOOKUP=1). Greedy continuations must be the same tokens up to
 the first near tie (speculation changes batch shapes, not the function); the draft-vocabulary
 server must log the install and draft. Acceptance of the three is written to the summary.
 
@@ -23,14 +24,16 @@ from test_prepare_gpu import PROMPTS, agreeing_prefix, observe, tiny_server
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
-from hyperqwen.engine import DRAFT_VOCAB_ENV
+from hyperqwen.engine import DRAFT_VOCAB_ENV, LOOKUP_ENV
 
 pytestmark = pytest.mark.gpu
 
-SIDES = {  # name: (speculative config, HYPERQWEN_DRAFT_VOCAB)
-    "no-speculation": (None, "auto"),
-    "mtp-draft-vocab": ({"method": "mtp", "num_speculative_tokens": 3}, "auto"),
-    "mtp-full-head": ({"method": "mtp", "num_speculative_tokens": 3}, "off"),
+MTP3 = {"method": "mtp", "num_speculative_tokens": 3}
+SIDES = {  # name: (speculative config, engine environment)
+    "no-speculation": (None, {}),
+    "mtp-draft-vocab": (MTP3, {DRAFT_VOCAB_ENV: "auto"}),
+    "mtp-full-head": (MTP3, {DRAFT_VOCAB_ENV: "off"}),
+    "mtp-lookup": (MTP3, {LOOKUP_ENV: "1"}),  # copies fused into MTP's drafts
 }
 
 
@@ -44,10 +47,10 @@ def test_draft_vocabulary_keeps_greedy_output_and_is_installed(tmp_path, tmp_pat
     assert code == 0, err + out
 
     results, server_logs = {}, {}
-    for name, (speculative, draft_vocab) in SIDES.items():
+    for name, (speculative, engine_env) in SIDES.items():
         port = free_port()
         log = logs / f"draft-vocab-{name}-server.log"
-        env = {**base_env, DRAFT_VOCAB_ENV: draft_vocab}
+        env = {**base_env, **engine_env}
         command = tiny_server(model, port, speculative)
         with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
             results[name] = observe(url)
@@ -55,7 +58,7 @@ def test_draft_vocabulary_keeps_greedy_output_and_is_installed(tmp_path, tmp_pat
 
     reference = results["no-speculation"]["prompts"]
     summary = {"drafted": {name: result["drafted"] for name, result in results.items()}}
-    for name in ("mtp-draft-vocab", "mtp-full-head"):
+    for name in ("mtp-draft-vocab", "mtp-full-head", "mtp-lookup"):
         summary[name] = {
             prompt: agreeing_prefix(reference[prompt], results[name]["prompts"][prompt])
             for prompt in PROMPTS
@@ -65,6 +68,6 @@ def test_draft_vocabulary_keeps_greedy_output_and_is_installed(tmp_path, tmp_pat
     assert "draft vocabulary: 40960 of 248320 ids" in server_logs["mtp-draft-vocab"]
     assert "draft vocabulary:" not in server_logs["mtp-full-head"]
     assert results["mtp-draft-vocab"]["drafted"] > 0
-    for name in ("mtp-draft-vocab", "mtp-full-head"):
+    for name in ("mtp-draft-vocab", "mtp-full-head", "mtp-lookup"):
         for prompt, (agreed, at_near_tie) in summary[name].items():
             assert at_near_tie, f"{name}: greedy output differs at token {agreed} of {prompt!r}"

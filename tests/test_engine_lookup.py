@@ -8,6 +8,8 @@ the plain-Python reference of tests/test_kernel_lookup.py.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from test_engine_gdn_spec import synth_config
@@ -88,3 +90,58 @@ def test_lookup_is_on_only_with_the_env(monkeypatch):
     assert not engine_lookup.enabled()
     monkeypatch.setenv(LOOKUP_ENV, "1")
     assert engine_lookup.enabled()
+
+
+def test_fused_with_mtp_the_accepted_tokens_land_and_copies_fill_the_slots():
+    text = [41, 42, 43, 44, 45, 46, 47, 48]
+    contexts = [
+        [*text, 9, 9, *text[:5]],  # + accepted 46 47: a 7-token match, copied alone
+        [1, 2, 3, 7, 1, 2],  # + accepted 3: "1 2 3" again, short; MTP agrees on 7
+        [1, 2, 3, 7, 1, 2],  # the same, but MTP's first draft is 5: MTP's drafts stay
+        [5, 6, 7, 8],  # discarded this step: nothing written, MTP's drafts
+    ]
+    sampled = torch.tensor(
+        [[46, 47, -1, -1], [3, -1, -1, -1], [3, -1, -1, -1], [8, 8, -1, -1]], dtype=torch.int64
+    )
+    discard = torch.tensor([False, False, False, True])
+    mtp = torch.tensor([[1, 2, 3], [7, 8, 9], [5, 8, 9], [1, 2, 3]], dtype=torch.int64)
+    tokens = torch.randint(0, 50_000, (4, 64), dtype=torch.int32)
+    for row, context in enumerate(contexts):
+        tokens[row, : len(context)] = torch.tensor(context, dtype=torch.int32)
+    lengths = torch.tensor([len(c) for c in contexts], dtype=torch.int32)
+
+    before = tokens.clone()
+    drafts = engine_lookup.fuse_into_mtp(mtp, sampled, discard, tokens, lengths, 50_000)
+    assert tokens[0, : len(contexts[0]) + 2].tolist() == [*contexts[0], 46, 47]
+    assert tokens[1, :7].tolist() == [1, 2, 3, 7, 1, 2, 3]
+    assert torch.equal(tokens[3], before[3])  # discarded: its sampled tokens are not real
+    assert torch.equal(tokens[:, 17:], before[:, 17:])  # nothing past the new tokens moved
+    assert drafts.dtype == torch.int64
+    assert drafts.tolist() == [[48, 9, 9], [7, 1, 2], [5, 8, 9], [1, 2, 3]]
+
+
+def test_fusion_needs_mtp_with_greedy_drafts(monkeypatch):
+    monkeypatch.setenv(LOOKUP_ENV, "1")
+    greedy = types.SimpleNamespace(method="mtp", draft_sample_method="greedy")
+    assert engine_lookup.fused(greedy)
+    assert not engine_lookup.fused(
+        types.SimpleNamespace(method="mtp", draft_sample_method="probabilistic")
+    )
+    assert not engine_lookup.fused(
+        types.SimpleNamespace(method="ngram_gpu", draft_sample_method="greedy")
+    )
+    monkeypatch.delenv(LOOKUP_ENV)
+    assert not engine_lookup.fused(greedy)
+
+
+def test_the_runner_keeps_the_token_buffer_and_fuses_after_mtp(patched_vllm):
+    """patches/lookup-mtp.patch: the buffer is allocated with the MTP drafter, its upkeep is
+    vLLM's n-gram flag, and the fusion runs on MTP's drafts before anything reads them."""
+    source = (patched_vllm / "v1" / "worker" / "gpu_model_runner.py").read_text()
+    allocated = source.index("lookup.allocate_token_buffer(self)")
+    assert source.rindex("self.drafter = EagleProposer(", 0, allocated) > allocated - 400
+    assert "or lookup.fused(self.speculative_config)" in source  # is_ngram_gpu
+    mtp_call = "draft_token_ids = self.drafter.propose(\n" + " " * 16 + "num_speculative_tokens="
+    proposed = source.index(mtp_call + "num_spec_tokens_to_schedule,")
+    fused = source.index("draft_token_ids = lookup.fuse_into_mtp(", proposed)
+    assert fused < source.index("return draft_token_ids", proposed)

@@ -219,6 +219,17 @@ def test_bind_and_key_matrix(values, key, container, host, warns):
             {"SPEC": "lookup", "DRAFT_SAMPLE": "probabilistic"},
             "DRAFT_SAMPLE is ignored with SPEC=lookup (copied drafts are not sampled).",
         ),
+        (
+            "single",
+            {"SPEC": "ngram", "LOOKUP": "1"},
+            "LOOKUP is ignored with SPEC=ngram (it fills MTP's drafts).",
+        ),
+        (
+            "single",
+            {"LOOKUP": "1", "DRAFT_SAMPLE": "probabilistic"},
+            "LOOKUP is ignored with DRAFT_SAMPLE=probabilistic (a copied draft has no MTP "
+            "probability to verify against).",
+        ),
     ],
 )
 def test_ignored_knobs_warn(mode, values, expected):
@@ -295,6 +306,7 @@ def test_linear_backend_values_are_vllms():
     ("mode", "values", "expected"),
     [
         ("single", {"SPEC": "lookup"}, "1"),
+        ("single", {"LOOKUP": "1"}, "1"),  # fused into MTP's drafts
         ("single", {"SPEC": "ngram"}, None),  # vLLM's own n-gram search
         ("single", {}, None),
         ("batch", {"SPEC": "lookup"}, None),  # batch never drafts

@@ -241,7 +241,7 @@ def build_launch(
         env["VLLM_API_KEY"] = api_key
     if mode == "single":
         env[DRAFT_VOCAB_ENV] = settings.DRAFT_VOCAB
-        if settings.SPEC == "lookup":
+        if settings.SPEC == "lookup" or (settings.SPEC == "mtp" and settings.LOOKUP == "1"):
             env[LOOKUP_ENV] = "1"
         if settings.PREFIX_CACHE_OVERLAP == "1":
             env[ALIGN_OVERLAP_ENV] = "1"
@@ -318,6 +318,14 @@ def _ignored_knob_warnings(settings: Settings, mode: Mode, explicit: frozenset[s
         warnings.append(
             f"DRAFT_SAMPLE is ignored with SPEC={settings.SPEC} (copied drafts are not sampled)."
         )
+    if mode == "single" and settings.LOOKUP == "1":
+        if settings.SPEC != "mtp":
+            warnings.append(f"LOOKUP is ignored with SPEC={settings.SPEC} (it fills MTP's drafts).")
+        elif settings.DRAFT_SAMPLE != "greedy":
+            warnings.append(
+                "LOOKUP is ignored with DRAFT_SAMPLE=probabilistic (a copied draft has no MTP "
+                "probability to verify against)."
+            )
     if settings.TOOLS == "0" and "TOOL_PARSER" in explicit:
         warnings.append("TOOL_PARSER is ignored with TOOLS=0.")
     return warnings

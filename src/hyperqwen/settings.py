@@ -256,6 +256,16 @@ class Settings(BaseModel):
         modes=SINGLE,
     )
 
+    LOOKUP: Switch = knob(
+        "0",
+        "With SPEC=mtp and DRAFT_SAMPLE=greedy: also copy drafts from the request's own context "
+        "(the tokens that followed the longest, latest earlier occurrence of its last 2-12 "
+        "tokens) into MTP's draft slots, where the match is 6 tokens or more or MTP's first "
+        "draft agrees. Pays on answers that quote the prompt (edits, rewrites); not measured "
+        "yet.",
+        "env HYPERQWEN_LOOKUP (patched vLLM)",
+        modes=SINGLE,
+    )
     DRAFT_VOCAB: DraftVocab = knob(
         "auto",
         "With SPEC=mtp: the drafter scores only the draft vocabulary prepare cut (40,960 ids, "
