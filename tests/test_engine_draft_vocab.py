@@ -96,3 +96,25 @@ def test_knob_reads_auto_by_default_and_refuses_other_words(monkeypatch):
     monkeypatch.setenv(draft_vocab.ENV, "on")
     with pytest.raises(draft_vocab.DraftVocabError, match="expected one of auto, off"):
         draft_vocab.choice()
+
+
+@pytest.mark.parametrize(
+    ("path", "after"),
+    [
+        ("v1/spec_decode/llm_base_proposer.py", "self._maybe_share_lm_head(target_language_model)"),
+        (  # the V2 runner (VLLM_USE_V2_MODEL_RUNNER=1) has its own speculator
+            "v1/worker/gpu/spec_decode/speculator.py",
+            "self.model = self.load_draft_model(target_model, target_attn_layer_names)",
+        ),
+    ],
+)
+def test_both_runners_install_the_draft_vocabulary_once_the_drafter_is_loaded(
+    patched_vllm, path, after
+):
+    """install() needs the loaded drafter (proposer.model) and vllm_config, and sets
+    use_local_argmax_reduction, which both runners read when they draft greedily."""
+    source = (patched_vllm / path).read_text()
+    loaded = source.index(after)
+    hook = source.index("install_draft_vocab(self)", loaded)
+    assert hook - loaded < 400
+    assert "use_local_argmax_reduction" in source
