@@ -186,14 +186,12 @@ class Weights:
 def init_vllm_single_rank() -> None:
     """A one-rank vLLM world and config for the rest of the process: vLLM's weight parameters
     ask for the TP rank."""
-    import socket
-
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    from hyperqwen.bench.ab import free_port
+
+    port = free_port()
     set_current_vllm_config(VllmConfig()).__enter__()  # never left: the process ends first
     init_distributed_environment(
         world_size=1,
