@@ -12,7 +12,6 @@ import types
 
 import pytest
 import torch
-from test_engine_gdn_spec import synth_config
 from test_kernel_lookup import reference_drafts, reference_match
 
 from hyperqwen.engine import LOOKUP_ENV
@@ -24,13 +23,12 @@ WIDTH = 2048  # max_model_len
 
 
 @pytest.fixture(scope="module")
-def proposer(tmp_path_factory):
+def proposer(tiny_checkpoint):
     import vllm.platforms as platforms
     import vllm.utils.torch_utils as torch_utils
     from vllm.platforms.cpu import CpuPlatform
 
     platforms._current_platform = CpuPlatform()
-    config_dir = synth_config(tmp_path_factory.mktemp("synth") / "tiny")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch_utils, "PIN_MEMORY", False)  # the CPU platform pins nothing
         patch.setenv(LOOKUP_ENV, "1")
@@ -39,7 +37,7 @@ def proposer(tmp_path_factory):
         from vllm.v1.spec_decode.ngram_proposer_gpu import NgramProposerGPU
 
         config = EngineArgs(
-            model=str(config_dir),
+            model=str(tiny_checkpoint),
             language_model_only=True,
             max_model_len=WIDTH,
             max_num_seqs=4,

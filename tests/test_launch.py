@@ -81,8 +81,9 @@ def test_single_profiles_parse(vllm_serve, values):
     else:
         assert spec["method"] == {"lookup": "ngram_gpu"}.get(values["SPEC"], values["SPEC"])
         assert spec["num_speculative_tokens"] == {"mtp": 3, "ngram": 4, "lookup": 4}[values["SPEC"]]
-        tokens = args.max_num_seqs * (1 + spec["num_speculative_tokens"])
-        assert args.compilation_config.max_cudagraph_capture_size == tokens
+    # graphs for every decode step and for prompts of up to 512 tokens, as stock vLLM
+    assert args.compilation_config.max_cudagraph_capture_size == 512
+    assert args.enable_prefix_caching is False
 
 
 @pytest.mark.parametrize("values", SWITCH_COMBOS, ids=lambda v: "".join(v.values()))
@@ -260,8 +261,34 @@ def test_draft_overrides_reach_speculative_config(vllm_serve):
         "num_speculative_tokens": 5,
         "draft_sample_method": "probabilistic",
     }
-    assert args.compilation_config.max_cudagraph_capture_size == 12
+    assert args.compilation_config.max_cudagraph_capture_size == 512
     assert json.loads(json.dumps(args.speculative_config))
+
+
+def test_single_graphs_cover_a_decode_step_larger_than_512_tokens(vllm_serve):
+    plan = build_launch(loaded(DRAFT_TOKENS="7", MAX_SEQS="80"), "single", None)
+    assert vllm_serve(plan.argv).compilation_config.max_cudagraph_capture_size == 80 * 8
+
+
+@pytest.mark.parametrize(
+    ("mode", "values", "enabled"),
+    [
+        ("single", {}, False),
+        ("single", {"PREFIX_CACHE": "1"}, True),
+        ("batch", {}, True),
+        ("batch", {"PREFIX_CACHE": "0"}, False),
+    ],
+)
+def test_prefix_caching_defaults_per_mode(vllm_serve, mode, values, enabled):
+    args = vllm_serve(build_launch(loaded(**values), mode, None).argv)
+    assert args.enable_prefix_caching is enabled
+
+
+def test_overlap_without_prefix_caching_warns_with_the_fix():
+    warnings = build_launch(loaded(PREFIX_CACHE_OVERLAP="1"), "single", None).warnings
+    assert any("PREFIX_CACHE_OVERLAP is ignored" in w and "PREFIX_CACHE=1" in w for w in warnings)
+    both = build_launch(loaded(PREFIX_CACHE_OVERLAP="1", PREFIX_CACHE="1"), "single", None)
+    assert not any("PREFIX_CACHE_OVERLAP" in w for w in both.warnings)
 
 
 @pytest.mark.parametrize(
@@ -334,7 +361,8 @@ def test_every_split_parses_and_shards_as_asked(vllm_serve, mode, split, count):
     ("mode", "values", "expected"),
     [
         ("single", {}, None),  # off until measured
-        ("single", {"PREFIX_CACHE_OVERLAP": "1"}, "1"),
+        ("single", {"PREFIX_CACHE_OVERLAP": "1", "PREFIX_CACHE": "1"}, "1"),
+        ("single", {"PREFIX_CACHE_OVERLAP": "1"}, None),  # prefix caching is off by default
         ("batch", {"PREFIX_CACHE_OVERLAP": "1"}, None),  # batch never drafts
     ],
 )

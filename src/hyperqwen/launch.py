@@ -39,14 +39,19 @@ class Profile:
     linear_backend: str
     # GPU_COUNT > 1: one sharded server (tp) or a replica per GPU (dp).
     gpu_split: str
+    # Prefix caching: off in single mode, where vLLM 0.26 then waits for each speculative
+    # step's accepted tokens before preparing the next (27 % of C1 TPOT on the H200 27B,
+    # docs/results/2026-12-01-h200-27b-single-vs-stock-mtp-{profiled,nopc}.json); batch mode
+    # does not speculate, so it keeps prefix reuse at no such cost.
+    prefix_cache: str
 
 
 SINGLE_PROFILES: dict[str, Profile] = {
-    "fast": Profile(65536, 4, "auto", 8192, "float32", "marlin", "tp"),
-    "long": Profile(131072, 4, "fp8", 8192, "float32", "marlin", "tp"),
-    "huge": Profile(262144, 1, "fp8", 4096, "float32", "marlin", "tp"),
+    "fast": Profile(65536, 4, "auto", 8192, "float32", "marlin", "tp", "0"),
+    "long": Profile(131072, 4, "fp8", 8192, "float32", "marlin", "tp", "0"),
+    "huge": Profile(262144, 1, "fp8", 4096, "float32", "marlin", "tp", "0"),
 }
-BATCH_PROFILE = Profile(150000, 64, "fp8", 8192, "bfloat16", "auto", "dp")
+BATCH_PROFILE = Profile(150000, 64, "fp8", 8192, "bfloat16", "auto", "dp", "1")
 DEFAULT_DRAFT_TOKENS = {"mtp": 3, "ngram": 4, "lookup": 4}
 # SPEC=lookup's match lengths: at least 3 tokens (shorter repeats are mostly chance), at most 12
 # compared (longer agreement says nothing more about what comes next).
@@ -117,14 +122,19 @@ def speculative_config(settings: Settings) -> dict | None:
     return config
 
 
-def compilation_config(max_tokens_per_step: int) -> dict:
+# Single mode captures CUDA graphs up to this many tokens per step, as stock vLLM does
+# (min(2 x max_num_seqs, 512) with its larger max_num_seqs): a chat turn's prompt of up to 512
+# tokens then prefills in piecewise graphs instead of launching every kernel of 64 layers.
+PREFILL_GRAPH_TOKENS = 512
+
+
+def compilation_config(max_graph_tokens: int) -> dict:
     # Full CUDA graphs for decode-only batches (GDN layers need them to be fast), piecewise for
-    # mixed ones; capture only up to the largest decode step: faster start, less graph memory on
-    # a 24 GB card. Steps with more tokens (prefill, prefill mixed with decode) run without
-    # graphs, where vLLM's default would capture up to min(2 x max_num_seqs, 512) tokens.
+    # mixed ones, up to max_graph_tokens tokens per step; larger steps (long prefills, which
+    # are compute-bound) run without graphs.
     return {
         "cudagraph_mode": "FULL_AND_PIECEWISE",
-        "max_cudagraph_capture_size": max_tokens_per_step,
+        "max_cudagraph_capture_size": max_graph_tokens,
     }
 
 
@@ -167,6 +177,7 @@ def build_launch(
     max_seqs = settings.MAX_SEQS or profile.max_seqs
     kv_dtype = settings.KV if mode == "batch" else profile.kv_cache_dtype
     split = settings.GPU_SPLIT or profile.gpu_split
+    prefix_cache = settings.PREFIX_CACHE or profile.prefix_cache
     tensor_parallel = settings.GPU_COUNT if split == "tp" else 1
 
     # (flag, value or None, knob that decided it) — the knob names feed the shadow warning.
@@ -187,9 +198,7 @@ def build_launch(
         ("--mamba-ssm-cache-dtype", profile.ssm_cache_dtype, f"mode {mode}"),
         ("--linear-backend", settings.LINEAR_BACKEND or profile.linear_backend, "LINEAR_BACKEND"),
         (
-            "--enable-prefix-caching"
-            if settings.PREFIX_CACHE == "1"
-            else "--no-enable-prefix-caching",
+            "--enable-prefix-caching" if prefix_cache == "1" else "--no-enable-prefix-caching",
             None,
             "PREFIX_CACHE",
         ),
@@ -216,10 +225,13 @@ def build_launch(
     if spec:
         flags.append(("--speculative-config", json.dumps(spec, separators=(",", ":")), "SPEC"))
         tokens_per_step = max_seqs * (1 + spec["num_speculative_tokens"])
+    # Batch mode: graphs for decode steps of up to max_seqs tokens only (graph memory goes to
+    # KV cache; its prefills are batched and compute-bound).
+    graph_tokens = max(tokens_per_step, PREFILL_GRAPH_TOKENS) if mode == "single" else max_seqs
     flags.append(
         (
             "--compilation-config",
-            json.dumps(compilation_config(tokens_per_step), separators=(",", ":")),
+            json.dumps(compilation_config(graph_tokens), separators=(",", ":")),
             f"mode {mode}",
         )
     )
@@ -234,7 +246,7 @@ def build_launch(
     warnings += _shadow_warnings(extra, flags)
     argv += extra
 
-    warnings += _ignored_knob_warnings(settings, mode, loaded.explicit)
+    warnings += _ignored_knob_warnings(settings, mode, loaded.explicit, prefix_cache)
 
     env: dict[str, str] = {}
     if api_key:
@@ -243,7 +255,7 @@ def build_launch(
         env[DRAFT_VOCAB_ENV] = settings.DRAFT_VOCAB
         if settings.SPEC == "lookup" or (settings.SPEC == "mtp" and settings.LOOKUP == "1"):
             env[LOOKUP_ENV] = "1"
-        if settings.PREFIX_CACHE_OVERLAP == "1":
+        if settings.PREFIX_CACHE_OVERLAP == "1" and prefix_cache == "1":
             env[ALIGN_OVERLAP_ENV] = "1"
     return LaunchPlan(argv, env, warnings, notices, host, path, served_name, tensor_parallel)
 
@@ -303,7 +315,9 @@ def _shadow_warnings(extra: list[str], flags: list[tuple[str, str | None, str]])
     return warnings
 
 
-def _ignored_knob_warnings(settings: Settings, mode: Mode, explicit: frozenset[str]) -> list[str]:
+def _ignored_knob_warnings(
+    settings: Settings, mode: Mode, explicit: frozenset[str], prefix_cache: str
+) -> list[str]:
     warnings = []
     for info in knobs():
         if info.name in explicit and mode not in info.modes:
@@ -317,6 +331,11 @@ def _ignored_knob_warnings(settings: Settings, mode: Mode, explicit: frozenset[s
     if mode == "single" and settings.SPEC in ("ngram", "lookup") and "DRAFT_SAMPLE" in explicit:
         warnings.append(
             f"DRAFT_SAMPLE is ignored with SPEC={settings.SPEC} (copied drafts are not sampled)."
+        )
+    if mode == "single" and settings.PREFIX_CACHE_OVERLAP == "1" and prefix_cache != "1":
+        warnings.append(
+            "PREFIX_CACHE_OVERLAP is ignored without prefix caching: set PREFIX_CACHE=1 too "
+            "(the single profile leaves prefix caching off)."
         )
     if mode == "single" and settings.LOOKUP == "1":
         if settings.SPEC != "mtp":

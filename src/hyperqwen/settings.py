@@ -178,11 +178,14 @@ class Settings(BaseModel):
         "requests the parser refuses).",
         "--reasoning-parser",
     )
-    PREFIX_CACHE: Switch = knob(
-        "1",
+    PREFIX_CACHE: Switch | None = knob(
+        None,
         "Reuse the KV cache and recurrent state of a shared prompt prefix (system prompts, "
-        "multi-turn chats). vLLM 0.26 runs it in an experimental mode for this hybrid model that "
-        "raises TTFT when prompts share nothing; batch/README.md has the measured cost.",
+        "multi-turn chats: a long history is then not prefilled again each turn). vLLM 0.26 "
+        "runs it in an experimental mode for this hybrid model that raises TTFT when prompts "
+        "share nothing (batch/README.md) and, with speculative decoding, waits for each "
+        "step's accepted tokens before preparing the next. Default: single 0 (C1 TPOT 3.91 ms "
+        "off vs 4.97 ms on, 27B on the H200), batch 1.",
         "--enable-prefix-caching / --no-enable-prefix-caching",
     )
     LINEAR_BACKEND: LinearBackend | None = knob(
@@ -198,7 +201,7 @@ class Settings(BaseModel):
         "Experimental, single mode: with PREFIX_CACHE=1 and speculative decoding, prepare each "
         "step while the previous one still runs, as without prefix caching (vLLM 0.26 waits "
         "for the previous step's accepted tokens first; src/hyperqwen/engine/align_overlap.py). "
-        "Off until its speed and exactness are measured on a GPU.",
+        "Same tokens as without it (GPU test, H200); off until its speed is measured.",
         "env HYPERQWEN_ALIGN_OVERLAP (patched vLLM)",
         modes=SINGLE,
     )
