@@ -178,7 +178,8 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
 def main() -> None:
     args, behaviour = parse_args()
     # vLLM loads weights and compiles before it listens; /health is unreachable meanwhile.
-    time.sleep(behaviour["startup_s"])
+    # FAKE_EXTRA_STARTUP_S: one of several servers started together takes longer.
+    time.sleep(behaviour["startup_s"] + float(os.environ.get("FAKE_EXTRA_STARTUP_S", "0")))
     for name in sorted(os.environ):  # the engine knobs the launcher hands the patched vLLM
         if name.startswith("HYPERQWEN_"):
             print(f"env {name}={os.environ[name]}", flush=True)

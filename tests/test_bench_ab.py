@@ -659,3 +659,54 @@ def test_copy_rows_get_their_own_names_and_the_repeat_command_keeps_copy(compari
     plan = {**plan_of(parsed([*comparison, "--copy"])), "cohorts": [1]}
     assert "--copy" in shlex.split(equivalent_command(plan, "S", "P", {}))
     assert "--copy" not in shlex.split(equivalent_command({**plan, "copy": False}, "S", "P", {}))
+
+
+def test_runs_sharing_a_turn_lock_start_together_and_measure_one_at_a_time(
+    comparison, tmp_path, capsys
+) -> None:
+    """Two patched variants against one saved stock half: both servers start at once; neither
+    run measures before both servers are healthy, and the second only after the first has
+    measured and stopped its server."""
+    import os
+    import subprocess
+    import sys
+
+    single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
+    single += ["--synthetic-acceptance", RATES, "--state", str(tmp_path / "stock.json")]
+    assert run_in_process("bench", *single, "--phase", "stock") == 0
+    capsys.readouterr()
+    runs = {}
+    variants = (("default", {}), ("novocab", {"DRAFT_VOCAB": "off", "FAKE_EXTRA_STARTUP_S": "3"}))
+    for name, knobs in variants:
+        work = tmp_path / name
+        command = [sys.executable, "-m", "hyperqwen.cli", "bench", *single, "--phase", "patched"]
+        command += ["--workdir", str(work), "--out", str(work / "result.json")]
+        command += ["--turn-lock", str(tmp_path / "turn")]
+        process = subprocess.Popen(
+            command, env={**os.environ, **knobs}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        runs[name] = (process, work)
+    outputs = {
+        name: process.communicate(timeout=300)[0].decode() for name, (process, *_) in runs.items()
+    }
+    for name, (process, _) in runs.items():
+        assert process.returncode == 0, outputs[name]
+        assert "waiting for" in outputs[name] and "in line" in outputs[name]
+    # [start, end) of each run's turn, from the times the runs print: disjoint
+    turns = sorted(
+        (
+            output.split("measuring from ")[1].split(",")[0],
+            output.split("gave up the turn at ")[1].split()[0],
+        )
+        for output in outputs.values()
+    )
+    assert turns[0][0] < turns[0][1] <= turns[1][0] < turns[1][1]
+    healthy = [
+        output.split("healthy after ")[1].split(", at ")[1].split()[0]
+        for output in outputs.values()
+    ]
+    assert turns[0][0] >= max(healthy)  # the slow server's start was not measured beside
+    novocab, _ = load_result(runs["novocab"][1] / "result.json")
+    assert "DRAFT_VOCAB=off hyperqwen bench ab" in novocab["command"]
+    default, _ = load_result(runs["default"][1] / "result.json")
+    assert "DRAFT_VOCAB" not in default["command"]

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import datetime
+import fcntl
 import json
 import os
 import re
@@ -563,6 +565,61 @@ def weight_gib(log_text: str) -> float | None:
     return max(found) if found else None
 
 
+class GpuTurns:
+    """Several `bench ab` runs sharing one GPU through a lock file: their servers start
+    together, then the runs measure one at a time. A run measures (and stops its server) only
+    while it holds the lock, and only once no other run's server is still starting, as a
+    starting server's compilation, graph capture and memory profiling use the GPU too."""
+
+    def __init__(self, lock: Path):
+        self.lock = lock
+        self.marker = lock.with_name(f"{lock.name}.starting.{os.getpid()}")
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """Mark this run's server as starting until it is healthy (started()) or failed."""
+        self.lock.parent.mkdir(parents=True, exist_ok=True)
+        self.marker.touch()
+        try:
+            yield
+        finally:
+            self.started()
+
+    def started(self) -> None:
+        self.marker.unlink(missing_ok=True)
+
+    def others_starting(self) -> list[Path]:
+        """Markers of live runs whose servers are not healthy yet (a killed run's is skipped)."""
+        live = []
+        for marker in self.lock.parent.glob(f"{self.lock.name}.starting.*"):
+            with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
+                os.kill(int(marker.name.rsplit(".", 1)[1]), 0)
+                live.append(marker)
+        return live
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[float]:
+        """Hold the lock, once no other server is starting; yield the seconds waited."""
+        with self.lock.open("a") as handle:
+            start = time.monotonic()
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                shown = 0
+                while starting := len(self.others_starting()):
+                    if starting != shown:
+                        print(f"   {starting} other server(s) still starting", flush=True)
+                        shown = starting
+                    time.sleep(HEALTH_POLL_S)
+                yield time.monotonic() - start
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+                print(f"   gave up the turn at {_now()}", flush=True)
+
+
+def _now() -> str:
+    return datetime.datetime.now().isoformat(timespec="milliseconds")
+
+
 def run_side(side: str, args: argparse.Namespace, workdir: Path) -> SideResult:
     parent = Path(getattr(args, f"{side}_vllm")).resolve()
     patches = check_vllm_tree(side, parent)
@@ -574,28 +631,39 @@ def run_side(side: str, args: argparse.Namespace, workdir: Path) -> SideResult:
     base = f"http://{SERVER_HOST}:{port}"
     print(f"== {side}: {shlex.join(command)}\n   (vllm/ from {parent}; log {log})", flush=True)
     rows: list[Row] = []
-    with running_server(command, env, log, base, args.startup_timeout) as startup_s:
-        print(f"   healthy after {startup_s:.1f} s", flush=True)
-        client = BenchClient(base, None, args.timeout)
-        model, max_model_len = served_model(client, None)
-        version = server_version(client)
-        factory = RequestFactory(
-            model,
-            seed=args.seed,
-            temperature=args.temperature,
-            token_ids=served_token_ids(client, model),
-            copy_prompts=copy_prompts() if args.copy else None,
-        )
+    turns = GpuTurns(Path(args.turn_lock)) if args.turn_lock else None
+    with contextlib.ExitStack() as after_stop:  # left after the server stopped
+        if turns:
+            after_stop.enter_context(turns.starting())
+        with running_server(command, env, log, base, args.startup_timeout) as startup_s:
+            print(f"   healthy after {startup_s:.1f} s, at {_now()}", flush=True)
+            if turns:
+                turns.started()
+                print(f"   waiting for the turn ({turns.lock})", flush=True)
+                waited = after_stop.enter_context(turns.turn())
+                print(f"   measuring from {_now()}, after {waited:.1f} s in line", flush=True)
+            client = BenchClient(base, None, args.timeout)
+            model, max_model_len = served_model(client, None)
+            version = server_version(client)
+            factory = RequestFactory(
+                model,
+                seed=args.seed,
+                temperature=args.temperature,
+                token_ids=served_token_ids(client, model),
+                copy_prompts=copy_prompts() if args.copy else None,
+            )
 
-        def keep(row: Row) -> None:
-            rows.append(row)
-            print(format_row(row), flush=True)
+            def keep(row: Row) -> None:
+                rows.append(row)
+                print(format_row(row), flush=True)
 
-        run_bench(client, factory, build_plan(args, max_model_len), keep)
-        profile = profile_side(client, factory, args, side) if args.profile_steps else None
-        quality = (
-            side_quality(side, args, base, model, max_model_len, workdir) if args.quality else None
-        )
+            run_bench(client, factory, build_plan(args, max_model_len), keep)
+            profile = profile_side(client, factory, args, side) if args.profile_steps else None
+            quality = (
+                side_quality(side, args, base, model, max_model_len, workdir)
+                if args.quality
+                else None
+            )
     return SideResult(
         side=side,
         vllm_parent=str(parent),
@@ -932,7 +1000,9 @@ drafter at those rates would.
 
 A 27B server needs minutes to start; where one command may run only ~10 minutes, run the
 halves apart with the same options: --phase stock, then --phase patched (the state file
-carries the stock half across).
+carries the stock half across). Several patched variants (knobs in each run's environment)
+against one saved stock half can start together on one large GPU and measure in turn:
+--turn-lock FILE (example below).
 
 --quality='OPTIONS' also runs the quality battery (`hyperqwen bench quality`: perplexity,
 IFBench, GSM8K) against each side after its speed rows, with these options; its figures
@@ -948,6 +1018,10 @@ Examples:
   hyperqwen bench ab ... --stock-spec none ...   (the same, stock without speculation)
   hyperqwen bench ab models/synth-27b --mode batch --cohorts 1,64 --phase stock ...
   hyperqwen bench ab models/synth-27b --mode batch --cohorts 1,64 --phase patched ...
+  for v in "" "PREFIX_CACHE=1"; do             (two variants against one saved stock half)
+    w=ab/${v:-default}; env GPU_UTIL=0.4 KV_MEM=8G VLLM_CACHE_ROOT=$w/cache $v \\
+      hyperqwen bench ab ... --phase patched --state ab/stock.json --workdir $w --out $w.json \\
+      --turn-lock ab/turn & done; wait
   hyperqwen bench smollm2 models/smollm2 --dtype bfloat16
   REASONING_PARSER= TOOLS=0 hyperqwen bench ab models/smollm2 --mode batch --cohorts 1 \\
       --prefill none --vllm-args='--max-model-len 4096' \\
@@ -1073,6 +1147,15 @@ def add_ab_subcommand(actions) -> None:
         help="also profile N decode steps of one C1 request on each side with vLLM's torch "
         "profiler (started with --profiler-config) and add GPU ms per step by kernel category "
         "as rows; traces stay in WORKDIR/SIDE-trace (default 0: off)",
+    )
+    ab.add_argument(
+        "--turn-lock",
+        metavar="FILE",
+        help="share one GPU with other `bench ab` runs given the same FILE: every run starts "
+        "its server at once (give each its own --workdir and VLLM_CACHE_ROOT, and GPU_UTIL/KV_MEM "
+        "or --gpu-memory-utilization/--kv-cache-memory-bytes so the servers fit together), then "
+        "they measure one at a time, each only while it holds FILE's lock; saves the minutes "
+        "of one server start per extra run",
     )
     ab.set_defaults(func=cmd_ab, random_tokens=True, shared=False)
     add_results_subcommands(actions)
