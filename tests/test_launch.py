@@ -83,7 +83,6 @@ def test_single_profiles_parse(vllm_serve, values):
         assert spec["num_speculative_tokens"] == {"mtp": 3, "ngram": 4, "lookup": 4}[values["SPEC"]]
     # graphs for every decode step and for prompts of up to 512 tokens, as stock vLLM
     assert args.compilation_config.max_cudagraph_capture_size == 512
-    assert args.enable_prefix_caching is False
 
 
 @pytest.mark.parametrize("values", SWITCH_COMBOS, ids=lambda v: "".join(v.values()))
@@ -270,25 +269,11 @@ def test_single_graphs_cover_a_decode_step_larger_than_512_tokens(vllm_serve):
     assert vllm_serve(plan.argv).compilation_config.max_cudagraph_capture_size == 80 * 8
 
 
-@pytest.mark.parametrize(
-    ("mode", "values", "enabled"),
-    [
-        ("single", {}, False),
-        ("single", {"PREFIX_CACHE": "1"}, True),
-        ("batch", {}, True),
-        ("batch", {"PREFIX_CACHE": "0"}, False),
-    ],
-)
-def test_prefix_caching_defaults_per_mode(vllm_serve, mode, values, enabled):
-    args = vllm_serve(build_launch(loaded(**values), mode, None).argv)
-    assert args.enable_prefix_caching is enabled
-
-
-def test_overlap_without_prefix_caching_warns_with_the_fix():
-    warnings = build_launch(loaded(PREFIX_CACHE_OVERLAP="1"), "single", None).warnings
-    assert any("PREFIX_CACHE_OVERLAP is ignored" in w and "PREFIX_CACHE=1" in w for w in warnings)
-    both = build_launch(loaded(PREFIX_CACHE_OVERLAP="1", PREFIX_CACHE="1"), "single", None)
-    assert not any("PREFIX_CACHE_OVERLAP" in w for w in both.warnings)
+def test_overlap_asked_for_without_prefix_caching_warns():
+    asked = build_launch(loaded(PREFIX_CACHE_OVERLAP="1", PREFIX_CACHE="0"), "single", None)
+    assert any("PREFIX_CACHE_OVERLAP is ignored with PREFIX_CACHE=0" in w for w in asked.warnings)
+    default = build_launch(loaded(PREFIX_CACHE="0"), "single", None)  # overlap left at its default
+    assert not any("PREFIX_CACHE_OVERLAP" in w for w in default.warnings)
 
 
 @pytest.mark.parametrize(
@@ -360,10 +345,10 @@ def test_every_split_parses_and_shards_as_asked(vllm_serve, mode, split, count):
 @pytest.mark.parametrize(
     ("mode", "values", "expected"),
     [
-        ("single", {}, None),  # off until measured
-        ("single", {"PREFIX_CACHE_OVERLAP": "1", "PREFIX_CACHE": "1"}, "1"),
-        ("single", {"PREFIX_CACHE_OVERLAP": "1"}, None),  # prefix caching is off by default
-        ("batch", {"PREFIX_CACHE_OVERLAP": "1"}, None),  # batch never drafts
+        ("single", {}, "1"),  # on with prefix caching, both defaults
+        ("single", {"PREFIX_CACHE_OVERLAP": "0"}, None),
+        ("single", {"PREFIX_CACHE": "0"}, None),  # nothing to overlap
+        ("batch", {}, None),  # batch never drafts
     ],
 )
 def test_prefix_cache_overlap_reaches_the_engine_env(mode, values, expected):

@@ -39,19 +39,14 @@ class Profile:
     linear_backend: str
     # GPU_COUNT > 1: one sharded server (tp) or a replica per GPU (dp).
     gpu_split: str
-    # Prefix caching: off in single mode, where vLLM 0.26 then waits for each speculative
-    # step's accepted tokens before preparing the next (27 % of C1 TPOT on the H200 27B,
-    # docs/results/2026-12-01-h200-27b-single-vs-stock-mtp-{profiled,nopc}.json); batch mode
-    # does not speculate, so it keeps prefix reuse at no such cost.
-    prefix_cache: str
 
 
 SINGLE_PROFILES: dict[str, Profile] = {
-    "fast": Profile(65536, 4, "auto", 8192, "float32", "marlin", "tp", "0"),
-    "long": Profile(131072, 4, "fp8", 8192, "float32", "marlin", "tp", "0"),
-    "huge": Profile(262144, 1, "fp8", 4096, "float32", "marlin", "tp", "0"),
+    "fast": Profile(65536, 4, "auto", 8192, "float32", "marlin", "tp"),
+    "long": Profile(131072, 4, "fp8", 8192, "float32", "marlin", "tp"),
+    "huge": Profile(262144, 1, "fp8", 4096, "float32", "marlin", "tp"),
 }
-BATCH_PROFILE = Profile(150000, 64, "fp8", 8192, "bfloat16", "auto", "dp", "1")
+BATCH_PROFILE = Profile(150000, 64, "fp8", 8192, "bfloat16", "auto", "dp")
 DEFAULT_DRAFT_TOKENS = {"mtp": 3, "ngram": 4, "lookup": 4}
 # SPEC=lookup's match lengths: at least 3 tokens (shorter repeats are mostly chance), at most 12
 # compared (longer agreement says nothing more about what comes next).
@@ -177,7 +172,6 @@ def build_launch(
     max_seqs = settings.MAX_SEQS or profile.max_seqs
     kv_dtype = settings.KV if mode == "batch" else profile.kv_cache_dtype
     split = settings.GPU_SPLIT or profile.gpu_split
-    prefix_cache = settings.PREFIX_CACHE or profile.prefix_cache
     tensor_parallel = settings.GPU_COUNT if split == "tp" else 1
 
     # (flag, value or None, knob that decided it) — the knob names feed the shadow warning.
@@ -198,7 +192,9 @@ def build_launch(
         ("--mamba-ssm-cache-dtype", profile.ssm_cache_dtype, f"mode {mode}"),
         ("--linear-backend", settings.LINEAR_BACKEND or profile.linear_backend, "LINEAR_BACKEND"),
         (
-            "--enable-prefix-caching" if prefix_cache == "1" else "--no-enable-prefix-caching",
+            "--enable-prefix-caching"
+            if settings.PREFIX_CACHE == "1"
+            else "--no-enable-prefix-caching",
             None,
             "PREFIX_CACHE",
         ),
@@ -246,7 +242,7 @@ def build_launch(
     warnings += _shadow_warnings(extra, flags)
     argv += extra
 
-    warnings += _ignored_knob_warnings(settings, mode, loaded.explicit, prefix_cache)
+    warnings += _ignored_knob_warnings(settings, mode, loaded.explicit)
 
     env: dict[str, str] = {}
     if api_key:
@@ -255,7 +251,7 @@ def build_launch(
         env[DRAFT_VOCAB_ENV] = settings.DRAFT_VOCAB
         if settings.SPEC == "lookup" or (settings.SPEC == "mtp" and settings.LOOKUP == "1"):
             env[LOOKUP_ENV] = "1"
-        if settings.PREFIX_CACHE_OVERLAP == "1" and prefix_cache == "1":
+        if settings.PREFIX_CACHE_OVERLAP == "1" and settings.PREFIX_CACHE == "1":
             env[ALIGN_OVERLAP_ENV] = "1"
     return LaunchPlan(argv, env, warnings, notices, host, path, served_name, tensor_parallel)
 
@@ -315,9 +311,7 @@ def _shadow_warnings(extra: list[str], flags: list[tuple[str, str | None, str]])
     return warnings
 
 
-def _ignored_knob_warnings(
-    settings: Settings, mode: Mode, explicit: frozenset[str], prefix_cache: str
-) -> list[str]:
+def _ignored_knob_warnings(settings: Settings, mode: Mode, explicit: frozenset[str]) -> list[str]:
     warnings = []
     for info in knobs():
         if info.name in explicit and mode not in info.modes:
@@ -332,11 +326,8 @@ def _ignored_knob_warnings(
         warnings.append(
             f"DRAFT_SAMPLE is ignored with SPEC={settings.SPEC} (copied drafts are not sampled)."
         )
-    if mode == "single" and settings.PREFIX_CACHE_OVERLAP == "1" and prefix_cache != "1":
-        warnings.append(
-            "PREFIX_CACHE_OVERLAP is ignored without prefix caching: set PREFIX_CACHE=1 too "
-            "(the single profile leaves prefix caching off)."
-        )
+    if mode == "single" and "PREFIX_CACHE_OVERLAP" in explicit and settings.PREFIX_CACHE == "0":
+        warnings.append("PREFIX_CACHE_OVERLAP is ignored with PREFIX_CACHE=0 (nothing to overlap).")
     if mode == "single" and settings.LOOKUP == "1":
         if settings.SPEC != "mtp":
             warnings.append(f"LOOKUP is ignored with SPEC={settings.SPEC} (it fills MTP's drafts).")
