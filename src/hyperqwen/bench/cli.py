@@ -26,6 +26,7 @@ from hyperqwen.bench.plot import PlotUnavailable, write_plot
 from hyperqwen.bench.quality import add_quality_subcommands
 from hyperqwen.bench.rows import Row, format_row
 from hyperqwen.bench.run import run_bench, served_model, write_results
+from hyperqwen.bench.soak import add_subcommand as add_soak_subcommand
 from hyperqwen.bench.workload import (
     SALT_TOKENS,
     DatasetMissing,
@@ -261,3 +262,4 @@ def add_subcommand(subparsers) -> None:
     add_quality_subcommands(actions)
     add_ab_subcommand(actions)
     add_kernels_subcommand(actions)
+    add_soak_subcommand(actions)

@@ -1,0 +1,154 @@
+"""`hyperqwen bench soak` against an OpenAI-style server on this machine: every request is
+counted in exactly one outcome, malformed ones must be refused, and a server that cuts streams
+or hangs is caught as `lost` (the GPU soak of the real server is tests/test_soak_gpu.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from cli_runner import run_in_process
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hyperqwen.bench.soak import MIX, OUTCOMES, Target, soak
+
+MAX_MODEL_LEN = 512
+
+
+def fake_server(cut_every: int = 0, hang_every: int = 0) -> FastAPI:
+    """Answers like vLLM's OpenAI server for one model "tiny"; with cut_every=n every n-th
+    stream ends without [DONE], with hang_every=n every n-th plain answer never comes."""
+    app = FastAPI()
+    served = {"streams": 0, "plain": 0}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"data": [{"id": "tiny", "max_model_len": MAX_MODEL_LEN}]}
+
+    async def answer(request: Request, chat: bool):
+        try:
+            body = json.loads(await request.body())
+        except json.JSONDecodeError:
+            return JSONResponse({"error": {"message": "bad JSON"}}, status_code=400)
+        if body.get("model") != "tiny":
+            return JSONResponse({"error": {"message": "no such model"}}, status_code=404)
+        if (chat and "messages" not in body) or body.get("max_tokens", 1) < 1:
+            return JSONResponse({"error": {"message": "invalid"}}, status_code=400)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) + body["max_tokens"] > MAX_MODEL_LEN:
+            return JSONResponse({"error": {"message": "too long"}}, status_code=400)
+        if not body.get("stream"):
+            served["plain"] += 1
+            if hang_every and served["plain"] % hang_every == 0:
+                await asyncio.sleep(30)
+            return {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
+        served["streams"] += 1
+        cut = cut_every and served["streams"] % cut_every == 0
+
+        chunk = json.dumps({"choices": [{"index": 0, "delta": {"content": "x"}}]})
+
+        async def events():
+            for _ in range(8):
+                yield f"data: {chunk}\n\n"
+                await asyncio.sleep(0.005)
+            if not cut:
+                yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await answer(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, chat=False)
+
+    return app
+
+
+@pytest.fixture
+def serve() -> Iterator:
+    servers = []
+
+    def start(app: FastAPI) -> str:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+        threading.Thread(target=server.run, daemon=True).start()
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        servers.append(server)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.should_exit = True
+
+
+def test_a_sound_server_loses_nothing_and_every_kind_is_sent(serve) -> None:
+    url = serve(fake_server())
+    target = Target(url, None, "tiny", MAX_MODEL_LEN, timeout_s=10)
+    report = soak(target, 6, concurrency=6, slots=2, warmup_s=1, api_pid=os.getpid(),
+                  burst_every_s=2)  # fmt: skip
+    outcomes = report["outcomes"]
+    assert set(outcomes) == {*MIX, "burst"}
+    assert report["totals"]["lost"] == 0 and report["unexpected"] == {}
+    assert set(outcomes["malformed"]) == {"client_error"}  # every flaw refused
+    assert outcomes["disconnect"].get("dropped", 0) > 0
+    assert outcomes["burst"] == {"ok": 2 * 4 * 2}  # two bursts of 4 x slots
+    for kind in ("chat_stream", "chat", "completion", "tools", "long_prompt"):
+        assert set(outcomes[kind]) == {"ok"}, kind  # the long prompt fits the context exactly
+    counted = sum(sum(by_outcome.values()) for by_outcome in outcomes.values())
+    assert counted == sum(report["totals"].values())
+    assert set(report["totals"]) == set(OUTCOMES)
+    assert report["memory_after_warmup"]["api_rss_mib"] > 0  # this process, sampled
+
+
+def test_cut_streams_and_hangs_are_lost_and_fail_the_command(serve, tmp_path, capsys) -> None:
+    url = serve(fake_server(cut_every=5, hang_every=7))
+    out = tmp_path / "soak.json"
+    argv = ["bench", "soak", "--url", url, "--minutes", "0.1", "--warmup-s", "1"]
+    argv += [
+        "--slots",
+        "2",
+        "--timeout",
+        "2",
+        "--env-file",
+        str(tmp_path / "none.env"),
+        "--out",
+        str(out),
+    ]
+    (tmp_path / "none.env").write_text("")
+    assert run_in_process(*argv) == 1
+    report = json.loads(out.read_text())
+    assert report["totals"]["lost"] > 0
+    lost_kinds = {kind for kind, by in report["outcomes"].items() if by.get("lost")}
+    assert "chat_stream" in lost_kinds  # a stream cut without [DONE]
+    assert lost_kinds & {"chat", "completion", "tools", "long_prompt"}  # an answer that hung
+    assert "lost" in capsys.readouterr().out
+    assert report["command"].startswith("hyperqwen bench soak --url")
+
+
+def test_a_server_that_is_not_there_is_a_usage_error(tmp_path, capsys) -> None:
+    (tmp_path / "none.env").write_text("")
+    argv = [
+        "bench",
+        "soak",
+        "--url",
+        "http://127.0.0.1:9",
+        "--env-file",
+        str(tmp_path / "none.env"),
+    ]
+    assert run_in_process(*argv) == 2
+    assert "http://127.0.0.1:9" in capsys.readouterr().err

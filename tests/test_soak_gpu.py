@@ -1,0 +1,50 @@
+"""Soak of the real `hyperqwen serve` (issue 14, item 2): HYPERQWEN_SOAK_MINUTES (default 10) of
+`hyperqwen bench soak`'s mixed traffic against the single and the batch profile, tiny synthetic
+model with dummy weights, with a key. Nothing may be lost or answered unexpectedly; the API
+process's RSS and the GPU's used memory must not grow after warm-up by more than the bounds
+below. Reports: $HYPERQWEN_TEST_LOGS/soak-MODE.json (for docs/reliability.md).
+
+Run: `pytest -m gpu tests/test_soak_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from gpu_server import hyperqwen_server, log_dir, started_server
+from test_serve_gpu import serve_env
+
+from hyperqwen.bench.client import BenchClient
+from hyperqwen.bench.run import served_model
+from hyperqwen.bench.soak import Target, soak
+
+pytestmark = pytest.mark.gpu
+
+KEY = "soak-test-key"
+MINUTES = float(os.environ.get("HYPERQWEN_SOAK_MINUTES", "10"))
+SLOTS = {"single": 4, "batch": 16}
+RSS_GROWTH_MIB = 256  # the API process after warm-up
+GPU_GROWTH_MIB = 512  # vLLM allocates its pools at start; later growth is a leak
+
+
+@pytest.mark.parametrize(("mode", "port"), [("single", 18051), ("batch", 18052)])
+def test_soak_loses_nothing_and_memory_stays_flat(tiny_models_dir, tmp_path, mode, port):
+    env = serve_env(tiny_models_dir, PORT=str(port), VLLM_API_KEY=KEY, MAX_SEQS=str(SLOTS[mode]))
+    log = log_dir(tmp_path) / f"soak-{mode}-server.log"
+    with hyperqwen_server(mode, env, log, started_server) as process:
+        base = f"http://127.0.0.1:{port}"
+        model, max_model_len = served_model(BenchClient(base, KEY), "tiny")
+        target = Target(base, KEY, model, max_model_len, timeout_s=120)
+        report = soak(
+            target, MINUTES * 60, 2 * SLOTS[mode], SLOTS[mode], warmup_s=60, api_pid=process.pid
+        )
+        assert process.poll() is None, "the server died during the soak"
+    report.update(mode=mode, minutes=MINUTES)
+    (log_dir(tmp_path) / f"soak-{mode}.json").write_text(json.dumps(report, indent=1))
+    assert report["totals"]["lost"] == 0, report
+    assert report["unexpected"] == {}, report
+    start, end = report["memory_after_warmup"], report["memory_at_end"]
+    assert end["api_rss_mib"] - start["api_rss_mib"] < RSS_GROWTH_MIB, report
+    assert end["gpu_used_mib"] - start["gpu_used_mib"] < GPU_GROWTH_MIB, report
