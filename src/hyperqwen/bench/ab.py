@@ -1019,7 +1019,7 @@ Examples:
   hyperqwen bench ab models/synth-27b --mode batch --cohorts 1,64 --phase stock ...
   hyperqwen bench ab models/synth-27b --mode batch --cohorts 1,64 --phase patched ...
   for v in "" "PREFIX_CACHE=1"; do             (two variants against one saved stock half)
-    w=ab/${v:-default}; env GPU_UTIL=0.4 KV_MEM=8G VLLM_CACHE_ROOT=$w/cache $v \\
+    w=ab/${v:-default}; env GPU_UTIL=0.4 KV_MEM=24G VLLM_CACHE_ROOT=$w/cache $v \\
       hyperqwen bench ab ... --phase patched --state ab/stock.json --workdir $w --out $w.json \\
       --turn-lock ab/turn & done; wait
   hyperqwen bench smollm2 models/smollm2 --dtype bfloat16
