@@ -2,7 +2,7 @@
 
 Workers send a weighted mix of requests until the deadline: streamed and plain chat, plain
 completions, tool requests, prompts near the context limit, streams the client drops after a
-few chunks and malformed requests; every BURST_EVERY_S a burst of 4 x --slots streamed chats
+few chunks and malformed requests; every 60 s a burst of 4 x --slots streamed chats
 arrives at once. Every request ends in one outcome:
 
   ok            a complete answer (a stream ended by [DONE], a JSON body with choices)
