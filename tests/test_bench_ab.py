@@ -633,6 +633,11 @@ def test_profile_steps_add_gpu_time_per_step_by_kernel_category(comparison, tmp_
     gemm = by_name["step_gpu_ms_w4a16_gemm"]
     assert (gemm.stock, gemm.patched, gemm.unit) == (0.4, 0.3, "ms")
     assert by_name["step_gpu_ms_norm_activation"].ratio == 1.0
+    # batch mode does not draft: a step is one token, TPOT less the kernels' time
+    gap = by_name["step_host_gap_ms"]
+    tpot = by_name["c1_tpot"]
+    assert gap.stock == round(tpot.stock - 0.45, 3) and gap.patched == round(tpot.patched - 0.35, 3)
+    assert gap.patched > 0  # the stand-in's 16 ms steps hold 0.35 ms of kernels
     for side in ("stock", "patched"):
         profile = document[side]["profile"]
         assert profile["steps"] == 4  # the window the profiler config allowed

@@ -727,7 +727,20 @@ def side_figures(side: SideResult) -> dict[str, tuple[str, float | None]]:
         figures.update(quality_figures(side.quality))
     if side.profile:
         figures.update(profile_rows(side.profile))
+        figures["step_host_gap_ms"] = ("ms", step_host_gap(figures))
     return figures
+
+
+def step_host_gap(figures: dict[str, tuple[str, float | None]]) -> float | None:
+    """A C1 step's wall time (TPOT x tokens per step, from the unprofiled C1 row) less its
+    profiled kernel time: what no kernel accounts for, i.e. the GPU waiting on the host
+    (a synchronization, preparation that does not overlap) or on launch gaps. None without a
+    C1 row."""
+    tpot = figures.get("c1_tpot", ("ms", None))[1]
+    if tpot is None:
+        return None
+    per_step = figures.get("c1_tokens_per_step", ("tokens", None))[1] or 1.0  # none: 1 token
+    return round(tpot * per_step - figures["step_gpu_ms"][1], 3)
 
 
 def quality_figures(document: dict) -> dict[str, tuple[str, float | None]]:
