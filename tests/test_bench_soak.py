@@ -5,18 +5,16 @@ or hangs is caught as `lost` (the GPU soak of the real server is tests/test_soak
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
 from cli_runner import run_in_process
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from local_server import serving
 
 from hyperqwen.bench.soak import MIX, OUTCOMES, Target, soak
 
@@ -48,7 +46,7 @@ def fake_server(cut_every: int = 0, hang_every: int = 0) -> FastAPI:
         if not body.get("stream"):
             served["plain"] += 1
             if hang_every and served["plain"] % hang_every == 0:
-                await asyncio.sleep(30)
+                await asyncio.sleep(5)  # past the client's 2 s --timeout
             return {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
         served["streams"] += 1
         cut = cut_every and served["streams"] % cut_every == 0
@@ -77,23 +75,9 @@ def fake_server(cut_every: int = 0, hang_every: int = 0) -> FastAPI:
 
 @pytest.fixture
 def serve() -> Iterator:
-    servers = []
-
-    def start(app: FastAPI) -> str:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-        threading.Thread(target=server.run, daemon=True).start()
-        deadline = time.monotonic() + 20
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        servers.append(server)
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for server in servers:
-        server.should_exit = True
+    """Start an app with tests/local_server.py's serving(); its URL. Stopped after the test."""
+    with contextlib.ExitStack() as servers:
+        yield lambda app: f"http://127.0.0.1:{servers.enter_context(serving(app))}"
 
 
 def test_a_sound_server_loses_nothing_and_every_kind_is_sent(serve) -> None:

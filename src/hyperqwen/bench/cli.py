@@ -21,6 +21,7 @@ from hyperqwen.bench.options import (
     _json_object,
     _positive,
     build_plan,
+    local_server,
 )
 from hyperqwen.bench.plot import PlotUnavailable, write_plot
 from hyperqwen.bench.quality import add_quality_subcommands
@@ -34,7 +35,7 @@ from hyperqwen.bench.workload import (
     load_sharegpt_prompts,
     served_token_ids,
 )
-from hyperqwen.settings import MODES, SettingsError, load_settings, resolve_api_key
+from hyperqwen.settings import MODES, SettingsError, load_settings
 
 EXIT_BENCH_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -68,8 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (SettingsError, DatasetMissing) as error:
         print(f"hyperqwen bench run: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    api_key, _ = resolve_api_key(loaded.settings)
-    url = args.url or f"http://127.0.0.1:{loaded.settings.PORT}"
+    url, api_key = local_server(loaded, args.url)
     client = BenchClient(url, api_key, args.timeout)
     started = time.localtime()
     default_out = f"bench-results/{args.mode}-{time.strftime('%Y%m%d-%H%M%S', started)}.json"

@@ -1,15 +1,15 @@
-"""Option parsing and run planning shared by the bench commands (`run`, `ab`, `soak`)."""
+"""Option parsing and run planning shared by the bench commands (`run`, `ab`, `quality`,
+`soak`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from hyperqwen.bench.client import BenchError
 from hyperqwen.bench.run import BenchPlan
-from hyperqwen.settings import load_settings, resolve_api_key
+from hyperqwen.settings import LoadedSettings, resolve_api_key
 
 DATE_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
 DEFAULT_COHORTS = {"single": "1,2,4,8", "batch": "1,64"}
@@ -90,10 +90,8 @@ def build_plan(args: argparse.Namespace, max_model_len: int | None) -> BenchPlan
     )
 
 
-def local_server(url: str | None, env_file: str | None) -> tuple[str, str | None]:
-    """The server to ask (url, else this machine's PORT) and its API key, both from the
-    project's settings as the server reads them (environment, then .env). Raises
-    SettingsError naming the bad knob."""
-    loaded = load_settings(env_file=Path(env_file) if env_file else None)
+def local_server(loaded: LoadedSettings, url: str | None) -> tuple[str, str | None]:
+    """The server to ask (url, else this machine's PORT) and its API key, as the server reads
+    them from the project's settings."""
     api_key, _ = resolve_api_key(loaded.settings)
     return (url or f"http://127.0.0.1:{loaded.settings.PORT}").rstrip("/"), api_key

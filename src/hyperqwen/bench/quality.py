@@ -24,11 +24,11 @@ from tqdm import tqdm
 from hyperqwen.bench import quality_gsm8k, quality_ifbench
 from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.header import collect_header
-from hyperqwen.bench.options import DATE_FORMAT
+from hyperqwen.bench.options import DATE_FORMAT, local_server
 from hyperqwen.bench.quality_ppl import PPL_SOURCES, measure_perplexity
 from hyperqwen.bench.run import served_model
 from hyperqwen.bench.workload import CHAT_PATH
-from hyperqwen.settings import SettingsError, load_settings, resolve_api_key
+from hyperqwen.settings import SettingsError, load_settings
 
 QUALITY_SCHEMA = "hyperqwen.bench.quality/1"
 EXIT_FAILED = 1
@@ -201,8 +201,8 @@ def cmd_quality(args: argparse.Namespace) -> int:
     except SettingsError as error:
         print(f"hyperqwen bench quality: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    api_key, _ = resolve_api_key(loaded.settings)
-    client = BenchClient(args.url or f"http://127.0.0.1:{loaded.settings.PORT}", api_key)
+    url, api_key = local_server(loaded, args.url)
+    client = BenchClient(url, api_key)
     started = time.localtime()
     out = Path(args.out or f"bench-results/quality-{time.strftime('%Y%m%d-%H%M%S', started)}.json")
     try:

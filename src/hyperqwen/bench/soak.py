@@ -39,7 +39,8 @@ from hyperqwen.bench.client import CONNECT_TIMEOUT_S, BenchClient, BenchError, S
 from hyperqwen.bench.header import git_commit, gpu_facts
 from hyperqwen.bench.options import DATE_FORMAT, local_server
 from hyperqwen.bench.run import served_model
-from hyperqwen.settings import SettingsError
+from hyperqwen.checkpoint.shards import atomic_file
+from hyperqwen.settings import SettingsError, load_settings
 
 OUTCOMES = ("ok", "dropped", "client_error", "rate_limited", "server_error", "lost")
 # kind -> share of the workers' requests (bursts come on top)
@@ -306,10 +307,11 @@ def soak(
 
 def cmd_soak(args: argparse.Namespace) -> int:
     try:
-        url, api_key = local_server(args.url, args.env_file)
+        loaded = load_settings(env_file=Path(args.env_file) if args.env_file else None)
     except SettingsError as error:
         print(f"hyperqwen bench soak: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    url, api_key = local_server(loaded, args.url)
     try:
         model, max_model_len = served_model(BenchClient(url, api_key, args.timeout), args.model)
     except (BenchError, requests.RequestException) as error:
@@ -341,8 +343,11 @@ def cmd_soak(args: argparse.Namespace) -> int:
     start, end = report["memory_after_warmup"], report["memory_at_end"]
     print(f"memory after warm-up {start}, at the end {end}")
     if args.out:
-        write_atomically(Path(args.out), json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(out) as partial:
+            partial.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {out}")
     return EXIT_LOST if lost or odd else 0
 
 
@@ -358,13 +363,6 @@ def soak_command(args: argparse.Namespace, url: str) -> list[str]:
     command += ["--warmup-s", f"{args.warmup_s:g}", "--timeout", f"{args.timeout:g}"]
     command += ["--seed", str(args.seed)] + (["--model", args.model] if args.model else [])
     return command
-
-
-def write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
-    partial.replace(path)
 
 
 def add_subcommand(actions) -> None:
