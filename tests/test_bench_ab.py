@@ -190,11 +190,12 @@ def test_publish_names_the_file_by_date_and_docs_show_every_fact(tmp_path, capsy
     for fact in ("gpu", "vllm", "commit", "date", "model", "command"):
         assert VALID[fact] in text
     assert "| c1_decode | tok/s | 40 | 100 | 2.500 |" in text
-    # The README's headline: the headline rows only, with their run, linked to the details.
+    # The README's headline: the headline rows only, with their run, linked to the details;
+    # of the two runs of one kind and start time, the one whose name sorts last.
     headline = readme.read_text()
     assert headline.startswith("# X\n\n") and headline.endswith(f"{HEADLINE_END}\n\n## Serve\n")
     assert "old table" not in headline
-    run = "[2026-01-02-h200-27b](docs/benchmarks.md#2026-01-02-h200-27b)"
+    run = "[2026-01-02-noted](docs/benchmarks.md#2026-01-02-noted)"
     assert f"| {run} | {VALID['gpu']} | c1_decode | - | tok/s | 40 | 100 | 2.500 |" in headline
     assert f"| {run} | {VALID['gpu']} | weight_memory | - | GiB | 14 | 13 | 0.929 |" in headline
     assert "c1_tokens_per_step" not in headline
@@ -575,6 +576,41 @@ def test_trees_must_be_what_their_side_says(comparison, vllm_trees, capsys) -> N
     assert "run --phase stock first" in capsys.readouterr().err
     assert run_in_process("bench", *comparison[:2], "--phase", "stock") == 2
     assert "--phase stock needs --stock-vllm" in capsys.readouterr().err
+
+
+def test_headline_shows_the_newest_run_of_each_kind_and_no_ablation(tmp_path, capsys) -> None:
+    results, where = tmp_path / "results", ("--results-dir", str(tmp_path / "results"))
+    speculating = {"command": ["serve", "m", "--speculative-config", "{}"]}
+
+    def run(name: str, date: str, mode: str, tok_s: float, *publish_args: str) -> None:
+        rows = [{"name": "c1_decode", "unit": "tok/s", "stock": 100.0, "patched": tok_s,
+                 "ratio": round(tok_s / 100.0, 3)}]  # fmt: skip
+        document = {**VALID, "date": date, "rows": rows, "plan": {"mode": mode},
+                    "stock": speculating, "patched": speculating}  # fmt: skip
+        source = tmp_path / f"{name}.json"
+        source.write_text(json.dumps(document))
+        assert run_in_process("bench", "publish", str(source), "--name", name,
+                              *publish_args, *where) == 0  # fmt: skip
+
+    run("single-old", "2026-01-02T08:00:00+0000", "single", 110.0)
+    run("single-new", "2026-01-02T15:00:00+0000", "single", 140.0)
+    run("single-nopc", "2026-01-02T15:00:00+0000", "single", 141.0, "--ablation", "PREFIX_CACHE=0")
+    run("batch", "2026-01-01T09:00:00+0000", "batch", 120.0)
+    source = tmp_path / "single-new.json"
+    assert run_in_process("bench", "publish", str(source), "--name", "x", "--ablation", " ",
+                          *where) == 2  # fmt: skip
+    assert "--ablation" in capsys.readouterr().err
+
+    published = load_published(results)
+    # newest run first by its own start time, not by its file name's order
+    assert [path.stem[11:] for path, _, _ in published] == [
+        "single-nopc", "single-new", "single-old", "batch"]  # fmt: skip
+    headline = render_headline(published)
+    assert "single-new" in headline and "batch" in headline
+    assert "single-old" not in headline and "single-nopc" not in headline
+    doc = render_benchmarks(published)
+    assert "- ablation: PREFIX_CACHE=0 (not in the README's headline)" in doc
+    assert "single-old" in doc and doc.count("- ablation:") == 1
 
 
 def test_help_teaches_with_examples(capsys) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import threading
@@ -65,11 +66,14 @@ def stream(base: str, max_tokens: int, stop_after: int | None = None) -> str:
         return f"error: {type(error).__name__}"
 
 
-def engine_core_pids(api_pid: int) -> list[int]:
-    """vLLM's engine-core processes among the API process's descendants (by their title)."""
+def engine_core_pids(api_pid: int, log) -> list[int]:
+    """vLLM's engine-core processes among the API process's descendants: by their title where
+    setproctitle is installed, else by the "(EngineCore pid=N)" prefix of their log lines (the GPU
+    host's kit has no setproctitle, so titles there are plain python command lines)."""
     listing = subprocess.run(
         ["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True
     ).stdout
+    logged = {int(pid) for pid in re.findall(r"\(EngineCore\S* pid=(\d+)\)", log.read_text())}
     children: dict[int, list[tuple[int, str]]] = {}
     for line in listing.splitlines():
         pid, ppid, args = line.split(None, 2)
@@ -78,7 +82,7 @@ def engine_core_pids(api_pid: int) -> list[int]:
     while queue:
         for pid, args in children.get(queue.pop(), []):
             queue.append(pid)
-            if "EngineCore" in args:
+            if "EngineCore" in args or pid in logged:
                 found.append(pid)
     return found
 
@@ -87,7 +91,7 @@ def test_engine_crash_ends_every_stream_and_the_server_exits_non_zero(tiny_model
     log = log_dir(tmp_path) / "fault-engine-crash.log"
     base = "http://127.0.0.1:18041"
     with serve(tiny_models_dir, 18041, log) as process:
-        engines = engine_core_pids(process.pid)
+        engines = engine_core_pids(process.pid, log)
         assert engines, "no EngineCore process found under the API process"
         with ThreadPoolExecutor(STREAMS) as pool:
             futures = [pool.submit(stream, base, 3000) for _ in range(STREAMS)]

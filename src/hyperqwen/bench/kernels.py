@@ -192,7 +192,11 @@ def init_vllm_single_rank() -> None:
     from hyperqwen.bench.ab import free_port
 
     port = free_port()
-    set_current_vllm_config(VllmConfig()).__enter__()  # never left: the process ends first
+    # Kept referenced: a dropped context generator is closed by the collector, which
+    # unsets the config again.
+    global _VLLM_CONFIG_CONTEXT
+    _VLLM_CONFIG_CONTEXT = set_current_vllm_config(VllmConfig())
+    _VLLM_CONFIG_CONTEXT.__enter__()  # never left: the process ends first
     init_distributed_environment(
         world_size=1,
         rank=0,

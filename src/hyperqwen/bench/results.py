@@ -28,7 +28,7 @@ README = REPO_ROOT / "README.md"
 # The README's headline table lives between these lines; `hyperqwen bench docs` rewrites it.
 HEADLINE_BEGIN = "<!-- headline: written by `hyperqwen bench docs`; do not edit -->"
 HEADLINE_END = "<!-- /headline -->"
-HEADLINE_ROWS = ("c1_decode", "c64_decode_total", "ppl_overall", "weight_memory")
+HEADLINE_ROWS = ("c1_decode", "c4_decode", "c64_decode_total", "ppl_overall", "weight_memory")
 RESULT_SCHEMA = 1
 # Field -> what it holds, in the order a file writes them.
 REQUIRED_FIELDS = {
@@ -134,6 +134,12 @@ def validate_result(document: object, source: str) -> list[ComparisonRow]:
     notes = document.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(note, str) and note for note in notes):
         raise ResultFileError(f"{source}: notes must be a list of non-empty strings")
+    ablation = document.get("ablation")
+    if ablation is not None and (not isinstance(ablation, str) or not ablation.strip()):
+        raise ResultFileError(
+            f"{source}: ablation must name what the run changed from the shipped setup, e.g. "
+            "'PREFIX_CACHE=0'"
+        )
     rows = [_check_row(index, row, source) for index, row in enumerate(document["rows"])]
     names = [row.name for row in rows]
     if len(set(names)) != len(names):
@@ -190,6 +196,11 @@ def _markdown_section(path: Path, document: dict, rows: Sequence[ComparisonRow])
         f"- model: {document['model']}",
         f"- data: [{path.name}](results/{path.name})",
         *(f"- note: {note}" for note in document.get("notes", [])),
+        *(
+            [f"- ablation: {document['ablation']} (not in the README's headline)"]
+            if document.get("ablation")
+            else []
+        ),
         "",
         "```",
         document["command"],
@@ -212,8 +223,10 @@ Published = list[tuple[Path, dict, list[ComparisonRow]]]
 
 
 def load_published(results_dir: Path) -> Published:
-    """Every result file in results_dir, checked, newest first: (path, document, rows)."""
-    return [(path, *load_result(path)) for path in sorted(results_dir.glob("*.json"), reverse=True)]
+    """Every result file in results_dir, checked, newest run first: (path, document, rows)."""
+    published = [(path, *load_result(path)) for path in sorted(results_dir.glob("*.json"))]
+    # Several runs a day: the run's own start time orders them, the file name breaks ties.
+    return sorted(published, key=lambda entry: (entry[1]["date"], entry[0].name), reverse=True)
 
 
 def render_benchmarks(published: Published) -> str:
@@ -239,8 +252,28 @@ def stock_baseline(document: dict) -> str:
     return "stock speculates" if stock else "neither speculates"
 
 
+def headline_kind(document: dict) -> tuple:
+    """What a run measures, for the headline: its mode, the stock side's speculation and whether
+    it scored quality. The newest run of each kind stands for it."""
+    plan = document.get("plan") if isinstance(document.get("plan"), dict) else {}
+    return plan.get("mode"), stock_baseline(document), bool(plan.get("quality"))
+
+
+def headline_runs(published: Published) -> Published:
+    """The newest run of each kind that is not an ablation; older runs and ablations stay in
+    docs/benchmarks.md."""
+    chosen, kinds = [], set()
+    for entry in published:
+        kind = headline_kind(entry[1])
+        if entry[1].get("ablation") or kind in kinds:
+            continue
+        kinds.add(kind)
+        chosen.append(entry)
+    return chosen
+
+
 def render_headline(published: Published) -> str:
-    """The README's headline table: HEADLINE_ROWS of every published result."""
+    """The README's headline table: HEADLINE_ROWS of the newest run of each kind."""
     if not published:
         return (
             "No published measurements yet; [docs/benchmarks.md](docs/benchmarks.md) says how "
@@ -250,7 +283,7 @@ def render_headline(published: Published) -> str:
         "| run | GPU | row | stock side | unit | stock vLLM 0.26.0 | HyperQwen | ratio |",
         "|---|---|---|---|---|---:|---:|---:|",
     ]
-    for path, document, rows in published:
+    for path, document, rows in headline_runs(published):
         for row in rows:
             if row.name in HEADLINE_ROWS:
                 shown = "-" if row.ratio is None else f"{row.ratio:.{RATIO_DECIMALS}f}"
@@ -266,9 +299,10 @@ def render_headline(published: Published) -> str:
         "against stock **without** speculation includes speculation's own gain and is not the "
         "comparison a user has (single-mode runs from `bench ab --stock-spec same` on are).",
         "",
-        "Each run's command, vLLM, commit, date, notes (what else ran on the host, flags "
-        "that differ, rows that time a queue) and every other row: "
-        "[docs/benchmarks.md](docs/benchmarks.md).",
+        "The newest run of each kind (mode, stock side, quality or speed) is shown; older runs "
+        "and ablations (one knob changed from the shipped setup), with each run's command, "
+        "vLLM, commit, date, notes (what else ran on the host, flags that differ, rows that "
+        "time a queue) and every other row: [docs/benchmarks.md](docs/benchmarks.md).",
     ]
     return "\n".join(lines)
 
@@ -284,9 +318,16 @@ def with_headline(readme_text: str, headline: str, readme: Path) -> str:
     return f"{readme_text[: begin + len(HEADLINE_BEGIN)]}\n{headline}\n{readme_text[end:]}"
 
 
-def publish(result: Path, name: str, results_dir: Path, notes: Sequence[str] = ()) -> Path:
+def publish(
+    result: Path,
+    name: str,
+    results_dir: Path,
+    notes: Sequence[str] = (),
+    ablation: str | None = None,
+) -> Path:
     """Copy a result (and its PNG, if any) into results_dir as <date>-<name>.json, with `notes`
-    (what a reader needs beside the numbers: host conditions, known causes) added to its own."""
+    (what a reader needs beside the numbers: host conditions, known causes) added to its own;
+    `ablation` (what the run changed from the shipped setup) keeps it out of the headline."""
     if not PUBLISH_NAME.match(name):
         raise ResultFileError(
             f"--name {name!r}: use lowercase letters, digits and dashes, e.g. h200-27b-single"
@@ -297,9 +338,13 @@ def publish(result: Path, name: str, results_dir: Path, notes: Sequence[str] = (
         raise ResultFileError(f"{target} exists already; pick another --name")
     if any(not note.strip() for note in notes):
         raise ResultFileError("--note: give some text")
+    if ablation is not None and not ablation.strip():
+        raise ResultFileError("--ablation: name the knobs changed, e.g. 'PREFIX_CACHE=0'")
     results_dir.mkdir(parents=True, exist_ok=True)
     if notes:
         document["notes"] = [*document.get("notes", []), *notes]
+    if ablation is not None:
+        document["ablation"] = ablation.strip()
     target.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     if result.with_suffix(".png").is_file():
         shutil.copyfile(result.with_suffix(".png"), target.with_suffix(".png"))
@@ -355,7 +400,9 @@ def write_ratio_plot(path: Path, rows: Sequence[ComparisonRow], title: str) -> N
 
 def cmd_publish(args: argparse.Namespace) -> int:
     try:
-        target = publish(Path(args.result), args.name, Path(args.results_dir), args.note)
+        target = publish(
+            Path(args.result), args.name, Path(args.results_dir), args.note, args.ablation
+        )
     except ResultFileError as error:
         print(f"hyperqwen bench publish: {error}", file=sys.stderr)
         return 2
@@ -416,6 +463,13 @@ def add_results_subcommands(actions) -> None:
         metavar="TEXT",
         help="a line shown under the run's facts in docs/benchmarks.md (repeatable): what a "
         "reader needs beside the numbers, e.g. what else ran on the host",
+    )
+    publish_parser.add_argument(
+        "--ablation",
+        metavar="KNOBS",
+        help="the run changed these from the shipped setup (e.g. 'PREFIX_CACHE=0'): it is "
+        "shown in docs/benchmarks.md but not in the README's headline, which shows the newest "
+        "run of each kind",
     )
     publish_parser.set_defaults(func=cmd_publish)
 
