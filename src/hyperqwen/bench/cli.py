@@ -11,6 +11,7 @@ from pathlib import Path
 from hyperqwen.bench.ab import add_ab_subcommand
 from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.copy_tasks import copy_prompts
+from hyperqwen.bench.gdn import add_subcommand as add_gdn_subcommand
 from hyperqwen.bench.header import collect_header, format_header
 from hyperqwen.bench.kernels import add_subcommand as add_kernels_subcommand
 from hyperqwen.bench.options import (
@@ -262,4 +263,5 @@ def add_subcommand(subparsers) -> None:
     add_quality_subcommands(actions)
     add_ab_subcommand(actions)
     add_kernels_subcommand(actions)
+    add_gdn_subcommand(actions)
     add_soak_subcommand(actions)
