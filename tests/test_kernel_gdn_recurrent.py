@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -214,3 +217,49 @@ def test_block_choice_keeps_the_card_busy_and_bad_shapes_are_refused() -> None:
         gdn_recurrent_update(**batch, tokens_per_pass=3)
     with pytest.raises(ValueError, match="state \\[slots"):
         gdn_recurrent_update(**{**batch, "state": batch["state"][:, :2]})
+
+
+def test_the_engine_choice_runs_ours_where_it_can_and_vllms_otherwise(monkeypatch) -> None:
+    from hyperqwen.engine import GDN_RECURRENT_ENV
+    from hyperqwen.engine.gdn_recurrent import chosen, tokens_per_pass
+
+    vllms = vllms_kernel()
+    monkeypatch.delenv(GDN_RECURRENT_ENV, raising=False)
+    assert chosen(vllms) is vllms
+    monkeypatch.setenv(GDN_RECURRENT_ENV, "1")
+    update = chosen(vllms)
+    assert update is not vllms
+    assert (tokens_per_pass(12, 3), tokens_per_pass(5, 5), tokens_per_pass(9, 3)) == (4, 1, 4)
+    assert tokens_per_pass(48, 1) == 16  # a longer block takes several passes
+
+    batch = make_batch((2, 4, 32), [4, 3], seed=5)
+    want = reference(batch)
+    tokens, _ = written(want, batch)
+    for l2norm in (True, False):
+        ours, theirs = on_device(batch), on_device(batch)
+        ours_state, theirs_state = ours.pop("state").clone(), theirs.pop("state").clone()
+        common = {"initial_state": None, "inplace_final_state": True,
+                  "use_qk_l2norm_in_kernel": l2norm}  # fmt: skip
+        ours["ssm_state_indices"] = ours.pop("state_indices")
+        theirs["ssm_state_indices"] = theirs.pop("state_indices")
+        out, state = update(**ours, **{**common, "initial_state": ours_state})
+        expected, _ = vllms(**theirs, **{**common, "initial_state": theirs_state})
+        assert state is ours_state
+        assert torch.allclose(ours_state.cpu(), theirs_state.cpu(), rtol=1e-5, atol=1e-6)
+        assert torch.allclose(out[0][tokens].float().cpu(), expected[0][tokens].float().cpu(),
+                              rtol=8e-3, atol=1e-3)  # fmt: skip
+        if l2norm:  # ours: compared with the float64 reference too
+            assert_matches((out[0].cpu(), state.cpu()), want, tokens, out_tol=8e-3,
+                           poisoned=False)  # fmt: skip
+
+
+def test_the_patched_layer_module_binds_the_choice_when_it_loads() -> None:
+    probe = (
+        "from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as m; "
+        "print(m.fused_sigmoid_gating_delta_rule_update.__module__)"
+    )
+    for value, module in (("1", "hyperqwen.engine.gdn_recurrent"), ("0", "fused_sigmoid_gating")):
+        env = {**os.environ, "HYPERQWEN_GDN_RECURRENT": value}
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                              text=True, check=True)  # fmt: skip
+        assert done.stdout.strip().endswith(module), done.stdout

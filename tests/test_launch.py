@@ -8,7 +8,13 @@ from typing import get_args
 
 import pytest
 
-from hyperqwen.engine import ALIGN_OVERLAP_ENV, DRAFT_VOCAB_CHOICES, DRAFT_VOCAB_ENV, LOOKUP_ENV
+from hyperqwen.engine import (
+    ALIGN_OVERLAP_ENV,
+    DRAFT_VOCAB_CHOICES,
+    DRAFT_VOCAB_ENV,
+    GDN_RECURRENT_ENV,
+    LOOKUP_ENV,
+)
 from hyperqwen.launch import FLAG_ALIASES, LOOKUP_MATCH, build_launch, redact_argv
 from hyperqwen.patches import series_status
 from hyperqwen.settings import DraftVocab, LinearBackend, LoadedSettings, Settings
@@ -353,3 +359,11 @@ def test_every_split_parses_and_shards_as_asked(vllm_serve, mode, split, count):
 )
 def test_prefix_cache_overlap_reaches_the_engine_env(mode, values, expected):
     assert build_launch(loaded(**values), mode, None).env.get(ALIGN_OVERLAP_ENV) == expected
+
+
+@pytest.mark.parametrize("mode", ["single", "batch"])
+def test_gdn_recurrent_reaches_the_engine_env_in_both_modes(mode):
+    assert GDN_RECURRENT_ENV not in build_launch(loaded(), mode, None).env  # off by default
+    plan = build_launch(loaded(GDN_RECURRENT="1"), mode, None)
+    assert plan.env[GDN_RECURRENT_ENV] == "1"
+    assert GDN_RECURRENT_ENV not in " ".join(plan.argv)  # an environment variable, not a flag

@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hyperqwen.engine import ALIGN_OVERLAP_ENV, DRAFT_VOCAB_ENV, LOOKUP_ENV
+from hyperqwen.engine import ALIGN_OVERLAP_ENV, DRAFT_VOCAB_ENV, GDN_RECURRENT_ENV, LOOKUP_ENV
 from hyperqwen.settings import (
     NO_REASONING_PARSER,
     LoadedSettings,
@@ -247,6 +247,8 @@ def build_launch(
     env: dict[str, str] = {}
     if api_key:
         env["VLLM_API_KEY"] = api_key
+    if settings.GDN_RECURRENT == "1":
+        env[GDN_RECURRENT_ENV] = "1"
     if mode == "single":
         env[DRAFT_VOCAB_ENV] = settings.DRAFT_VOCAB
         if settings.SPEC == "lookup" or (settings.SPEC == "mtp" and settings.LOOKUP == "1"):

@@ -24,7 +24,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from hyperqwen.bench.kernels import L2_ROTATION_BYTES, copy_bandwidth_gbps, graph_time_us
+from hyperqwen.bench.kernels import (
+    L2_ROTATION_BYTES,
+    add_timing_parser,
+    copy_bandwidth_gbps,
+    graph_time_us,
+)
 from hyperqwen.checkpoint.geometry import PRESETS
 
 # (name, sequences, tokens per sequence)
@@ -213,16 +218,11 @@ def cmd_gdn(args: argparse.Namespace) -> int:
 
 
 def add_subcommand(actions) -> None:
-    gdn = actions.add_parser(
+    gdn = add_timing_parser(
+        actions,
         "gdn",
-        help="time the GDN recurrent update of decode and verify steps (GPU)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    gdn.add_argument("--preset", choices=sorted(PRESETS), default="27b")
-    gdn.add_argument("--out", default="gdn-result.json", help="result JSON (default %(default)s)")
-    gdn.add_argument(
-        "--commit",
-        help="the checkout's commit, when running from a copy without .git (default: git describe)",
+        "time the GDN recurrent update of decode and verify steps (GPU)",
+        __doc__,
+        "gdn-result.json",
     )
     gdn.set_defaults(func=cmd_gdn)

@@ -518,14 +518,28 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_subcommand(actions) -> None:
-    kernels = actions.add_parser(
-        "kernels",
-        help="time W4A16 GEMM kernels at a model's layer shapes (GPU)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def add_timing_parser(actions, name: str, help: str, description: str, default_out: str):
+    """A GPU kernel-timing subcommand with the options every one takes: --preset, --out and
+    --commit."""
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = actions.add_parser(name, help=help, description=description, formatter_class=formatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="27b")
+    parser.add_argument("--out", default=default_out, help="result JSON (default %(default)s)")
+    parser.add_argument(
+        "--commit",
+        help="the checkout's commit, when running from a copy without .git (default: git describe)",
     )
-    kernels.add_argument("--preset", choices=sorted(PRESETS), default="27b")
+    return parser
+
+
+def add_subcommand(actions) -> None:
+    kernels = add_timing_parser(
+        actions,
+        "kernels",
+        "time W4A16 GEMM kernels at a model's layer shapes (GPU)",
+        __doc__,
+        "kernels-result.json",
+    )
     kernels.add_argument("--set", action="append", metavar="KEY=VALUE", help="geometry override")
     kernels.add_argument("--m", type=int, nargs="+", default=list(DEFAULT_MS), help="rows (M)")
     kernels.add_argument(
@@ -542,12 +556,5 @@ def add_subcommand(actions) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also time the lm_head and draft-head rows int8 (machete, marlin) against bf16",
-    )
-    kernels.add_argument(
-        "--out", default="kernels-result.json", help="result JSON (default %(default)s)"
-    )
-    kernels.add_argument(
-        "--commit",
-        help="the checkout's commit, when running from a copy without .git (default: git describe)",
     )
     kernels.set_defaults(func=cmd_kernels)

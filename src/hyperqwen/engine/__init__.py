@@ -16,3 +16,7 @@ LOOKUP_ENV = "HYPERQWEN_LOOKUP"
 # for the previous step's accepted counts where prefix caching cannot need them
 # (engine/align_overlap.py).
 ALIGN_OVERLAP_ENV = "HYPERQWEN_ALIGN_OVERLAP"
+
+# Set to "1" by the launcher with GDN_RECURRENT=1: the GDN layer's decode and verify steps take
+# HyperQwen's recurrent-update kernel (engine/gdn_recurrent.py) instead of vLLM's.
+GDN_RECURRENT_ENV = "HYPERQWEN_GDN_RECURRENT"

@@ -23,8 +23,9 @@ a sequence whose initial slot is 0 (vLLM's null block) is skipped, as vLLM does.
 formed in another order than vLLM's, so results agree to fp32 rounding, not bit for bit.
 
 Status: correct against a float64 reference and vLLM's kernel on the CPU (tests/test_kernel_gdn
-_recurrent.py); `hyperqwen bench kernels --gdn` times both on a GPU; not timed yet, and no serving
-path calls it.
+_recurrent.py); `hyperqwen bench gdn` times both on a GPU; not timed yet. GDN_RECURRENT=1
+(off by default until timed) routes the layer's decode and verify calls here
+(engine/gdn_recurrent.py, patches/gdn-recurrent.patch).
 """
 
 from __future__ import annotations
@@ -142,6 +143,27 @@ def default_block_v(sequences: int, v_heads: int, v_dim: int, sm_count: int = 13
     return block
 
 
+def unsupported(q, k, v, state, tokens_per_pass: int = 4) -> list[str]:
+    """What about these inputs the kernel cannot take (empty: it takes them)."""
+    problems = []
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        shapes = ", ".join(str(list(tensor.shape)) for tensor in (q, k, v))
+        return [f"q, k [1, T, H, K] and v [1, T, HV, V], got {shapes}"]
+    _, _, heads, k_dim = q.shape
+    v_heads, v_dim = v.shape[2], v.shape[3]
+    if q.shape[0] != 1:
+        problems.append(f"one packed batch (q.shape[0] = 1), got {q.shape[0]}")
+    if v_heads % heads or k_dim & (k_dim - 1) or v_dim & (v_dim - 1):
+        problems.append(f"HV={v_heads} a multiple of H={heads}; K={k_dim}, V={v_dim} powers of 2")
+    if state.dim() != 4 or tuple(state.shape[1:]) != (v_heads, v_dim, k_dim):
+        problems.append(f"state [slots, {v_heads}, {v_dim}, {k_dim}], got {list(state.shape)}")
+    elif state[0].stride() != (v_dim * k_dim, k_dim, 1):
+        problems.append("each state slot contiguous")
+    if tokens_per_pass < 1 or tokens_per_pass & (tokens_per_pass - 1):
+        problems.append(f"tokens_per_pass={tokens_per_pass} a power of two")
+    return problems
+
+
 def gdn_recurrent_update(
     A_log: torch.Tensor,
     a: torch.Tensor,
@@ -170,28 +192,18 @@ def gdn_recurrent_update(
     tokens_per_pass: tokens loaded together (a power of two; 1 + drafts fits a verify step);
     longer sequences take several passes. out: where the outputs go (else a new tensor); a
     skipped sequence's rows are left as they are."""
+    problems = unsupported(q, k, v, state, tokens_per_pass)
+    if problems:
+        raise ValueError("gdn_recurrent_update: needs " + "; ".join(problems))
     _, total, heads, k_dim = q.shape
     v_heads, v_dim = v.shape[2], v.shape[3]
-    problems = []
-    if k.shape != q.shape or v.shape[:2] != q.shape[:2] or q.shape[0] != 1:
-        shapes = ", ".join(str(list(tensor.shape)) for tensor in (q, k, v))
-        problems.append(f"q, k [1, T, H, K] and v [1, T, HV, V], got {shapes}")
-    if v_heads % heads or k_dim & (k_dim - 1) or v_dim & (v_dim - 1):
-        problems.append(f"HV={v_heads} a multiple of H={heads}; K={k_dim}, V={v_dim} powers of 2")
-    if state.dim() != 4 or tuple(state.shape[1:]) != (v_heads, v_dim, k_dim):
-        problems.append(f"state [slots, {v_heads}, {v_dim}, {k_dim}], got {list(state.shape)}")
-    elif state[0].stride() != (v_dim * k_dim, k_dim, 1):
-        problems.append("each state slot contiguous")
-    if tokens_per_pass < 1 or tokens_per_pass & (tokens_per_pass - 1):
-        problems.append(f"tokens_per_pass={tokens_per_pass} a power of two")
     sequences = cu_seqlens.numel() - 1
     block = block_v or default_block_v(sequences, v_heads, v_dim)
     if out is None:
         out = torch.empty((1, total, v_heads, v_dim), dtype=q.dtype, device=q.device)
     elif out.shape != (1, total, v_heads, v_dim) or not out.is_contiguous():
-        problems.append(f"out contiguous [1, {total}, {v_heads}, {v_dim}]")
-    if problems:
-        raise ValueError("gdn_recurrent_update: needs " + "; ".join(problems))
+        wanted = f"[1, {total}, {v_heads}, {v_dim}]"
+        raise ValueError(f"gdn_recurrent_update: needs out contiguous {wanted}")
     if sequences == 0:
         return out
     indices_stride = state_indices.stride(0)

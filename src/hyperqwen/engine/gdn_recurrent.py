@@ -1,0 +1,65 @@
+"""Which kernel runs the GDN layer's decode and verify recurrent update (GDN_RECURRENT).
+
+patches/gdn-recurrent.patch passes vLLM's fused_sigmoid_gating_delta_rule_update through
+`chosen` when the GDN layer module loads. With HYPERQWEN_GDN_RECURRENT=1 the layer gets a function
+of the same signature that runs kernels/gdn_recurrent.py for the calls it takes (l2-normalised
+q and k, the state updated in place, per-sequence state slots, not KDA) and hands any other call
+to vLLM's own. Host work only: shapes, never tensor values, so CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from hyperqwen.engine import GDN_RECURRENT_ENV
+
+MAX_TOKENS_PER_PASS = 16
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests run the kernel there
+
+
+def tokens_per_pass(total_tokens: int, sequences: int) -> int:
+    """A power of two covering the mean tokens per sequence (all of a uniform verify block)."""
+    mean = -(-total_tokens // max(sequences, 1))
+    return min(1 << max(mean - 1, 0).bit_length(), MAX_TOKENS_PER_PASS)
+
+
+def chosen(vllms: Callable) -> Callable:
+    """vLLM's function, or with GDN_RECURRENT=1 one that runs HyperQwen's kernel where it can."""
+    if os.environ.get(GDN_RECURRENT_ENV) != "1":
+        return vllms
+
+    from hyperqwen.kernels.gdn_recurrent import gdn_recurrent_update, unsupported
+
+    def fused_sigmoid_gating_delta_rule_update(
+        A_log, a, b, dt_bias, q, k, v, beta=1.0, threshold=20.0, scale=None,
+        initial_state=None, inplace_final_state=True, cu_seqlens=None, ssm_state_indices=None,
+        num_accepted_tokens=None, use_qk_l2norm_in_kernel=False, is_kda=False,
+    ):  # fmt: skip
+        takes = (
+            use_qk_l2norm_in_kernel
+            and inplace_final_state
+            and not is_kda
+            and initial_state is not None
+            and initial_state.dim() == 4
+            and cu_seqlens is not None
+            and ssm_state_indices is not None
+            and (q.is_cuda or INTERPRETED)
+            and not unsupported(q, k, v, initial_state)
+        )
+        if not takes:
+            return vllms(
+                A_log=A_log, a=a, b=b, dt_bias=dt_bias, q=q, k=k, v=v, beta=beta,
+                threshold=threshold, scale=scale, initial_state=initial_state,
+                inplace_final_state=inplace_final_state, cu_seqlens=cu_seqlens,
+                ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, is_kda=is_kda,
+            )  # fmt: skip
+        out = gdn_recurrent_update(
+            A_log, a, b, dt_bias, q, k, v, initial_state, cu_seqlens, ssm_state_indices,
+            num_accepted_tokens, scale=scale, softplus_beta=beta, softplus_threshold=threshold,
+            tokens_per_pass=tokens_per_pass(q.shape[1], cu_seqlens.shape[0] - 1),
+        )  # fmt: skip
+        return out, initial_state
+
+    return fused_sigmoid_gating_delta_rule_update
