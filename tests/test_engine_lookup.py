@@ -143,3 +143,30 @@ def test_the_runner_keeps_the_token_buffer_and_fuses_after_mtp(patched_vllm):
     proposed = source.index(mtp_call + "num_spec_tokens_to_schedule,")
     fused = source.index("draft_token_ids = lookup.fuse_into_mtp(", proposed)
     assert fused < source.index("return draft_token_ids", proposed)
+
+
+def test_a_long_block_is_proposed_only_for_a_long_match():
+    """DRAFT_TOKENS=15: a match of LONG_MATCH tokens or more proposes all 15 drafts, a shorter
+    one SHORT_MATCH_DRAFTS (what vLLM's GPU n-gram path then verifies), none proposes nothing."""
+    drafts_per_row = 15
+    text = list(range(100, 140))
+    contexts = [
+        [*text, 7, *text[:8]],  # copying: the last 8 tokens occurred before
+        [*text[:20], 9, 8, *text[:3]],  # a chance repeat of 3 tokens
+        list(range(500, 530)),  # nothing repeats
+        [*text, 7, *text[:8]],  # as row 0, but not a row the proposer may fill
+    ]
+    tokens = torch.zeros((4, 128), dtype=torch.int32)
+    for row, context in enumerate(contexts):
+        tokens[row, : len(context)] = torch.tensor(context, dtype=torch.int32)
+    lengths = torch.tensor([len(c) for c in contexts], dtype=torch.int32)
+    valid_rows = torch.tensor([True, True, True, False])
+    drafts, counts = engine_lookup.propose(
+        lengths, tokens, valid_rows, *LOOKUP_MATCH, drafts_per_row
+    )
+    short = engine_lookup.SHORT_MATCH_DRAFTS
+    assert counts.tolist() == [drafts_per_row, short, 0, 0]
+    assert drafts[0].tolist() == text[8 : 8 + drafts_per_row]
+    assert drafts[1, :short].tolist() == text[3 : 3 + short]
+    assert drafts[1, short:].tolist() == [-1] * (drafts_per_row - short)
+    assert drafts[2:].eq(-1).all()

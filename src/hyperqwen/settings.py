@@ -254,11 +254,14 @@ class Settings(BaseModel):
     )
     DRAFT_TOKENS: int | None = knob(
         None,
-        "Tokens drafted per step. Default: 3 for mtp, 4 for ngram and lookup.",
+        "Tokens drafted per step. Default: 3 for mtp, 4 for ngram and lookup. With lookup, "
+        "vLLM's GPU n-gram path verifies only the drafts a match supplies, so a long block "
+        "(e.g. 15) costs verify work only while the answer copies its context (speed not "
+        "measured yet).",
         "--speculative-config num_speculative_tokens",
         modes=SINGLE,
         ge=1,
-        le=8,
+        le=15,
     )
     DRAFT_SAMPLE: DraftSample = knob(
         "greedy",

@@ -30,6 +30,8 @@ from hyperqwen.kernels.lookup import find_suffix_match, fuse_with_mtp
 # a shorter one only where MTP's first draft agrees with it.
 FUSED_MATCH = (2, 12)
 LONG_MATCH = 6
+# SPEC=lookup: drafts a match shorter than LONG_MATCH may propose (the default DRAFT_TOKENS)
+SHORT_MATCH_DRAFTS = 4
 
 
 def enabled() -> bool:
@@ -45,11 +47,18 @@ def propose(
     num_drafts: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's n-gram kernel contract: ([B, num_drafts] int32 drafts, -1 where a row proposes
-    nothing; [B] int32 count of leading valid drafts). Rows not in valid_rows propose nothing."""
+    nothing; [B] int32 count of leading valid drafts). Rows not in valid_rows propose nothing.
+    A match of LONG_MATCH tokens or more proposes all num_drafts; a shorter one (more often
+    chance) at most SHORT_MATCH_DRAFTS, so a long verify block (DRAFT_TOKENS=15) is spent only
+    where the answer is copying: vLLM's GPU n-gram path verifies only the valid drafts."""
     match = find_suffix_match(token_ids, num_tokens.to(torch.int32), min_n, max_n, num_drafts)
     proposes = valid_rows & (match.length > 0)
-    drafts = torch.where(proposes[:, None], match.drafts, -1)
-    return drafts, torch.where(proposes, num_drafts, 0).to(torch.int32)
+    short = min(num_drafts, SHORT_MATCH_DRAFTS)
+    counts = torch.where(match.length >= LONG_MATCH, num_drafts, short)
+    counts = torch.where(proposes, counts, 0).to(torch.int32)
+    offsets = torch.arange(num_drafts, device=counts.device)[None, :]
+    drafts = torch.where(offsets < counts[:, None], match.drafts, -1)
+    return drafts, counts
 
 
 def fused(speculative_config) -> bool:
