@@ -62,6 +62,11 @@ CASES = [
     (5, 64, 640, (32, 256, 3, 2, 3, True)),
     (17, 48, 512, (16, 256, 1, 1, 3, True)),
     (70, 32, 256, (16, 128, 2, 1, 3, True)),
+    # pair planes (weights repacked): whole tiles (no masks) and N, K beyond the last tile
+    (1, 64, 512, (32, 256, 1, 2, 3, False, True)),
+    (4, 128, 768, (64, 256, 3, 2, 3, False, True)),
+    (5, 80, 384, (32, 256, 2, 1, 3, False, True)),
+    (17, 64, 256, (64, 128, 1, 4, 3, False, True)),
 ]
 
 
@@ -70,7 +75,11 @@ def test_matches_float64_reference(kernel, m, n, k, tile):
     codes, scale, dense = random_weights(n, k, seed=m * 1000 + n)
     x = torch.randn((m, k), generator=torch.Generator().manual_seed(m), dtype=torch.float32)
     x = x.to(torch.bfloat16)
-    out = run(kernel, x, kernel.pack_codes(codes), scale, kernel.TileConfig(*tile))
+    config = kernel.TileConfig(*tile)
+    packed = kernel.pack_codes(codes)
+    if config.pairs:
+        packed = kernel.repack_pairs(packed)
+    out = run(kernel, x, packed, scale, config)
     # bf16 output rounding alone is ~3e-3 relative
     assert relative_error(out, x.double() @ dense.T) < 6e-3
 
@@ -78,10 +87,30 @@ def test_matches_float64_reference(kernel, m, n, k, tile):
 def test_fp16_activations(kernel):
     codes, scale, dense = random_weights(64, 512, seed=7, dtype=torch.float16)
     x = torch.randn((5, 512), generator=torch.Generator().manual_seed(7)).to(torch.float16)
-    for planes in (False, True):
-        config = kernel.TileConfig(32, 256, 2, planes=planes)
-        out = run(kernel, x, kernel.pack_codes(codes), scale, config)
+    for unpack in ({}, {"planes": True}, {"pairs": True}):
+        config = kernel.TileConfig(32, 256, 2, **unpack)
+        packed = kernel.pack_codes(codes)
+        packed = kernel.repack_pairs(packed) if config.pairs else packed
+        out = run(kernel, x, packed, scale, config)
         assert relative_error(out, x.double() @ dense.T) < 1e-3  # fp16 keeps 3 more bits
+
+
+def test_pair_plane_layout_puts_two_neighbouring_columns_in_nibbles_j_and_j_plus_4(kernel):
+    k = 256
+    order = kernel.pair_plane_order(k)
+    assert sorted(order.tolist()) == list(range(k))  # a permutation, group by group
+    codes = torch.arange(k)[None, :] % 16 + torch.zeros((3, 1), dtype=torch.int64)
+    codes[1] = torch.randint(0, 16, (k,), generator=torch.Generator().manual_seed(2))
+    words = kernel.unpack_codes(kernel.repack_pairs(kernel.pack_codes(codes)))
+    for group in range(k // 128):
+        for word in range(16):
+            for j in range(4):
+                column = group * 128 + 32 * j + 2 * word
+                position = group * 128 + 8 * word
+                assert words[1, position + j] == codes[1, column]
+                assert words[1, position + j + 4] == codes[1, column + 1]
+    with pytest.raises(ValueError, match="pairs needs group_size=128"):
+        kernel.check_config(kernel.TileConfig(32, 256, 1, pairs=True), 64, 512)
 
 
 def test_reads_the_checkpoint_format(kernel):

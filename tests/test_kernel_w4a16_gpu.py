@@ -27,7 +27,7 @@ SHAPES = [(s.name, s.n, s.k) for s in layer_shapes(G27)] + [
 
 @pytest.mark.parametrize(("name", "n", "k"), SHAPES, ids=[s[0] for s in SHAPES])
 def test_full_shapes_match_float64(name, n, k):
-    from hyperqwen.kernels.w4a16 import pack_codes, w4a16_matmul
+    from hyperqwen.kernels.w4a16 import pack_codes, repack_pairs, w4a16_matmul
 
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     codes = torch.randint(0, 16, (n, k), device="cuda", generator=gen)
@@ -35,6 +35,7 @@ def test_full_shapes_match_float64(name, n, k):
         torch.bfloat16
     )
     packed = pack_codes(codes)
+    pairs = repack_pairs(packed)
     dense = (codes.double() - 8) * scale.double().repeat_interleave(GROUP, dim=1)
     del codes
     failures = []
@@ -43,7 +44,7 @@ def test_full_shapes_match_float64(name, n, k):
         ref = x.double() @ dense.T
         for config in sweep_configs():
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            w4a16_matmul(x, packed, scale, GROUP, config, out=out)
+            w4a16_matmul(x, pairs if config.pairs else packed, scale, GROUP, config, out=out)
             torch.cuda.synchronize()
             error = ((out.double() - ref).norm() / ref.norm()).item()
             if out.isnan().any() or not error < 6e-3:

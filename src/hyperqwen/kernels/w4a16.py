@@ -4,8 +4,9 @@ Status: correct, and slower than vLLM's Marlin on the H200 at every measured sha
 M <= 16, kernels/README.md); no serving path dispatches to it yet. `hyperqwen bench kernels`
 times it beside vLLM's kernels so each change is measured against them.
 
-Reads the compressed-tensors pack-quantized layout as the checkpoint stores it (the layer would
-keep its one copy of the weights, repacked by nothing):
+Reads the compressed-tensors pack-quantized layout as the checkpoint stores it, or (TileConfig
+.pairs) the same words with their codes reordered once by repack_pairs, the one copy a layer
+would then keep:
 
   weight_packed  [N, K / 8]  int32    eight 4-bit codes per word along K, code j at bits 4j..4j+3
   weight_scale   [N, K / G]  x.dtype  one scale per output row and group of G inputs
@@ -14,9 +15,11 @@ keep its one copy of the weights, repacked by nothing):
 Each program owns BLOCK_N output rows and one of SPLIT_K slices of K, and takes one group of G
 inputs at a time. The codes, OR-ed into the mantissa of a float constant (MAGIC + code, exact, no
 int-to-float conversion), meet xᵀ in tensor-core dots (M padded to 16), either unpacked in K
-order (one dot of K = G; the (MAGIC + 8) * sum(x) it carries is subtracted after) or as 8 nibble
-planes (8 dots of K = 16, the bias subtracted in x's dtype first); the group scale multiplies the
-small [BLOCK_N, M] product.
+order (one dot of K = G; the (MAGIC + 8) * sum(x) it carries is subtracted after), as 8 nibble
+planes (8 dots of K = 16, the bias subtracted in x's dtype first), or in the pair-plane layout
+as 4 pair planes (one shift and mask give two codes; 4 dots of K = 32 against contiguous x); the
+group scale multiplies the small [BLOCK_N, M] product. Where N and K are whole tiles (every 27B
+shape) the weight loads carry no masks.
 Split-K partial sums go to an fp32 workspace; the last program of an output tile to arrive (an
 acq_rel counter) adds the slices in slice order, so results do not depend on arrival order,
 writes the output and re-arms the counter for the next launch (CUDA-graph replays reuse it).
@@ -36,6 +39,7 @@ import triton.language as tl
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_MIN_ROWS = 16  # tl.dot's smallest M/N/K
 MAX_BLOCK_M = 64
+PAIR_GROUP = 128  # the pair-plane layout's group: 16 words, 4 pair planes of K = 32
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,11 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     planes: bool = False  # unpack as 8 nibble planes (see _group_planes), not in K order
+    # weights in the pair-plane layout (repack_pairs), unpacked two codes per mask (_group_pairs)
+    pairs: bool = False
 
     def label(self) -> str:
-        unpack = "planes_" if self.planes else ""
+        unpack = "pairs_" if self.pairs else "planes_" if self.planes else ""
         return (
             f"{unpack}n{self.block_n}_k{self.block_k}_s{self.split_k}"
             f"_w{self.num_warps}_p{self.num_stages}"
@@ -142,6 +148,41 @@ def _group_planes(words, x, x_ptr, DOT_IN_FP32: tl.constexpr):
 
 
 @triton.jit
+def _pair_dot(words, j: tl.constexpr, x_j, part, x_ptr, DOT_IN_FP32: tl.constexpr):
+    """Pair plane j: one shift and mask turn nibbles j and j + 4 of every word into two codes,
+    OR-ed into the mantissas of two magic floats at once; the halves are the pair's two k."""
+    bits, value = _magic(x_ptr)
+    pairs = ((words >> (4 * j)) & 0x000F000F) | (bits | (bits << 16))
+    low = _as_x_dtype(pairs & 0xFFFF, x_ptr)
+    high = _as_x_dtype(pairs >> 16, x_ptr)
+    biased = tl.interleave(low, high)  # k = 2i from word i's low half, 2i + 1 from its high
+    if DOT_IN_FP32:
+        weights = biased.to(tl.float32) - (value + 8.0)
+        return tl.dot(weights, x_j.to(tl.float32).T, part, input_precision="ieee")
+    else:
+        weights = (biased - (value + 8.0)).to(x_ptr.dtype.element_ty)  # exact in bf16/fp16
+        return tl.dot(weights, x_j.T, part)
+
+
+@triton.jit
+def _group_pairs(words, x, x_ptr, DOT_IN_FP32: tl.constexpr):
+    """One group's product in the pair-plane layout (repack_pairs): nibbles j and j + 4 of word
+    i hold k = 32j + 2i and 32j + 2i + 1, so pair plane j is one dot of K = 32 against the
+    contiguous x[32j : 32j + 32]."""
+    BLOCK_M: tl.constexpr = x.shape[0]
+    # x[m, 32j + c] with j = 2a + b -> [BLOCK_M, 32, a, b]; split off b, then a
+    quarters = tl.permute(tl.reshape(x, (BLOCK_M, 2, 2, 32)), (0, 3, 1, 2))
+    even_j, odd_j = tl.split(quarters)
+    x0, x2 = tl.split(even_j)
+    x1, x3 = tl.split(odd_j)
+    part = tl.zeros((words.shape[0], BLOCK_M), dtype=tl.float32)
+    part = _pair_dot(words, 0, x0, part, x_ptr, DOT_IN_FP32)
+    part = _pair_dot(words, 1, x1, part, x_ptr, DOT_IN_FP32)
+    part = _pair_dot(words, 2, x2, part, x_ptr, DOT_IN_FP32)
+    return _pair_dot(words, 3, x3, part, x_ptr, DOT_IN_FP32)
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr,
     w_ptr,
@@ -163,6 +204,8 @@ def _w4a16_kernel(
     SPLIT_K: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     PLANES: tl.constexpr,
+    PAIRS: tl.constexpr,
+    EVEN: tl.constexpr,  # N and K are whole tiles: no masks on the weight loads
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -188,14 +231,21 @@ def _w4a16_kernel(
     for block in range(first_block, last_block):
         for g in tl.static_range(GROUPS_PER_BLOCK):
             group = block * GROUPS_PER_BLOCK + g
-            group_mask = n_mask[:, None] & (group * GROUP < K)
             offs_w = group * WORDS + tl.arange(0, WORDS)
-            words = tl.load(w_rows + offs_w[None, :], mask=group_mask, other=0)
-            scale = tl.load(s_rows + group, mask=group_mask, other=0.0)
             offs_k = group * GROUP + tl.arange(0, GROUP)
-            x_mask = m_mask[:, None] & (offs_k[None, :] < K)
-            x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
-            if PLANES:
+            if EVEN:
+                words = tl.load(w_rows + offs_w[None, :])
+                scale = tl.load(s_rows + group)
+                x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            else:
+                group_mask = n_mask[:, None] & (group * GROUP < K)
+                words = tl.load(w_rows + offs_w[None, :], mask=group_mask, other=0)
+                scale = tl.load(s_rows + group, mask=group_mask, other=0.0)
+                x_mask = m_mask[:, None] & (offs_k[None, :] < K)
+                x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
+            if PAIRS:
+                part = _group_pairs(words, x, x_ptr, DOT_IN_FP32)
+            elif PLANES:
                 part = _group_planes(words, x, x_ptr, DOT_IN_FP32)
             else:
                 part = _group_interleaved(words, x, x_ptr, DOT_IN_FP32)
@@ -294,6 +344,8 @@ def check_config(config: TileConfig, group_size: int, k: int) -> None:
         problems.append(f"block_n={config.block_n} must be a power of two >= {DOT_MIN_ROWS}")
     if config.split_k < 1:
         problems.append(f"split_k={config.split_k} must be >= 1")
+    if config.pairs and (config.planes or group_size != PAIR_GROUP):
+        problems.append(f"pairs needs group_size={PAIR_GROUP} (4 pair planes of 32) and no planes")
     if problems:
         raise ValueError("w4a16 tile config " + config.label() + ": " + "; ".join(problems))
 
@@ -355,6 +407,8 @@ def w4a16_matmul(
         SPLIT_K=config.split_k,
         DOT_IN_FP32=_INTERPRETED,
         PLANES=config.planes,
+        PAIRS=config.pairs,
+        EVEN=n % config.block_n == 0 and k % config.block_k == 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -369,6 +423,25 @@ def pack_codes(codes: torch.Tensor, bits: int = 4) -> torch.Tensor:
     shifts = torch.arange(per_word, dtype=torch.int64, device=codes.device) * bits
     words = (codes.to(torch.int64).reshape(n, k // per_word, per_word) << shifts).sum(dim=-1)
     return (words - ((words >= 2**31).to(torch.int64) << 32)).to(torch.int32)
+
+
+def pair_plane_order(k: int) -> torch.Tensor:
+    """The checkpoint column each stored code position takes in the pair-plane layout: in each
+    group of 128, word i's nibble j (j < 4) holds column 32j + 2i and nibble j + 4 column
+    32j + 2i + 1 (position 8i + j of the packed row, as pack_codes orders them)."""
+    word = torch.arange(PAIR_GROUP // 8)[:, None]
+    nibble = torch.arange(8)[None, :]
+    within = 32 * (nibble % 4) + 2 * word + nibble // 4  # [16 words, 8 nibbles]
+    groups = torch.arange(k // PAIR_GROUP)[:, None] * PAIR_GROUP
+    return (groups + within.reshape(1, -1)).reshape(-1)
+
+
+def repack_pairs(weight_packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint-order int4 words [N, K/8] -> the same codes in the pair-plane layout
+    (TileConfig.pairs), same shape and dtype: what a layer would keep instead, not beside."""
+    codes = unpack_codes(weight_packed)
+    order = pair_plane_order(codes.shape[1]).to(codes.device)
+    return pack_codes(codes[:, order])
 
 
 def unpack_codes(weight_packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
