@@ -49,7 +49,7 @@ def run(kernel, x, packed, scale, config):
 
 
 CASES = [
-    # m, n, k, (block_n, block_k, split_k[, num_warps, num_stages, planes])
+    # m, n, k, (block_n, block_k, split_k[, num_warps, num_stages, pairs])
     (1, 64, 256, (16, 128, 1)),
     (1, 80, 384, (64, 256, 1)),  # N and K beyond the last full tile
     (3, 96, 512, (32, 256, 2)),
@@ -58,15 +58,13 @@ CASES = [
     (16, 32, 256, (16, 256, 2)),
     (17, 64, 512, (32, 256, 1)),  # BLOCK_M 32
     (70, 40, 256, (16, 128, 2)),  # two M tiles of 64
-    (1, 80, 384, (16, 128, 2, 1, 3, True)),  # nibble planes: N and K beyond the last tile
-    (5, 64, 640, (32, 256, 3, 2, 3, True)),
-    (17, 48, 512, (16, 256, 1, 1, 3, True)),
-    (70, 32, 256, (16, 128, 2, 1, 3, True)),
+    (1, 80, 384, (16, 128, 2, 1, 3)),
+    (5, 64, 640, (32, 256, 3, 2, 3)),
     # pair planes (weights repacked): whole tiles (no masks) and N, K beyond the last tile
-    (1, 64, 512, (32, 256, 1, 2, 3, False, True)),
-    (4, 128, 768, (64, 256, 3, 2, 3, False, True)),
-    (5, 80, 384, (32, 256, 2, 1, 3, False, True)),
-    (17, 64, 256, (64, 128, 1, 4, 3, False, True)),
+    (1, 64, 512, (32, 256, 1, 2, 3, True)),
+    (4, 128, 768, (64, 256, 3, 2, 3, True)),
+    (5, 80, 384, (32, 256, 2, 1, 3, True)),
+    (17, 64, 256, (64, 128, 1, 4, 3, True)),
 ]
 
 
@@ -87,7 +85,7 @@ def test_matches_float64_reference(kernel, m, n, k, tile):
 def test_fp16_activations(kernel):
     codes, scale, dense = random_weights(64, 512, seed=7, dtype=torch.float16)
     x = torch.randn((5, 512), generator=torch.Generator().manual_seed(7)).to(torch.float16)
-    for unpack in ({}, {"planes": True}, {"pairs": True}):
+    for unpack in ({}, {"pairs": True}):
         config = kernel.TileConfig(32, 256, 2, **unpack)
         packed = kernel.pack_codes(codes)
         packed = kernel.repack_pairs(packed) if config.pairs else packed
@@ -110,7 +108,7 @@ def test_pair_plane_layout_puts_two_neighbouring_columns_in_nibbles_j_and_j_plus
                 assert words[1, position + j] == codes[1, column]
                 assert words[1, position + j + 4] == codes[1, column + 1]
     with pytest.raises(ValueError, match="pairs needs group_size=128"):
-        kernel.check_config(kernel.TileConfig(32, 256, 1, pairs=True), 64, 512)
+        kernel.check_config(kernel.TileConfig(32, 512, 1, pairs=True), 256, 512)
 
 
 def test_reads_the_checkpoint_format(kernel):
@@ -161,6 +159,8 @@ def test_zero_rows_writes_nothing_and_returns(kernel):
         ((24, 128, 1), 128, 512, "block_n=24 must be a power of two"),
         ((16, 128, 0), 128, 512, "split_k=0 must be >= 1"),
         ((16, 128, 1), 128, 320, "K=320 must be a multiple of group_size=128"),
+        ((16, 128, 1), 64, 512, "group_size=64 must be 8 x a power of two, at least 128"),
+        ((16, 384, 1), 192, 768, "group_size=192 must be 8 x a power of two"),
     ],
 )
 def test_refuses_bad_configs_naming_the_value(kernel, config, group, k, message):

@@ -99,9 +99,9 @@ def sweep_configs() -> list:
 
     configs = []
     for split_k in (1, 2, 4, 8):
-        configs.append(TileConfig(32, 256, split_k, num_warps=1, planes=True))
-        configs.append(TileConfig(32, 256, split_k, num_warps=2, planes=True))
-        configs.append(TileConfig(16, 256, split_k, num_warps=1, planes=True))
+        configs.append(TileConfig(32, 256, split_k, num_warps=1))
+        configs.append(TileConfig(32, 256, split_k, num_warps=2))
+        configs.append(TileConfig(16, 256, split_k, num_warps=1))
         configs.append(TileConfig(64, 256, split_k, num_warps=2, pairs=True))
         configs.append(TileConfig(64, 256, split_k, num_warps=4, pairs=True))
         configs.append(TileConfig(128, 256, split_k, num_warps=4, pairs=True))

@@ -14,11 +14,12 @@ would then keep:
 
 Each program owns BLOCK_N output rows and one of SPLIT_K slices of K, and takes one group of G
 inputs at a time. The codes, OR-ed into the mantissa of a float constant (MAGIC + code, exact, no
-int-to-float conversion), meet xᵀ in tensor-core dots (M padded to 16), either unpacked in K
-order (one dot of K = G; the (MAGIC + 8) * sum(x) it carries is subtracted after), as 8 nibble
-planes (8 dots of K = 16, the bias subtracted in x's dtype first), or in the pair-plane layout
-as 4 pair planes (one shift and mask give two codes; 4 dots of K = 32 against contiguous x); the
-group scale multiplies the small [BLOCK_N, M] product. Where N and K are whole tiles (every 27B
+int-to-float conversion) with the bias subtracted in x's dtype (exact), meet xᵀ in tensor-core
+dots (M padded to 16): in the checkpoint's layout as 8 nibble planes (8 dots of K = 16, x split
+into its planes in registers), in the pair-plane layout as 4 pair planes (one shift and mask give
+two codes; 4 dots of K = 32 against contiguous x); the group scale multiplies the small
+[BLOCK_N, M] product. (Unpacking in K order, one dot of K = G, lost to the planes at every 27B
+shape on the H200 and is gone: kernels/README.md.) Where N and K are whole tiles (every 27B
 shape) the weight loads carry no masks.
 Split-K partial sums go to an fp32 workspace; the last program of an output tile to arrive (an
 acq_rel counter) adds the slices in slice order, so results do not depend on arrival order,
@@ -51,12 +52,12 @@ class TileConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
-    planes: bool = False  # unpack as 8 nibble planes (see _group_planes), not in K order
-    # weights in the pair-plane layout (repack_pairs), unpacked two codes per mask (_group_pairs)
+    # weights in the pair-plane layout (repack_pairs), unpacked two codes per mask (_group_pairs);
+    # else the checkpoint's layout as 8 nibble planes (_group_planes)
     pairs: bool = False
 
     def label(self) -> str:
-        unpack = "pairs_" if self.pairs else "planes_" if self.planes else ""
+        unpack = "pairs_" if self.pairs else "planes_"
         return (
             f"{unpack}n{self.block_n}_k{self.block_k}_s{self.split_k}"
             f"_w{self.num_warps}_p{self.num_stages}"
@@ -77,26 +78,6 @@ def _magic(x_ptr):
 def _as_x_dtype(bits, x_ptr):
     """int32 holding a 16-bit pattern -> that pattern as x's float dtype."""
     return bits.to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
-
-
-@triton.jit
-def _group_interleaved(words, x, x_ptr, DOT_IN_FP32: tl.constexpr):
-    """One group's [BLOCK_N, BLOCK_M] product, codes unpacked into K order (three interleaves)."""
-    GROUP: tl.constexpr = x.shape[1]
-    shifts = (tl.arange(0, GROUP) % 8) * 4
-    # each word repeated 8 times in a row, then code j of word i sits at column 8i + j
-    codes = tl.interleave(words, words)
-    codes = tl.interleave(codes, codes)
-    codes = tl.interleave(codes, codes)
-    codes = (codes >> shifts[None, :]) & 0xF
-    bits, value = _magic(x_ptr)
-    biased = _as_x_dtype(codes | bits, x_ptr)  # value + code, exact
-    if DOT_IN_FP32:
-        part = tl.dot(biased.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-    else:
-        part = tl.dot(biased, tl.trans(x), out_dtype=tl.float32)
-    # the dot carried (value + 8) * sum(x) too: one subtraction per output removes it
-    return part - (value + 8.0) * tl.sum(x.to(tl.float32), axis=1)[None, :]
 
 
 @triton.jit
@@ -203,7 +184,6 @@ def _w4a16_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
-    PLANES: tl.constexpr,
     PAIRS: tl.constexpr,
     EVEN: tl.constexpr,  # N and K are whole tiles: no masks on the weight loads
 ):
@@ -245,10 +225,8 @@ def _w4a16_kernel(
                 x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
             if PAIRS:
                 part = _group_pairs(words, x, x_ptr, DOT_IN_FP32)
-            elif PLANES:
-                part = _group_planes(words, x, x_ptr, DOT_IN_FP32)
             else:
-                part = _group_interleaved(words, x, x_ptr, DOT_IN_FP32)
+                part = _group_planes(words, x, x_ptr, DOT_IN_FP32)
             acc += part * scale.to(tl.float32)
 
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -334,8 +312,10 @@ def workspace_size(m: int, n: int, config: TileConfig) -> tuple[int, int]:
 def check_config(config: TileConfig, group_size: int, k: int) -> None:
     """Refuse a config or shape the kernel cannot run, with the reason."""
     problems = []
-    if group_size % 8 or group_size < DOT_MIN_ROWS:
-        problems.append(f"group_size={group_size} must be a multiple of 8, at least 16")
+    words = group_size // 8
+    if group_size % 8 or words < DOT_MIN_ROWS or words & (words - 1):
+        # a plane is one dot of K = group_size / 8
+        problems.append(f"group_size={group_size} must be 8 x a power of two, at least 128")
     elif config.block_k % group_size:
         problems.append(f"block_k={config.block_k} must be a multiple of group_size={group_size}")
     if k % group_size:
@@ -344,8 +324,8 @@ def check_config(config: TileConfig, group_size: int, k: int) -> None:
         problems.append(f"block_n={config.block_n} must be a power of two >= {DOT_MIN_ROWS}")
     if config.split_k < 1:
         problems.append(f"split_k={config.split_k} must be >= 1")
-    if config.pairs and (config.planes or group_size != PAIR_GROUP):
-        problems.append(f"pairs needs group_size={PAIR_GROUP} (4 pair planes of 32) and no planes")
+    if config.pairs and group_size != PAIR_GROUP:
+        problems.append(f"pairs needs group_size={PAIR_GROUP} (4 pair planes of 32)")
     if problems:
         raise ValueError("w4a16 tile config " + config.label() + ": " + "; ".join(problems))
 
@@ -406,7 +386,6 @@ def w4a16_matmul(
         BLOCK_K=config.block_k,
         SPLIT_K=config.split_k,
         DOT_IN_FP32=_INTERPRETED,
-        PLANES=config.planes,
         PAIRS=config.pairs,
         EVEN=n % config.block_n == 0 and k % config.block_k == 0,
         num_warps=config.num_warps,
