@@ -134,7 +134,7 @@ def _pair_dot(words, j: tl.constexpr, x_j, part, x_ptr, DOT_IN_FP32: tl.constexp
     OR-ed into the mantissas of two magic floats at once; the halves are the pair's two k."""
     bits, value = _magic(x_ptr)
     pairs = ((words >> (4 * j)) & 0x000F000F) | (bits | (bits << 16))
-    low = _as_x_dtype(pairs & 0xFFFF, x_ptr)
+    low = _as_x_dtype(pairs, x_ptr)  # the int16 cast keeps the low half
     high = _as_x_dtype(pairs >> 16, x_ptr)
     biased = tl.interleave(low, high)  # k = 2i from word i's low half, 2i + 1 from its high
     if DOT_IN_FP32:
