@@ -3,6 +3,7 @@ computes from raw timings (the timing itself needs a GPU: `hyperqwen bench gdn` 
 
 from __future__ import annotations
 
+import pytest
 from cli_runner import run_in_process
 
 from hyperqwen.bench.gdn import configs_for, make_case, result_rows, state_bytes
@@ -61,3 +62,30 @@ def test_rows_take_our_fastest_correct_config_and_count_the_state_moved() -> Non
 def test_without_a_gpu_it_says_so(capsys) -> None:
     assert run_in_process("bench", "gdn", "--out", "unused.json") == 3
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's, per scalar
+def test_every_config_passes_the_check_against_vllm_though_timing_moves_the_state():
+    """measure_case's own check, on the CPU interpreter: the timer runs launches that update
+    the state slots in place (as CUDA-graph replays do), and every config of ours must still
+    be checked from the state vLLM's reference started from."""
+    from test_kernel_gdn_recurrent import vllms_kernel
+
+    from hyperqwen.bench.gdn import measure_case
+
+    ran = []
+
+    def timer(launches):  # what graph_time_us does to the state, without a GPU
+        launches[0]()
+        ran.append(len(launches))
+        return 1.0
+
+    entry = measure_case(
+        PRESETS["tiny"], "verify_n1_t4", 1, 4, print, timer=timer, device="cpu",
+        vllms=vllms_kernel(),
+    )  # fmt: skip
+    assert entry["vllm_us"] == 1.0 and ran[0] == entry["copies"] >= 2
+    assert len(entry["ours"]) == len(configs_for(4))
+    failed = {label: e for label, e in entry["ours"].items() if "us" not in e}
+    assert not failed, failed
+    assert all(e["out_error"] < 1e-2 for e in entry["ours"].values())

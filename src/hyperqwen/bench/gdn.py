@@ -85,13 +85,19 @@ def make_case(geometry, sequences: int, tokens: int, device: str = "cuda"):
     return inputs, state, indices, accepted, copies
 
 
-def vllm_launch(inputs, state, indices, accepted):
+def vllms_update():
     from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (
         fused_sigmoid_gating_delta_rule_update,
     )
 
+    return fused_sigmoid_gating_delta_rule_update
+
+
+def vllm_launch(inputs, state, indices, accepted, update=None):
+    update = update or vllms_update()
+
     def launch():
-        return fused_sigmoid_gating_delta_rule_update(
+        return update(
             **inputs, initial_state=state, inplace_final_state=True, ssm_state_indices=indices,
             num_accepted_tokens=accepted, use_qk_l2norm_in_kernel=True,
         )[0]  # fmt: skip
@@ -120,20 +126,27 @@ def configs_for(tokens: int) -> list[dict]:
     ]
 
 
-def measure_case(geometry, name: str, sequences: int, tokens: int, log) -> dict:
+def measure_case(
+    geometry, name: str, sequences: int, tokens: int, log, timer=graph_time_us, device="cuda",
+    vllms=None,
+) -> dict:  # fmt: skip
+    """vLLM's time and each correct config's; `timer` runs a list of launches and returns us per
+    launch (graph_time_us; its replays update the state slots in place, as the layer does)."""
     import torch
 
-    inputs, state, indices, accepted, copies = make_case(geometry, sequences, tokens)
-    check = state.clone()
-    want = vllm_launch(inputs, check, indices[0], accepted)()
+    inputs, state, indices, accepted, copies = make_case(geometry, sequences, tokens, device)
+    # the timed launches update `state` in place: every check starts from this copy
+    pristine = state.clone()
+    check = pristine.clone()
+    want = vllm_launch(inputs, check, indices[0], accepted, vllms)()
     want_state = check[1 : 1 + sequences * tokens]
     entry = {"sequences": sequences, "tokens": tokens, "copies": copies, "ours": {}}
-    entry["vllm_us"] = graph_time_us(
-        [vllm_launch(inputs, state, indices[c], accepted) for c in range(copies)]
+    entry["vllm_us"] = timer(
+        [vllm_launch(inputs, state, indices[c], accepted, vllms) for c in range(copies)]
     )
     for config in configs_for(tokens):
         label = "b{block_v}_w{num_warps}_p{tokens_per_pass}".format(**config)
-        trial = state.clone()
+        trial = pristine.clone()
         got = our_launch(inputs, trial, indices[0], accepted, config)()
         out_error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         state_error = (trial[1 : 1 + sequences * tokens] - want_state).abs().max().item()
@@ -141,12 +154,13 @@ def measure_case(geometry, name: str, sequences: int, tokens: int, log) -> dict:
             entry["ours"][label] = {"error": f"out {out_error:.2e}, state {state_error:.2e}"}
             continue
         launches = [our_launch(inputs, state, indices[c], accepted, config) for c in range(copies)]
-        entry["ours"][label] = {"us": graph_time_us(launches), "out_error": out_error}
+        entry["ours"][label] = {"us": timer(launches), "out_error": out_error}
         del trial
     timed = {k: v["us"] for k, v in entry["ours"].items() if "us" in v}
     best = min(timed, key=timed.get) if timed else None
     log(f"{name}: vllm {entry['vllm_us']:.1f} us, ours {timed.get(best, math.nan):.1f} us ({best})")
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return entry
 
 
