@@ -93,7 +93,7 @@ def moved_bytes(m: int, n: int, k: int, act_bytes: int = 2, bits: int = 4) -> in
 def sweep_configs() -> list:
     """Our candidate tile configs (kernels/README.md): the nibble planes' tiles that won on the
     H200 (2026-12-01; the K-order unpack lost to them everywhere and is no longer swept), and the
-    pair-plane layout's, whose main loop issues 3.6-4.8 instructions per code in sm90 SASS
+    pair-plane layout's, whose main loop issues 3.2-4.8 instructions per code in sm90 SASS
     against the planes' 7.6 (not timed yet)."""
     from hyperqwen.kernels.w4a16 import TileConfig
 
@@ -106,6 +106,7 @@ def sweep_configs() -> list:
         configs.append(TileConfig(64, 256, split_k, num_warps=4, pairs=True))
         configs.append(TileConfig(128, 256, split_k, num_warps=4, pairs=True))
         configs.append(TileConfig(128, 256, split_k, num_warps=8, pairs=True))
+        configs.append(TileConfig(256, 256, split_k, num_warps=8, pairs=True))
     return configs
 
 
