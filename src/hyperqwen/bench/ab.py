@@ -897,15 +897,12 @@ def load_state(path: Path, plan: dict) -> dict:
     state = json.loads(path.read_text(encoding="utf-8"))
     if state.get("schema") != STATE_SCHEMA or not state.get("stock"):
         raise ABError(f"--state {path}: holds no stock half; run --phase stock first")
-    saved, current = state["plan"], _jsonable(plan)
-    differing = [
-        name
-        for name in PLAN_OPTIONS
-        if saved.get(name, OPTIONS_ADDED_LATER.get(name)) != current[name]
-    ]
+    current = _jsonable(plan)
+    then = {name: state["plan"].get(name, OPTIONS_ADDED_LATER.get(name)) for name in PLAN_OPTIONS}
+    differing = [name for name in PLAN_OPTIONS if then[name] != current[name]]
     if differing:
         shown = "; ".join(
-            f"{name}: {saved.get(name)!r} then, {current[name]!r} now" for name in differing
+            f"{name}: {then[name]!r} then, {current[name]!r} now" for name in differing
         )
         raise ABError(
             f"--state {path} was measured with other options ({shown}). Pass the same options "

@@ -43,7 +43,8 @@ def _row(tile, offsets, t):
 
 @triton.jit
 def _entry(vector, offsets, t):
-    return tl.sum(tl.where(offsets == t, vector, 0.0), axis=0)
+    """Entry t of a register vector [TOKENS], of its own dtype."""
+    return tl.sum(tl.where(offsets == t, vector, 0), axis=0)
 
 
 @triton.jit(do_not_specialize=["softplus_beta", "softplus_threshold", "scale"])
@@ -129,7 +130,7 @@ def _gdn_recurrent_kernel(
                 out = tl.sum(h * _row(q_t, o_t, t)[None, :], axis=1)
                 token = bos + start + t
                 tl.store(o + (token * HV + i_hv) * V + o_v, out.to(o.dtype.element_ty))
-                slot = tl.sum(tl.where(o_t == t, slots, 0), axis=0)
+                slot = _entry(slots, o_t, t)
                 if slot > 0:
                     target = state + slot.to(tl.int64) * state_stride + head_state
                     tl.store(target, h.to(state.dtype.element_ty))

@@ -81,24 +81,24 @@ def _as_x_dtype(bits, x_ptr):
 
 
 @triton.jit
-def _plane(words, j: tl.constexpr, x_ptr, DOT_IN_FP32: tl.constexpr):
-    """Nibble j of every word as weights -8..7 in x's dtype (fp32 under the interpreter)."""
-    bits, value = _magic(x_ptr)
-    biased = _as_x_dtype(((words >> (4 * j)) & 0xF) | bits, x_ptr)  # value + code, exact
+def _unbiased_dot(biased, x_t, part, x_ptr, DOT_IN_FP32: tl.constexpr):
+    """part + (biased - (MAGIC + 8)) @ x_t: biased holds MAGIC + code in x's dtype, so the
+    subtraction gives the weights -8..7 exactly (in fp32 under the interpreter)."""
+    _, value = _magic(x_ptr)
     if DOT_IN_FP32:
-        return biased.to(tl.float32) - (value + 8.0)
+        weights = biased.to(tl.float32) - (value + 8.0)
+        return tl.dot(weights, x_t.to(tl.float32), part, input_precision="ieee")
     else:
-        return (biased - (value + 8.0)).to(x_ptr.dtype.element_ty)  # exact in bf16/fp16
+        weights = (biased - (value + 8.0)).to(x_ptr.dtype.element_ty)  # exact in bf16/fp16
+        return tl.dot(weights, x_t, part)
 
 
 @triton.jit
 def _plane_dot(words, j: tl.constexpr, x_t, part, x_ptr, DOT_IN_FP32: tl.constexpr):
-    if DOT_IN_FP32:
-        return tl.dot(
-            _plane(words, j, x_ptr, True), x_t.to(tl.float32), part, input_precision="ieee"
-        )
-    else:
-        return tl.dot(_plane(words, j, x_ptr, False), x_t, part)
+    """Nibble plane j: nibble j of every word against x_t."""
+    bits, _ = _magic(x_ptr)
+    biased = _as_x_dtype(((words >> (4 * j)) & 0xF) | bits, x_ptr)  # MAGIC + code, exact
+    return _unbiased_dot(biased, x_t, part, x_ptr, DOT_IN_FP32)
 
 
 @triton.jit
@@ -132,17 +132,12 @@ def _group_planes(words, x, x_ptr, DOT_IN_FP32: tl.constexpr):
 def _pair_dot(words, j: tl.constexpr, x_j, part, x_ptr, DOT_IN_FP32: tl.constexpr):
     """Pair plane j: one shift and mask turn nibbles j and j + 4 of every word into two codes,
     OR-ed into the mantissas of two magic floats at once; the halves are the pair's two k."""
-    bits, value = _magic(x_ptr)
+    bits, _ = _magic(x_ptr)
     pairs = ((words >> (4 * j)) & 0x000F000F) | (bits | (bits << 16))
     low = _as_x_dtype(pairs, x_ptr)  # the int16 cast keeps the low half
     high = _as_x_dtype(pairs >> 16, x_ptr)
     biased = tl.interleave(low, high)  # k = 2i from word i's low half, 2i + 1 from its high
-    if DOT_IN_FP32:
-        weights = biased.to(tl.float32) - (value + 8.0)
-        return tl.dot(weights, x_j.to(tl.float32).T, part, input_precision="ieee")
-    else:
-        weights = (biased - (value + 8.0)).to(x_ptr.dtype.element_ty)  # exact in bf16/fp16
-        return tl.dot(weights, x_j.T, part)
+    return _unbiased_dot(biased, x_j.T, part, x_ptr, DOT_IN_FP32)
 
 
 @triton.jit
