@@ -28,6 +28,8 @@ import requests
 from gpu_server import chat, hyperqwen_server, log_dir, started_server
 from test_serve_gpu import serve_env
 
+from hyperqwen.engine.exit_status import ENGINE_DIED_EXIT_CODE
+
 pytestmark = pytest.mark.gpu
 
 KEY = "fault-test-key"
@@ -106,7 +108,7 @@ def test_engine_crash_ends_every_stream_and_the_server_exits_non_zero(tiny_model
     (log_dir(tmp_path) / "fault-engine-crash.json").write_text(json.dumps(summary, indent=1))
     assert ended_s < CRASH_DEADLINE_S, summary
     assert all(outcome.startswith("error") for outcome in outcomes), summary
-    assert code != 0, summary
+    assert code == ENGINE_DIED_EXIT_CODE, summary  # engine/exit_status.py
 
 
 def test_a_disconnect_storm_leaves_nothing_running(tiny_models_dir, tmp_path):
