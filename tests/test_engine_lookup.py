@@ -1,15 +1,16 @@
-"""SPEC=lookup inside vLLM's GPU n-gram proposer (engine/lookup.py, patches/lookup-search.patch).
+"""SPEC=lookup inside vLLM's CPU n-gram proposer (engine/lookup.py, patches/lookup-search.patch),
+and LOOKUP=1's fusion with MTP drafts.
 
-The installed (patched) NgramProposerGPU runs on vLLM's CPU platform with HYPERQWEN_LOOKUP=1,
-its Triton search in Triton's interpreter: each step it writes the newly sampled tokens into
-the token buffer and proposes what followed the longest, latest earlier match, checked against
-the plain-Python reference of tests/test_kernel_lookup.py.
+The installed (patched) NgramProposer runs with HYPERQWEN_LOOKUP=1: each step it drafts, for
+every request that sampled a token, what followed the longest, latest earlier match of its last
+tokens, checked against the plain-Python reference of tests/test_kernel_lookup.py.
 """
 
 from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 import torch
 from test_kernel_lookup import reference_drafts, reference_match
@@ -22,65 +23,75 @@ DRAFTS = 4
 WIDTH = 2048  # max_model_len
 
 
-@pytest.fixture(scope="module")
-def proposer(tiny_checkpoint):
+def ngram_proposer(checkpoint, drafts: int, lookup_on: bool):
     import vllm.platforms as platforms
-    import vllm.utils.torch_utils as torch_utils
     from vllm.platforms.cpu import CpuPlatform
 
     platforms._current_platform = CpuPlatform()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch_utils, "PIN_MEMORY", False)  # the CPU platform pins nothing
-        patch.setenv(LOOKUP_ENV, "1")
+        if lookup_on:
+            patch.setenv(LOOKUP_ENV, "1")
+        else:
+            patch.delenv(LOOKUP_ENV, raising=False)
         from vllm.config import set_current_vllm_config
         from vllm.engine.arg_utils import EngineArgs
-        from vllm.v1.spec_decode.ngram_proposer_gpu import NgramProposerGPU
+        from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 
         config = EngineArgs(
-            model=str(tiny_checkpoint),
+            model=str(checkpoint),
             language_model_only=True,
             max_model_len=WIDTH,
             max_num_seqs=4,
             speculative_config={
-                "method": "ngram_gpu",
-                "num_speculative_tokens": DRAFTS,
+                "method": "ngram",
+                "num_speculative_tokens": drafts,
                 "prompt_lookup_min": LOOKUP_MATCH[0],
                 "prompt_lookup_max": LOOKUP_MATCH[1],
             },
         ).create_engine_config()
         with set_current_vllm_config(config):
-            yield NgramProposerGPU(config, torch.device("cpu"))
+            proposer = NgramProposer(config)
+    return proposer
 
 
-def test_patched_proposer_drafts_the_longest_latest_match(proposer):
+def propose(proposer, contexts, sampled_rows, lookup_on: bool, drafts: int = DRAFTS):
+    """The proposer's drafts for contexts laid out as vLLM keeps them (garbage past each row)."""
+    tokens = np.random.default_rng(0).integers(0, 50_000, (len(contexts), WIDTH), dtype=np.int32)
+    for row, context in enumerate(contexts):
+        tokens[row, : len(context)] = context
+    lengths = np.array([len(c) for c in contexts], dtype=np.int32)
+    sampled = [[context[-1]] if row in sampled_rows else [] for row, context in enumerate(contexts)]
+    with pytest.MonkeyPatch.context() as patch:
+        if lookup_on:
+            patch.setenv(LOOKUP_ENV, "1")
+        else:
+            patch.delenv(LOOKUP_ENV, raising=False)
+        return proposer.propose(drafts, sampled, lengths, tokens)
+
+
+def test_patched_proposer_drafts_the_longest_latest_match(tiny_checkpoint):
+    proposer = ngram_proposer(tiny_checkpoint, DRAFTS, lookup_on=True)
     text = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     contexts = [
-        [*text, 5, 6, *text[:3]],  # copying text: 14 sampled, 15 accepted, then the rest
+        [*text, 5, 6, *text[:8]],  # copying text: an 8-token match
         [1, 2, 3, 4, 9, 1, 2, 3, 4, 8, 1, 2, 3],  # two matches of 3: the latest wins
         [7, 8, 9, 10],  # nothing repeats
-        [30, 31, 32] * 3,  # periodic
+        [30, 31, 32] * 3,  # periodic, but this row sampled nothing this step (still in prefill)
     ]
-    sampled = [[14, 15, -1, -1, -1], [4, -1, -1, -1, -1], [3, -1, -1, -1, -1], [0, -1, -1, -1, -1]]
-    counts = [2, 1, 1, 0]  # the last row sampled nothing this step (e.g. still in prefill)
-    tokens = torch.randint(0, 50_000, (4, WIDTH), dtype=torch.int32)
-    for row, context in enumerate(contexts):
-        tokens[row, : len(context)] = torch.tensor(context, dtype=torch.int32)
-    lengths = torch.tensor([len(c) for c in contexts], dtype=torch.int32)
+    drafts = propose(proposer, contexts, sampled_rows={0, 1, 2}, lookup_on=True)
+    assert drafts[0] == [19, 20, 5, 6]
+    assert drafts[1] == [4, 8, 1, 2]  # the latest "1 2 3", not the earliest
+    assert drafts[2] == [] and drafts[3] == []
+    for row in (0, 1):
+        n, j = reference_match(contexts[row], *LOOKUP_MATCH)
+        assert drafts[row] == reference_drafts(contexts[row], n, j, DRAFTS)
 
-    drafts, num_valid = proposer.propose(
-        DRAFTS, lengths, tokens, torch.tensor(sampled), torch.tensor(counts)
-    )
-    for row, context in enumerate(contexts):
-        now = context + sampled[row][: counts[row]]
-        assert tokens[row, : len(now)].tolist() == now  # the proposer wrote the sampled tokens
-        n, j = reference_match(now, *LOOKUP_MATCH)
-        if counts[row] == 0 or n == 0:
-            assert drafts[row].tolist() == [-1] * DRAFTS and num_valid[row] == 0
-        else:
-            assert drafts[row].tolist() == reference_drafts(now, n, j, DRAFTS)
-            assert num_valid[row] == DRAFTS
-    assert drafts[0].tolist() == [16, 17, 18, 19]
-    assert drafts[1].tolist() == [8, 1, 2, 3]
+
+def test_unset_the_proposer_is_vllms(tiny_checkpoint):
+    """Without the env the hook is inert: vLLM's numba search, the earliest longest match."""
+    proposer = ngram_proposer(tiny_checkpoint, DRAFTS, lookup_on=False)
+    contexts = [[1, 2, 3, 4, 9, 1, 2, 3, 4, 8, 1, 2, 3]]
+    assert propose(proposer, contexts, sampled_rows={0}, lookup_on=False) == [[4, 9, 1, 2]]
 
 
 def test_lookup_is_on_only_with_the_env(monkeypatch):
@@ -147,26 +158,19 @@ def test_the_runner_keeps_the_token_buffer_and_fuses_after_mtp(patched_vllm):
 
 def test_a_long_block_is_proposed_only_for_a_long_match():
     """DRAFT_TOKENS=15: a match of LONG_MATCH tokens or more proposes all 15 drafts, a shorter
-    one SHORT_MATCH_DRAFTS (what vLLM's GPU n-gram path then verifies), none proposes nothing."""
+    one SHORT_MATCH_DRAFTS, none proposes nothing, and no draft passes max_model_len."""
     drafts_per_row = 15
     text = list(range(100, 140))
-    contexts = [
-        [*text, 7, *text[:8]],  # copying: the last 8 tokens occurred before
-        [*text[:20], 9, 8, *text[:3]],  # a chance repeat of 3 tokens
-        list(range(500, 530)),  # nothing repeats
-        [*text, 7, *text[:8]],  # as row 0, but not a row the proposer may fill
-    ]
-    tokens = torch.zeros((4, 128), dtype=torch.int32)
-    for row, context in enumerate(contexts):
-        tokens[row, : len(context)] = torch.tensor(context, dtype=torch.int32)
-    lengths = torch.tensor([len(c) for c in contexts], dtype=torch.int32)
-    valid_rows = torch.tensor([True, True, True, False])
-    drafts, counts = engine_lookup.propose(
-        lengths, tokens, valid_rows, *LOOKUP_MATCH, drafts_per_row
-    )
+    copying = np.array([*text, 7, *text[:8]], dtype=np.int32)  # the last 8 tokens occurred before
+    chance = np.array([*text[:20], 9, 8, *text[:3]], dtype=np.int32)  # a chance repeat of 3
+    unique = np.arange(500, 530, dtype=np.int32)
     short = engine_lookup.SHORT_MATCH_DRAFTS
-    assert counts.tolist() == [drafts_per_row, short, 0, 0]
-    assert drafts[0].tolist() == text[8 : 8 + drafts_per_row]
-    assert drafts[1, :short].tolist() == text[3 : 3 + short]
-    assert drafts[1, short:].tolist() == [-1] * (drafts_per_row - short)
-    assert drafts[2:].eq(-1).all()
+
+    def lookup(context, max_model_len=WIDTH):
+        return engine_lookup.propose(context, *LOOKUP_MATCH, drafts_per_row, max_model_len)
+
+    assert lookup(copying) == text[8 : 8 + drafts_per_row]
+    assert lookup(chance) == text[3 : 3 + short]
+    assert lookup(unique) == []
+    assert lookup(copying, max_model_len=len(copying) + 5) == text[8:13]
+    assert lookup(copying, max_model_len=len(copying)) == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,6 +85,31 @@ def test_matches_the_reference(seed, rows, width, vocab, min_n, max_n, num_draft
         assert match.length[row].item() == n, (row, context[-20:])
         assert match.drafts[row].tolist() == reference_drafts(context, n, j, num_drafts)
     assert (match.length > 0).any()
+
+
+@pytest.mark.parametrize(
+    ("seed", "rows", "width", "vocab", "min_n", "max_n"),
+    [
+        (0, 40, 300, 5, 1, 4),
+        (1, 30, 1500, 40, 3, 12),
+        (2, 20, 2100, 1000, 6, 15),
+        (3, 40, 64, 3, 3, 3),
+    ],
+)
+def test_the_host_search_matches_the_reference(seed, rows, width, vocab, min_n, max_n):
+    """suffix_match_on_host (SPEC=lookup's search, on one request's tokens): the same (n, j)."""
+    contexts = planted_rows(seed, rows, width, vocab)
+    found = [
+        lookup.suffix_match_on_host(np.array(c, dtype=np.int32), min_n, max_n) for c in contexts
+    ]
+    assert found == [reference_match(c, min_n, max_n) for c in contexts]
+    assert any(n for n, _ in found)
+
+
+def test_the_host_search_on_edge_rows():
+    cases = {(7, 8) * 6: (10, 10), (1, 2, 3, 9, 1, 2, 3): (3, 3), (5,): (0, 0), (): (0, 0)}
+    for context, expected in cases.items():
+        assert lookup.suffix_match_on_host(np.array(context, dtype=np.int32), 1, 15) == expected
 
 
 def test_edge_rows():

@@ -85,7 +85,7 @@ def test_single_profiles_parse(vllm_serve, values):
     if values["SPEC"] == "off":
         assert spec is None
     else:
-        assert spec["method"] == {"lookup": "ngram_gpu"}.get(values["SPEC"], values["SPEC"])
+        assert spec["method"] == {"lookup": "ngram"}.get(values["SPEC"], values["SPEC"])
         assert spec["num_speculative_tokens"] == {"mtp": 3, "ngram": 4, "lookup": 4}[values["SPEC"]]
     # graphs for every decode step and for prompts of up to 512 tokens, as stock vLLM
     assert args.compilation_config.max_cudagraph_capture_size == 512
@@ -149,7 +149,7 @@ def test_speculative_and_compilation_json_accepted_by_vllm_config_classes(vllm_s
         **vllm_serve(build_launch(loaded(SPEC="lookup"), "single", None).argv).speculative_config
     )
     assert (lookup.method, lookup.prompt_lookup_min, lookup.prompt_lookup_max) == (
-        "ngram_gpu",
+        "ngram",
         *LOOKUP_MATCH,
     )
     assert lookup.num_speculative_tokens == 4

@@ -108,9 +108,9 @@ def speculative_config(settings: Settings) -> dict | None:
         # Match 2-5 token n-grams of the prompt: long enough to avoid spurious copies.
         config.update(prompt_lookup_min=2, prompt_lookup_max=5)
     elif settings.SPEC == "lookup":
-        # vLLM's GPU n-gram proposer, searching with HyperQwen's kernel (LOOKUP_ENV)
+        # vLLM's CPU n-gram proposer, searching with HyperQwen's match (LOOKUP_ENV)
         config.update(
-            method="ngram_gpu", prompt_lookup_min=LOOKUP_MATCH[0], prompt_lookup_max=LOOKUP_MATCH[1]
+            method="ngram", prompt_lookup_min=LOOKUP_MATCH[0], prompt_lookup_max=LOOKUP_MATCH[1]
         )
     else:
         config["draft_sample_method"] = settings.DRAFT_SAMPLE

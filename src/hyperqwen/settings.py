@@ -246,18 +246,19 @@ class Settings(BaseModel):
         "mtp",
         "Speculative decoding. mtp: the model's own multi-token-prediction layer drafts; "
         "ngram: vLLM's n-gram drafts, copied from the prompt (no extra weights); lookup: "
-        "HyperQwen's copy drafts, searched on the GPU for the longest, most recent earlier "
-        "occurrence of the last 3-12 tokens (for models without MTP; speed not measured yet); "
+        "HyperQwen's copy drafts from vLLM's CPU n-gram proposer: what followed the longest, "
+        "most recent earlier occurrence of the last 3-12 tokens (for models without MTP; speed "
+        "not measured on this path, single-user/README.md has its first design's loss); "
         "off: none.",
         "--speculative-config",
         modes=SINGLE,
     )
     DRAFT_TOKENS: int | None = knob(
         None,
-        "Tokens drafted per step. Default: 3 for mtp, 4 for ngram and lookup. With lookup, "
-        "vLLM's GPU n-gram path verifies only the drafts a match supplies, so a long block "
-        "(e.g. 15) costs verify work only while the answer copies its context (speed not "
-        "measured yet).",
+        "Tokens drafted per step. Default: 3 for mtp, 4 for ngram and lookup. With lookup, a "
+        "match of 6+ tokens proposes all of them and a shorter one at most 4, and only proposed "
+        "drafts are verified, so a long block (e.g. 15) costs verify work only while the answer "
+        "copies its context (speed not measured yet).",
         "--speculative-config num_speculative_tokens",
         modes=SINGLE,
         ge=1,
@@ -276,8 +277,9 @@ class Settings(BaseModel):
         "With SPEC=mtp and DRAFT_SAMPLE=greedy: also copy drafts from the request's own context "
         "(the tokens that followed the longest, latest earlier occurrence of its last 2-12 "
         "tokens) into MTP's draft slots, where the match is 6 tokens or more or MTP's first "
-        "draft agrees. Pays on answers that quote the prompt (edits, rewrites); not measured "
-        "yet.",
+        "draft agrees. Meant for answers that quote the prompt (edits, rewrites); acceptance "
+        "not measured yet, and it keeps its tokens with vLLM's ngram_gpu bookkeeping, which "
+        "lost acceptance under async scheduling on the H200: leave it off until measured.",
         "env HYPERQWEN_LOOKUP (patched vLLM)",
         modes=SINGLE,
     )

@@ -1,17 +1,22 @@
-"""Lookup drafting: drafts copied from the request's own context, found on the GPU.
+"""Lookup drafting: drafts copied from the request's own context.
 
 Two uses, both switched on by HYPERQWEN_LOOKUP=1 (the launcher sets it):
 
-- SPEC=lookup: vLLM 0.26's `ngram_gpu` method keeps every request's tokens in a GPU buffer and,
-  each step, proposes the tokens that followed the *earliest* earlier occurrence of the
-  context's suffix. Its proposer asks `propose` here instead (patches/lookup-search.patch): the
-  longest, then most recent occurrence (kernels/lookup.py), whose continuation is what the text
-  did last time, extended periodically when it runs into the present.
-- SPEC=mtp with LOOKUP=1 (`fused`): the V1 runner keeps the same token buffer for MTP
-  (patches/lookup-mtp.patch) and, after MTP has drafted, `fuse_into_mtp` writes the new tokens
-  into it and puts a copy in MTP's draft slots where the match is long (LONG_MATCH tokens) or
-  where MTP's first draft agrees with it. Only with greedy drafts: a copied draft is a point
-  mass, and MTP's draft probabilities would no longer describe it.
+- SPEC=lookup: vLLM 0.26's CPU `ngram` proposer asks `propose` here for each request
+  (patches/lookup-search.patch) instead of its own search: the longest, then most recent earlier
+  occurrence of the context's last 3-12 tokens (kernels/lookup.py, `suffix_match_on_host`), whose
+  continuation is what the text did last time, extended periodically when it runs into the
+  present, and as many drafts as the match supports. vLLM's `ngram_gpu` path was the first home
+  of this: on the H200 (SmolLM2-135M, 2026-12-01) it drafted at 0.47-0.49x the tokens/s of
+  vLLM's CPU `ngram` on copy and chat prompts at C1 (0.22 against 0.88 first-draft acceptance
+  while copying), the async-scheduling loss vllm-project/vllm#37150 reports for that path.
+- SPEC=mtp with LOOKUP=1 (`fused`): the V1 runner keeps the GPU token buffer of vLLM's
+  `ngram_gpu` path for MTP (patches/lookup-mtp.patch; its upkeep under async scheduling is the
+  path above, so its acceptance is to be measured before it is recommended) and, after MTP has
+  drafted, `fuse_into_mtp` writes the new tokens into it and puts a copy in MTP's draft slots
+  where the match is long (LONG_MATCH tokens) or where MTP's first draft agrees with it. Only
+  with greedy drafts: a copied draft is a point mass, and MTP's draft probabilities would no
+  longer describe it.
 
 Verification is vLLM's, so the output is the model's either way; only which drafts are proposed
 (and so how many are accepted) changes.
@@ -21,10 +26,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from hyperqwen.engine import LOOKUP_ENV
-from hyperqwen.kernels.lookup import find_suffix_match, fuse_with_mtp
+from hyperqwen.kernels.lookup import find_suffix_match, fuse_with_mtp, suffix_match_on_host
 
 # Fused with MTP: matches of 2-12 tokens are found; one of LONG_MATCH or more is copied alone,
 # a shorter one only where MTP's first draft agrees with it.
@@ -39,26 +45,20 @@ def enabled() -> bool:
 
 
 def propose(
-    num_tokens: torch.Tensor,
-    token_ids: torch.Tensor,
-    valid_rows: torch.Tensor,
-    min_n: int,
-    max_n: int,
-    num_drafts: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's n-gram kernel contract: ([B, num_drafts] int32 drafts, -1 where a row proposes
-    nothing; [B] int32 count of leading valid drafts). Rows not in valid_rows propose nothing.
-    A match of LONG_MATCH tokens or more proposes all num_drafts; a shorter one (more often
-    chance) at most SHORT_MATCH_DRAFTS, so a long verify block (DRAFT_TOKENS=15) is spent only
-    where the answer is copying: vLLM's GPU n-gram path verifies only the valid drafts."""
-    match = find_suffix_match(token_ids, num_tokens.to(torch.int32), min_n, max_n, num_drafts)
-    proposes = valid_rows & (match.length > 0)
-    short = min(num_drafts, SHORT_MATCH_DRAFTS)
-    counts = torch.where(match.length >= LONG_MATCH, num_drafts, short)
-    counts = torch.where(proposes, counts, 0).to(torch.int32)
-    offsets = torch.arange(num_drafts, device=counts.device)[None, :]
-    drafts = torch.where(offsets < counts[:, None], match.drafts, -1)
-    return drafts, counts
+    context: np.ndarray, min_n: int, max_n: int, num_drafts: int, max_model_len: int
+) -> list[int]:
+    """One request's drafts from its tokens so far (prompt and accepted output): what followed
+    the longest, latest earlier match of its last min_n..max_n tokens. A match of LONG_MATCH
+    tokens or more proposes all num_drafts; a shorter one (more often chance) at most
+    SHORT_MATCH_DRAFTS, so a long verify block (DRAFT_TOKENS=15) is spent only where the answer
+    is copying; no match proposes nothing. Never past max_model_len."""
+    length = int(context.shape[0])
+    n, start = suffix_match_on_host(context, min_n, max_n)
+    count = min(num_drafts if n >= LONG_MATCH else SHORT_MATCH_DRAFTS, num_drafts)
+    count = min(count, max_model_len - length) if n else 0
+    if count <= 0:
+        return []
+    return context[start + np.arange(count) % (length - start)].tolist()
 
 
 def fused(speculative_config) -> bool:

@@ -1,8 +1,9 @@
 """Lookup drafting's search: the longest, most recent earlier occurrence of a context's suffix.
 
 Status: correct (tests/test_kernel_lookup.py, Triton's interpreter against a Python reference;
-passed compiled on the H200); SPEC=lookup and LOOKUP=1 call it through engine/lookup.py
-(patches/lookup-search.patch, patches/lookup-mtp.patch). Not timed.
+passed compiled on the H200). LOOKUP=1 calls it through engine/lookup.py
+(patches/lookup-mtp.patch); SPEC=lookup uses `suffix_match_on_host`, the same search on one
+request's tokens in host memory. Not timed.
 
 For each row b of `tokens` ([B, W] int32, the first lengths[b] valid: prompt and generated
 tokens), a candidate is a position j (1 <= j < length) whose preceding tokens equal the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -98,6 +100,25 @@ def find_suffix_match(
     last = (lengths - 1).clamp(min=0)[:, None]
     source = torch.where((matched > 0)[:, None], start[:, None] + offsets % period, last)
     return SuffixMatch(matched, tokens.gather(1, source.long()))
+
+
+def suffix_match_on_host(context: np.ndarray, min_n: int, max_n: int) -> tuple[int, int]:
+    """The same search for one request's tokens in host memory (SPEC=lookup drafts there, in
+    vLLM's CPU n-gram proposer): (n, j) of the longest, then latest match, (0, 0) without one
+    of at least min_n tokens. One pass over the context compares its last token; each longer n
+    only re-checks the candidates still alive, so a step costs about one read of the context."""
+    length = int(context.shape[0])
+    candidates = np.flatnonzero(context[: length - 1] == context[length - 1]) + 1 if length else []
+    best = (0, 0)
+    for n in range(1, max_n + 1):
+        if n > 1:
+            candidates = candidates[candidates >= n]
+            candidates = candidates[context[candidates - n] == context[length - n]]
+        if len(candidates) == 0:
+            break
+        if n >= min_n:
+            best = (n, int(candidates[-1]))
+    return best
 
 
 def fuse_with_mtp(
