@@ -48,7 +48,16 @@ def test_rows_take_our_fastest_correct_config_and_count_the_state_moved() -> Non
                     "b8_w2_p4": {"error": "out 5.00e-01, state 1.00e+00"},
                     "b16_w1_p4": {"us": 5.0, "out_error": 1e-3},
                 },
-            }
+            },
+            "verify_n2_t4": {  # the served config (16 rows, one warp) is not the fastest here
+                "sequences": 2,
+                "tokens": 4,
+                "vllm_us": 16.0,
+                "ours": {
+                    "b8_w1_p4": {"us": 12.0, "out_error": 1e-3},
+                    "b16_w1_p4": {"us": 13.0, "out_error": 1e-3},
+                },
+            },
         },
     }
     rows = {row["name"]: row for row in result_rows(raw)}
@@ -58,6 +67,12 @@ def test_rows_take_our_fastest_correct_config_and_count_the_state_moved() -> Non
     assert moved == 48 * 128 * 128 * 4 * 5
     assert rows["gdn_verify_n1_t4_moved"]["patched"] == round(moved / 4e-6 / 1e9, 1)
     assert rows["copy_bandwidth"]["stock"] == 4232
+    # what serving launches beside the sweep's best: one sequence 8 rows, two 16
+    assert rows["gdn_verify_n1_t4_served"]["patched"] == 4.0
+    assert (rows["gdn_verify_n2_t4"]["patched"], rows["gdn_verify_n2_t4_served"]["patched"]) == (
+        12.0,
+        13.0,
+    )
 
 
 def test_without_a_gpu_it_says_so(capsys) -> None:

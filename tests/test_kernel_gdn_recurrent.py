@@ -253,6 +253,30 @@ def test_the_engine_choice_runs_ours_where_it_can_and_vllms_otherwise(monkeypatc
                            poisoned=False)  # fmt: skip
 
 
+def test_the_engine_choice_leaves_batches_and_plain_decode_to_vllm(monkeypatch) -> None:
+    """Where the kernel was not timed faster (more than MAX_SEQUENCES sequences, decode steps
+    without drafts), vLLM's kernel runs."""
+    from hyperqwen.engine import GDN_RECURRENT_ENV
+    from hyperqwen.engine.gdn_recurrent import MAX_SEQUENCES, chosen
+
+    vllms, calls = vllms_kernel(), []
+
+    def counted(**kwargs):
+        calls.append(kwargs["cu_seqlens"].numel() - 1)
+        return vllms(**kwargs)
+
+    monkeypatch.setenv(GDN_RECURRENT_ENV, "1")
+    update = chosen(counted)
+    cases = (([4] * MAX_SEQUENCES, True), ([4] * (MAX_SEQUENCES + 1), True), ([1, 1], False))
+    for lengths, verify in cases:
+        batch = on_device(make_batch((2, 4, 32), lengths, seed=7, verify=verify))
+        state = batch.pop("state").clone()
+        batch["ssm_state_indices"] = batch.pop("state_indices")
+        update(**batch, initial_state=state, inplace_final_state=True,
+               use_qk_l2norm_in_kernel=True)  # fmt: skip
+    assert calls == [MAX_SEQUENCES + 1, 2]  # ours took only the verify of MAX_SEQUENCES
+
+
 def test_the_patched_layer_module_binds_the_choice_when_it_loads() -> None:
     probe = (
         "from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as m; "

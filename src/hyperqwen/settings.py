@@ -207,11 +207,13 @@ class Settings(BaseModel):
     )
     GDN_RECURRENT: Switch = knob(
         "0",
-        "Run the Gated DeltaNet layers' decode and verify recurrent update through HyperQwen's "
-        "kernel (src/hyperqwen/kernels/gdn_recurrent.py: inputs loaded before the token walk, "
-        "more programs at one to four sequences) instead of vLLM's (0.56 ms of a 9.8 ms 27B MTP "
-        "step on the H200). Same results to fp32 rounding (CPU tests); its speed is not "
-        "measured yet, so it is off by default.",
+        "Run the Gated DeltaNet layers' verify-step recurrent update at one or two sequences "
+        "through HyperQwen's kernel (src/hyperqwen/kernels/gdn_recurrent.py: inputs loaded "
+        "before the token walk, more programs) instead of vLLM's (0.56 ms of a 9.8 ms 27B MTP "
+        "step on the H200). Same results to fp32 rounding (CPU tests, and compiled on the "
+        "H200). The kernel alone took 0.62x vLLM's time at one sequence and 0.81x at two "
+        "(`hyperqwen bench gdn`, H200); the whole step is not measured yet, so it is off by "
+        "default.",
         "env HYPERQWEN_GDN_RECURRENT (patched vLLM)",
     )
     VISION: Switch = knob(

@@ -164,6 +164,15 @@ def measure_case(
     return entry
 
 
+def served_label(sequences: int, tokens: int, v_heads: int, dim: int) -> str:
+    """The config label of what the serving path (engine/gdn_recurrent.py) launches."""
+    from hyperqwen.engine.gdn_recurrent import tokens_per_pass
+    from hyperqwen.kernels.gdn_recurrent import default_block_v
+
+    block = default_block_v(sequences, v_heads, dim)
+    return f"b{block}_w1_p{tokens_per_pass(sequences * tokens, sequences)}"
+
+
 def result_rows(raw: dict) -> list[dict]:
     from hyperqwen.bench.results import comparison_row
 
@@ -180,6 +189,9 @@ def result_rows(raw: dict) -> list[dict]:
             return None if us is None else round(moved / (us * 1e-6) / 1e9, 1)
 
         rows.append(comparison_row(f"gdn_{name}_moved", "GB/s", gbps(stock), gbps(ours)))
+        served = entry["ours"].get(served_label(entry["sequences"], entry["tokens"], v_heads, dim))
+        if served and "us" in served:  # what GDN_RECURRENT=1 runs for this batch
+            rows.append(comparison_row(f"gdn_{name}_served", "us", stock, round(served["us"], 2)))
     copy = round(raw["copy_gbps"])
     rows.append(comparison_row("copy_bandwidth", "GB/s", copy, copy))
     return [asdict(row) for row in rows]

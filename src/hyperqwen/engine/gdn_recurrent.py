@@ -2,9 +2,12 @@
 
 patches/gdn-recurrent.patch passes vLLM's fused_sigmoid_gating_delta_rule_update through
 `chosen` when the GDN layer module loads. With HYPERQWEN_GDN_RECURRENT=1 the layer gets a function
-of the same signature that runs kernels/gdn_recurrent.py for the calls it takes (l2-normalised
-q and k, the state updated in place, per-sequence state slots, not KDA) and hands any other call
-to vLLM's own. Host work only: shapes, never tensor values, so CUDA graphs capture it.
+of the same signature that runs kernels/gdn_recurrent.py for the calls it takes and hands any
+other call to vLLM's own. It takes verify steps (l2-normalised q and k, the state updated in
+place, per-sequence state slots, not KDA) of at most MAX_SEQUENCES sequences: where the kernel
+was timed faster on the H200 (`hyperqwen bench gdn`, 2026-12-01: 0.62x vLLM's time at one
+sequence, 0.81x at two, 0.97x at four at its best config); plain decode steps are not timed
+yet. Host work only: shapes, never tensor values, so CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Callable
 from hyperqwen.engine import GDN_RECURRENT_ENV
 
 MAX_TOKENS_PER_PASS = 16
+MAX_SEQUENCES = 2  # more go to vLLM's kernel: at four it was no faster (see above)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests run the kernel there
 
 
@@ -43,7 +47,9 @@ def chosen(vllms: Callable) -> Callable:
             and initial_state is not None
             and initial_state.dim() == 4
             and cu_seqlens is not None
+            and cu_seqlens.shape[0] - 1 <= MAX_SEQUENCES
             and ssm_state_indices is not None
+            and num_accepted_tokens is not None
             and (q.is_cuda or INTERPRETED)
             and not unsupported(q, k, v, initial_state)
         )
