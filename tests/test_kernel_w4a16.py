@@ -49,7 +49,7 @@ def run(kernel, x, packed, scale, config):
 
 
 CASES = [
-    # m, n, k, (block_n, block_k, split_k[, num_warps, num_stages, pairs])
+    # m, n, k, (block_n, block_k, split_k[, num_warps, num_stages])
     (1, 64, 256, (16, 128, 1)),
     (1, 80, 384, (64, 256, 1)),  # N and K beyond the last full tile
     (3, 96, 512, (32, 256, 2)),
@@ -60,12 +60,12 @@ CASES = [
     (70, 40, 256, (16, 128, 2)),  # two M tiles of 64
     (1, 80, 384, (16, 128, 2, 1, 3)),
     (5, 64, 640, (32, 256, 3, 2, 3)),
-    # pair planes (weights repacked): whole tiles (no masks) and N, K beyond the last tile
-    (1, 64, 512, (32, 256, 1, 2, 3, True)),
-    (4, 128, 768, (64, 256, 3, 2, 3, True)),
-    (5, 80, 384, (32, 256, 2, 1, 3, True)),
-    (17, 64, 256, (64, 128, 1, 4, 3, True)),
-    (3, 256, 512, (256, 256, 2, 8, 3, True)),  # the widest swept tile
+    (1, 64, 512, (32, 256, 1, 2, 3)),  # whole tiles: loads without masks
+    (4, 128, 768, (64, 256, 3, 2, 4)),
+    (5, 80, 384, (32, 256, 2, 1, 3)),
+    (17, 64, 256, (64, 128, 1, 4, 3)),
+    (3, 128, 1024, (64, 512, 2, 4, 3)),  # a K block of 4 groups
+    (3, 256, 512, (128, 256, 2, 8, 3)),  # the widest swept tile
 ]
 
 
@@ -74,11 +74,8 @@ def test_matches_float64_reference(kernel, m, n, k, tile):
     codes, scale, dense = random_weights(n, k, seed=m * 1000 + n)
     x = torch.randn((m, k), generator=torch.Generator().manual_seed(m), dtype=torch.float32)
     x = x.to(torch.bfloat16)
-    config = kernel.TileConfig(*tile)
-    packed = kernel.pack_codes(codes)
-    if config.pairs:
-        packed = kernel.repack_pairs(packed)
-    out = run(kernel, x, packed, scale, config)
+    packed = kernel.repack_pairs(kernel.pack_codes(codes))
+    out = run(kernel, x, packed, scale, kernel.TileConfig(*tile))
     # bf16 output rounding alone is ~3e-3 relative
     assert relative_error(out, x.double() @ dense.T) < 6e-3
 
@@ -86,12 +83,9 @@ def test_matches_float64_reference(kernel, m, n, k, tile):
 def test_fp16_activations(kernel):
     codes, scale, dense = random_weights(64, 512, seed=7, dtype=torch.float16)
     x = torch.randn((5, 512), generator=torch.Generator().manual_seed(7)).to(torch.float16)
-    for unpack in ({}, {"pairs": True}):
-        config = kernel.TileConfig(32, 256, 2, **unpack)
-        packed = kernel.pack_codes(codes)
-        packed = kernel.repack_pairs(packed) if config.pairs else packed
-        out = run(kernel, x, packed, scale, config)
-        assert relative_error(out, x.double() @ dense.T) < 1e-3  # fp16 keeps 3 more bits
+    packed = kernel.repack_pairs(kernel.pack_codes(codes))
+    out = run(kernel, x, packed, scale, kernel.TileConfig(32, 256, 2))
+    assert relative_error(out, x.double() @ dense.T) < 1e-3  # fp16 keeps 3 more bits
 
 
 def test_pair_plane_layout_puts_two_neighbouring_columns_in_nibbles_j_and_j_plus_4(kernel):
@@ -108,8 +102,6 @@ def test_pair_plane_layout_puts_two_neighbouring_columns_in_nibbles_j_and_j_plus
                 position = group * 128 + 8 * word
                 assert words[1, position + j] == codes[1, column]
                 assert words[1, position + j + 4] == codes[1, column + 1]
-    with pytest.raises(ValueError, match="pairs needs group_size=128"):
-        kernel.check_config(kernel.TileConfig(32, 512, 1, pairs=True), 256, 512)
 
 
 def test_reads_the_checkpoint_format(kernel):
@@ -126,15 +118,14 @@ def test_reads_the_checkpoint_format(kernel):
     )
     dense = (codes.double() - 8) * stored["weight_scale"].double().repeat_interleave(GROUP, 1)
     x = torch.randn((4, 512), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    out = run(
-        kernel, x, stored["weight_packed"], stored["weight_scale"], kernel.TileConfig(16, 256, 2)
-    )
+    packed = kernel.repack_pairs(stored["weight_packed"])
+    out = run(kernel, x, packed, stored["weight_scale"], kernel.TileConfig(16, 256, 2))
     assert relative_error(out, x.double() @ dense.T) < 6e-3
 
 
 def test_split_k_is_deterministic_and_rearms_its_counters(kernel):
     codes, scale, _ = random_weights(64, 1024, seed=11)
-    packed = kernel.pack_codes(codes)
+    packed = kernel.repack_pairs(kernel.pack_codes(codes))
     x = torch.randn((4, 1024), generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
     config = kernel.TileConfig(16, 128, 4)
     first = run(kernel, x, packed, scale, config)
@@ -160,8 +151,8 @@ def test_zero_rows_writes_nothing_and_returns(kernel):
         ((24, 128, 1), 128, 512, "block_n=24 must be a power of two"),
         ((16, 128, 0), 128, 512, "split_k=0 must be >= 1"),
         ((16, 128, 1), 128, 320, "K=320 must be a multiple of group_size=128"),
-        ((16, 128, 1), 64, 512, "group_size=64 must be 8 x a power of two, at least 128"),
-        ((16, 384, 1), 192, 768, "group_size=192 must be 8 x a power of two"),
+        ((16, 128, 1), 64, 512, "group_size=64: the pair-plane layout takes 128"),
+        ((16, 512, 1), 256, 1024, "group_size=256: the pair-plane layout takes 128"),
     ],
 )
 def test_refuses_bad_configs_naming_the_value(kernel, config, group, k, message):

@@ -91,22 +91,20 @@ def moved_bytes(m: int, n: int, k: int, act_bytes: int = 2, bits: int = 4) -> in
 
 
 def sweep_configs() -> list:
-    """Our candidate tile configs (kernels/README.md): the nibble planes' tiles that won on the
-    H200 (2026-12-01; the K-order unpack lost to them everywhere and is no longer swept), and the
-    pair-plane layout's, whose main loop issues 3.2-4.8 instructions per code in sm90 SASS
-    against the planes' 7.6 (not timed yet)."""
+    """Our candidate tile configs (kernels/README.md): the pair-plane tiles that came within 3 %
+    of the best somewhere on the H200 (2026-12-01; the nibble planes lost to them everywhere and
+    are gone), and, since those reached only 1.5-1.7 TB/s of the 4.2 copy, deeper pipelines and
+    a K block of 4 groups for the 64-row tile (more bytes in flight per program)."""
     from hyperqwen.kernels.w4a16 import TileConfig
 
     configs = []
     for split_k in (1, 2, 4, 8):
-        configs.append(TileConfig(32, 256, split_k, num_warps=1))
-        configs.append(TileConfig(32, 256, split_k, num_warps=2))
-        configs.append(TileConfig(16, 256, split_k, num_warps=1))
-        configs.append(TileConfig(64, 256, split_k, num_warps=2, pairs=True))
-        configs.append(TileConfig(64, 256, split_k, num_warps=4, pairs=True))
-        configs.append(TileConfig(128, 256, split_k, num_warps=4, pairs=True))
-        configs.append(TileConfig(128, 256, split_k, num_warps=8, pairs=True))
-        configs.append(TileConfig(256, 256, split_k, num_warps=8, pairs=True))
+        configs.append(TileConfig(64, 256, split_k, num_warps=2))
+        for stages in (3, 4, 5):
+            configs.append(TileConfig(64, 256, split_k, num_warps=4, num_stages=stages))
+        configs.append(TileConfig(64, 512, split_k, num_warps=4))
+        configs.append(TileConfig(128, 256, split_k, num_warps=4))
+        configs.append(TileConfig(128, 256, split_k, num_warps=8))
     return configs
 
 
@@ -184,7 +182,7 @@ class Weights:
         for _ in range(copies - 1):  # distinct storage, same values: rotation defeats L2
             self.packed.append(self.packed[0].clone())
             self.scales.append(self.scales[0].clone())
-        # the same codes in the pair-plane layout, for TileConfig.pairs (int4 only)
+        # the same codes in the pair-plane layout our kernel reads (int4 only)
         self.pairs = [repack_pairs(p) for p in self.packed] if bits == 4 else []
 
 
@@ -328,10 +326,9 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
         for config in sweep_configs() if shape.bits == 4 else ():
             if config.split_k > 1 and shape.k // config.split_k < config.block_k:
                 continue
-            packed = w.pairs if config.pairs else w.packed
             try:
                 out = torch.full((m, shape.n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                w4a16_matmul(x, packed[0], w.scales[0], GROUP_SIZE, config, out=out)
+                w4a16_matmul(x, w.pairs[0], w.scales[0], GROUP_SIZE, config, out=out)
                 err = relative_error(out, ref)
                 if not math.isfinite(err) or err > 1e-2:
                     entry["ours"].append({"config": asdict(config), "rel_err": err})
@@ -342,7 +339,7 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
                         lambda p=p, s=s, o=o, x=x, c=config: w4a16_matmul(
                             x, p, s, GROUP_SIZE, c, out=o
                         )
-                        for p, s, o in zip(packed, w.scales, outs, strict=True)
+                        for p, s, o in zip(w.pairs, w.scales, outs, strict=True)
                     ]
                 )
                 entry["ours"].append({"config": asdict(config), "us": us, "rel_err": err})

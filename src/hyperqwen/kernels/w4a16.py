@@ -1,26 +1,26 @@
 """Skinny W4A16 GEMM: y = x @ dequant(W)ᵀ for the few rows of a decode or verify step.
 
-Status: correct, and slower than vLLM's Marlin on the H200 at every measured shape (about 2x at
-M <= 16, kernels/README.md); no serving path dispatches to it yet. `hyperqwen bench kernels`
-times it beside vLLM's kernels so each change is measured against them.
+Status: correct, and slower than vLLM's Marlin on the H200 at every measured shape (1.1-1.4x
+Marlin's time at M <= 16, kernels/README.md); no serving path dispatches to it yet. `hyperqwen
+bench kernels` times it beside vLLM's kernels so each change is measured against them.
 
-Reads the compressed-tensors pack-quantized layout as the checkpoint stores it, or (TileConfig
-.pairs) the same words with their codes reordered once by repack_pairs, the one copy a layer
-would then keep:
+Reads the compressed-tensors pack-quantized weights (G = 128) with each group's codes reordered
+once by repack_pairs, the one copy a layer would then keep:
 
-  weight_packed  [N, K / 8]  int32    eight 4-bit codes per word along K, code j at bits 4j..4j+3
+  checkpoint     [N, K / 8]  int32    eight 4-bit codes per word along K, code j at bits 4j..4j+3
+  weight_packed  [N, K / 8]  int32    repack_pairs(checkpoint): word i of a group holds columns
+                                      32j + 2i (nibble j) and 32j + 2i + 1 (nibble j + 4), j < 4
   weight_scale   [N, K / G]  x.dtype  one scale per output row and group of G inputs
   value          (code - 8) * scale   (symmetric uint4b8)
 
 Each program owns BLOCK_N output rows and one of SPLIT_K slices of K, and takes one group of G
 inputs at a time. The codes, OR-ed into the mantissa of a float constant (MAGIC + code, exact, no
 int-to-float conversion) with the bias subtracted in x's dtype (exact), meet xᵀ in tensor-core
-dots (M padded to 16): in the checkpoint's layout as 8 nibble planes (8 dots of K = 16, x split
-into its planes in registers), in the pair-plane layout as 4 pair planes (one shift and mask give
-two codes; 4 dots of K = 32 against contiguous x); the group scale multiplies the small
-[BLOCK_N, M] product. (Unpacking in K order, one dot of K = G, lost to the planes at every 27B
-shape on the H200 and is gone: kernels/README.md.) Where N and K are whole tiles (every 27B
-shape) the weight loads carry no masks.
+dots (M padded to 16) as 4 pair planes: one shift and mask give two codes, 4 dots of K = 32
+against contiguous x; the group scale multiplies the small [BLOCK_N, M] product. (Two other
+unpacks of the checkpoint's own order, in K order and as 8 nibble planes of K = 16, lost to this
+one at every 27B shape on the H200 and are gone: kernels/README.md.) Where N and K are whole
+tiles (every 27B shape) the weight loads carry no masks.
 Split-K partial sums go to an fp32 workspace; the last program of an output tile to arrive (an
 acq_rel counter) adds the slices in slice order, so results do not depend on arrival order,
 writes the output and re-arms the counter for the next launch (CUDA-graph replays reuse it).
@@ -52,15 +52,10 @@ class TileConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
-    # weights in the pair-plane layout (repack_pairs), unpacked two codes per mask (_group_pairs);
-    # else the checkpoint's layout as 8 nibble planes (_group_planes)
-    pairs: bool = False
 
     def label(self) -> str:
-        unpack = "pairs_" if self.pairs else "planes_"
         return (
-            f"{unpack}n{self.block_n}_k{self.block_k}_s{self.split_k}"
-            f"_w{self.num_warps}_p{self.num_stages}"
+            f"n{self.block_n}_k{self.block_k}_s{self.split_k}_w{self.num_warps}_p{self.num_stages}"
         )
 
 
@@ -91,41 +86,6 @@ def _unbiased_dot(biased, x_t, part, x_ptr, DOT_IN_FP32: tl.constexpr):
     else:
         weights = (biased - (value + 8.0)).to(x_ptr.dtype.element_ty)  # exact in bf16/fp16
         return tl.dot(weights, x_t, part)
-
-
-@triton.jit
-def _plane_dot(words, j: tl.constexpr, x_t, part, x_ptr, DOT_IN_FP32: tl.constexpr):
-    """Nibble plane j: nibble j of every word against x_t."""
-    bits, _ = _magic(x_ptr)
-    biased = _as_x_dtype(((words >> (4 * j)) & 0xF) | bits, x_ptr)  # MAGIC + code, exact
-    return _unbiased_dot(biased, x_t, part, x_ptr, DOT_IN_FP32)
-
-
-@triton.jit
-def _group_planes(words, x, x_ptr, DOT_IN_FP32: tl.constexpr):
-    """One group's product as 8 dots of K = 16: nibble plane j of every word against
-    x[8i + j]. Only elementwise work touches the loaded words, so Triton keeps the dot operand
-    in registers; x, loaded contiguous, is split into its planes in registers."""
-    BLOCK_M: tl.constexpr = x.shape[0]
-    WORDS: tl.constexpr = words.shape[1]
-    # k = 8i + 4a + 2b + c: move i first, then peel a, b and c off as the last dimension
-    x = tl.permute(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)), (1, 0, 2, 3, 4))
-    a0, a1 = tl.split(tl.permute(x, (0, 1, 3, 4, 2)))
-    b00, b01 = tl.split(tl.permute(a0, (0, 1, 3, 2)))
-    b10, b11 = tl.split(tl.permute(a1, (0, 1, 3, 2)))
-    x0, x1 = tl.split(b00)
-    x2, x3 = tl.split(b01)
-    x4, x5 = tl.split(b10)
-    x6, x7 = tl.split(b11)
-    part = tl.zeros((words.shape[0], BLOCK_M), dtype=tl.float32)
-    part = _plane_dot(words, 0, x0, part, x_ptr, DOT_IN_FP32)
-    part = _plane_dot(words, 1, x1, part, x_ptr, DOT_IN_FP32)
-    part = _plane_dot(words, 2, x2, part, x_ptr, DOT_IN_FP32)
-    part = _plane_dot(words, 3, x3, part, x_ptr, DOT_IN_FP32)
-    part = _plane_dot(words, 4, x4, part, x_ptr, DOT_IN_FP32)
-    part = _plane_dot(words, 5, x5, part, x_ptr, DOT_IN_FP32)
-    part = _plane_dot(words, 6, x6, part, x_ptr, DOT_IN_FP32)
-    return _plane_dot(words, 7, x7, part, x_ptr, DOT_IN_FP32)
 
 
 @triton.jit
@@ -179,7 +139,6 @@ def _w4a16_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
-    PAIRS: tl.constexpr,
     EVEN: tl.constexpr,  # N and K are whole tiles: no masks on the weight loads
 ):
     pid_n = tl.program_id(0)
@@ -218,10 +177,7 @@ def _w4a16_kernel(
                 scale = tl.load(s_rows + group, mask=group_mask, other=0.0)
                 x_mask = m_mask[:, None] & (offs_k[None, :] < K)
                 x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
-            if PAIRS:
-                part = _group_pairs(words, x, x_ptr, DOT_IN_FP32)
-            else:
-                part = _group_planes(words, x, x_ptr, DOT_IN_FP32)
+            part = _group_pairs(words, x, x_ptr, DOT_IN_FP32)
             acc += part * scale.to(tl.float32)
 
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -307,10 +263,8 @@ def workspace_size(m: int, n: int, config: TileConfig) -> tuple[int, int]:
 def check_config(config: TileConfig, group_size: int, k: int) -> None:
     """Refuse a config or shape the kernel cannot run, with the reason."""
     problems = []
-    words = group_size // 8
-    if group_size % 8 or words < DOT_MIN_ROWS or words & (words - 1):
-        # a plane is one dot of K = group_size / 8
-        problems.append(f"group_size={group_size} must be 8 x a power of two, at least 128")
+    if group_size != PAIR_GROUP:
+        problems.append(f"group_size={group_size}: the pair-plane layout takes {PAIR_GROUP}")
     elif config.block_k % group_size:
         problems.append(f"block_k={config.block_k} must be a multiple of group_size={group_size}")
     if k % group_size:
@@ -319,8 +273,6 @@ def check_config(config: TileConfig, group_size: int, k: int) -> None:
         problems.append(f"block_n={config.block_n} must be a power of two >= {DOT_MIN_ROWS}")
     if config.split_k < 1:
         problems.append(f"split_k={config.split_k} must be >= 1")
-    if config.pairs and group_size != PAIR_GROUP:
-        problems.append(f"pairs needs group_size={PAIR_GROUP} (4 pair planes of 32)")
     if problems:
         raise ValueError("w4a16 tile config " + config.label() + ": " + "; ".join(problems))
 
@@ -333,7 +285,8 @@ def w4a16_matmul(
     config: TileConfig,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (bf16/fp16, rows contiguous) times dequantized weights [N, K]ᵀ -> [M, N]."""
+    """x [M, K] (bf16/fp16, rows contiguous) times dequantized weights [N, K]ᵀ -> [M, N];
+    weight_packed in the pair-plane layout (repack_pairs of the checkpoint's words)."""
     m, k = x.shape
     n = weight_packed.shape[0]
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -381,7 +334,6 @@ def w4a16_matmul(
         BLOCK_K=config.block_k,
         SPLIT_K=config.split_k,
         DOT_IN_FP32=_INTERPRETED,
-        PAIRS=config.pairs,
         EVEN=n % config.block_n == 0 and k % config.block_k == 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -412,7 +364,7 @@ def pair_plane_order(k: int) -> torch.Tensor:
 
 def repack_pairs(weight_packed: torch.Tensor) -> torch.Tensor:
     """Checkpoint-order int4 words [N, K/8] -> the same codes in the pair-plane layout
-    (TileConfig.pairs), same shape and dtype: what a layer would keep instead, not beside."""
+    w4a16_matmul reads, same shape and dtype: what a layer would keep instead, not beside."""
     codes = unpack_codes(weight_packed)
     order = pair_plane_order(codes.shape[1]).to(codes.device)
     return pack_codes(codes[:, order])
