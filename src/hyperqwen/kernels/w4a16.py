@@ -101,21 +101,14 @@ def _pair_dot(words, j: tl.constexpr, x_j, part, x_ptr, DOT_IN_FP32: tl.constexp
 
 
 @triton.jit
-def _group_pairs(words, x, x_ptr, DOT_IN_FP32: tl.constexpr):
-    """One group's product in the pair-plane layout (repack_pairs): nibbles j and j + 4 of word
-    i hold k = 32j + 2i and 32j + 2i + 1, so pair plane j is one dot of K = 32 against the
-    contiguous x[32j : 32j + 32]."""
-    BLOCK_M: tl.constexpr = x.shape[0]
-    # x[m, 32j + c] with j = 2a + b -> [BLOCK_M, 32, a, b]; split off b, then a
-    quarters = tl.permute(tl.reshape(x, (BLOCK_M, 2, 2, 32)), (0, 3, 1, 2))
-    even_j, odd_j = tl.split(quarters)
-    x0, x2 = tl.split(even_j)
-    x1, x3 = tl.split(odd_j)
-    part = tl.zeros((words.shape[0], BLOCK_M), dtype=tl.float32)
-    part = _pair_dot(words, 0, x0, part, x_ptr, DOT_IN_FP32)
-    part = _pair_dot(words, 1, x1, part, x_ptr, DOT_IN_FP32)
-    part = _pair_dot(words, 2, x2, part, x_ptr, DOT_IN_FP32)
-    return _pair_dot(words, 3, x3, part, x_ptr, DOT_IN_FP32)
+def _plane_inputs(x_rows, k0, m_mask, K, EVEN: tl.constexpr):
+    """x[:, k0 : k0 + 32], one pair plane's inputs, as a load of its own: split out of one
+    [M, 128] load in registers, x was re-laid out through shared memory on the wgmma tiles (2-byte
+    loads and stores, 64 per thread per K block in sm90 SASS); loaded alone it goes by cp.async
+    straight to where the dot reads it."""
+    offs_k = k0 + tl.arange(0, 32)
+    mask = m_mask[:, None] if EVEN else m_mask[:, None] & (offs_k[None, :] < K)
+    return tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -166,18 +159,18 @@ def _w4a16_kernel(
         for g in tl.static_range(GROUPS_PER_BLOCK):
             group = block * GROUPS_PER_BLOCK + g
             offs_w = group * WORDS + tl.arange(0, WORDS)
-            offs_k = group * GROUP + tl.arange(0, GROUP)
             if EVEN:
                 words = tl.load(w_rows + offs_w[None, :])
                 scale = tl.load(s_rows + group)
-                x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
             else:
                 group_mask = n_mask[:, None] & (group * GROUP < K)
                 words = tl.load(w_rows + offs_w[None, :], mask=group_mask, other=0)
                 scale = tl.load(s_rows + group, mask=group_mask, other=0.0)
-                x_mask = m_mask[:, None] & (offs_k[None, :] < K)
-                x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
-            part = _group_pairs(words, x, x_ptr, DOT_IN_FP32)
+            # pair plane j: nibbles j and j + 4 of word i hold k = 32j + 2i and 32j + 2i + 1
+            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for j in tl.static_range(4):
+                x_j = _plane_inputs(x_rows, group * GROUP + 32 * j, m_mask, K, EVEN)
+                part = _pair_dot(words, j, x_j, part, x_ptr, DOT_IN_FP32)
             acc += part * scale.to(tl.float32)
 
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
