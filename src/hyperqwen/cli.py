@@ -91,9 +91,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # vLLM's own CLI module under this interpreter: the pinned (patched) vLLM of this
     # environment runs, whatever `vllm` happens to be first on PATH.
     command = [sys.executable, "-m", VLLM_CLI_MODULE, *plan.argv[1:]]
-    toolkit = toolkit_env(environ)
+    toolkit, why = toolkit_env(environ)
     if toolkit:
-        print(f"CUDA toolkit for JIT kernels: {toolkit['CUDA_HOME']} (the venv's)", file=sys.stderr)
+        print(
+            f"CUDA toolkit for JIT kernels: {toolkit['CUDA_HOME']} (the venv's: {why})",
+            file=sys.stderr,
+        )
     os.execve(sys.executable, command, {**environ, **toolkit, **plan.env})
 
 

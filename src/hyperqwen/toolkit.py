@@ -1,22 +1,40 @@
-"""The CUDA toolkit that vLLM's just-in-time compilers need: the venv's, where the system has none.
+"""The CUDA toolkit that vLLM's just-in-time compilers need: the venv's, where the system has none
+or one of another CUDA major release.
 
 On Ampere and Ada cards, parts of vLLM compile kernels at first use: FlashInfer attention for an
-fp8 KV cache (batch mode's default) looks for nvcc through CUDA_HOME or PATH. The container is
-built on a CUDA runtime image without a toolkit, but the venv carries one (the nvidia-cuda-nvcc
-wheel: site-packages/nvidia/cu13 with bin/nvcc, include/, lib/). Where neither CUDA_HOME, nvcc on
-PATH nor /usr/local/cuda gives a toolkit, `hyperqwen serve` points CUDA_HOME and PATH at it.
+fp8 KV cache (batch mode's default) looks for nvcc through CUDA_HOME, PATH, then /usr/local/cuda.
+The container is built on a CUDA runtime image without a toolkit, but the venv carries one (the
+nvidia-cuda-nvcc wheel: site-packages/nvidia/cu13 with bin/nvcc, include/, lib/), of the CUDA
+release torch was built for. `hyperqwen serve` points CUDA_HOME and PATH at it where nvcc on PATH
+and /usr/local/cuda give no toolkit, or one of another major release (a bare-metal box with a
+CUDA 12 toolkit cannot build kernels for a CUDA 13 torch). A CUDA_HOME the user set is theirs:
+it is kept, and `hyperqwen doctor` warns when its release differs.
+
+HYPERQWEN_SYSTEM_CUDA names where the system toolkit is looked for instead of /usr/local/cuda
+(the GPU tests point it at nothing to run the venv's toolkit on a host that has one).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
+import subprocess
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 SYSTEM_TOOLKIT = Path("/usr/local/cuda")
+SYSTEM_TOOLKIT_ENV = "HYPERQWEN_SYSTEM_CUDA"
 VENV_TOOLKIT = "cu13"  # nvidia/cu13, the CUDA 13 wheels torch 2.11 + cu130 brings
+
+
+@dataclass(frozen=True)
+class SystemToolkit:
+    where: str  # how it is found, as the log and doctor say it
+    nvcc: Path
+    explicit: bool  # the user's CUDA_HOME
 
 
 def venv_toolkit() -> Path | None:
@@ -29,22 +47,53 @@ def venv_toolkit() -> Path | None:
     return None
 
 
-def system_toolkit(environ: Mapping[str, str]) -> str | None:
+def nvcc_release(nvcc: Path) -> tuple[int, int] | None:
+    """(major, minor) that `nvcc --version` reports, or None where it does not run."""
+    try:
+        shown = subprocess.run(
+            [str(nvcc), "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+)\.(\d+)", shown)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def system_toolkit(environ: Mapping[str, str]) -> SystemToolkit | None:
     """Where the JIT compilers would find a toolkit without help, or None."""
-    if environ.get("CUDA_HOME"):
-        return f"CUDA_HOME={environ['CUDA_HOME']}"
+    if home := environ.get("CUDA_HOME"):
+        return SystemToolkit(f"CUDA_HOME={home}", Path(home) / "bin" / "nvcc", explicit=True)
     if nvcc := shutil.which("nvcc", path=environ.get("PATH", os.defpath)):
-        return f"nvcc on PATH ({nvcc})"
-    if (SYSTEM_TOOLKIT / "bin" / "nvcc").is_file():
-        return str(SYSTEM_TOOLKIT)
+        return SystemToolkit(f"nvcc on PATH ({nvcc})", Path(nvcc), explicit=False)
+    root = Path(environ.get(SYSTEM_TOOLKIT_ENV) or SYSTEM_TOOLKIT)
+    if (root / "bin" / "nvcc").is_file():
+        return SystemToolkit(str(root), root / "bin" / "nvcc", explicit=False)
     return None
 
 
-def toolkit_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """CUDA_HOME and PATH to add for the venv's toolkit; nothing where a system one exists or
-    the venv has none."""
+def release_mismatch(system: SystemToolkit, venv_root: Path) -> str | None:
+    """Why the system toolkit cannot build for this torch, or None: another major release."""
+    theirs, ours = nvcc_release(system.nvcc), nvcc_release(venv_root / "bin" / "nvcc")
+    if theirs is None or ours is None or theirs[0] == ours[0]:
+        return None
+    return (
+        f"{system.where} is CUDA {theirs[0]}.{theirs[1]}, this torch and the venv's toolkit "
+        f"CUDA {ours[0]}.{ours[1]}"
+    )
+
+
+def toolkit_env(environ: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """(CUDA_HOME and PATH to add for the venv's toolkit, why); nothing where a usable system
+    one exists, the user set CUDA_HOME, or the venv has none."""
     root = venv_toolkit()
-    if system_toolkit(environ) or root is None:
-        return {}
+    if root is None:
+        return {}, ""
+    system = system_toolkit(environ)
+    if system is None:
+        why = "no system toolkit"
+    else:
+        why = None if system.explicit else release_mismatch(system, root)
+        if why is None:
+            return {}, ""
     path = environ.get("PATH", os.defpath)
-    return {"CUDA_HOME": str(root), "PATH": f"{root / 'bin'}{os.pathsep}{path}"}
+    return {"CUDA_HOME": str(root), "PATH": f"{root / 'bin'}{os.pathsep}{path}"}, why

@@ -1,0 +1,60 @@
+"""On the GPU host: kernels vLLM compiles at first use build with the venv's CUDA toolkit when the
+system has none (issue 14: the image is a CUDA runtime base without a toolkit).
+
+The batch profile serves with its fp8 KV cache and FlashInfer attention forced, with the
+system's toolkit hidden as the image has it: no CUDA_HOME, no nvcc on PATH, and
+HYPERQWEN_SYSTEM_CUDA pointing where /usr/local/cuda would be looked for at nothing.
+`hyperqwen serve` then points CUDA_HOME at the venv's toolkit (hyperqwen/toolkit.py), and
+FlashInfer builds its kernels into the workspace given here with it. The GPU kit needs the
+toolkit's wheels for this (bash ../shared/gpu-kit/build.sh nvidia-cuda-nvcc==13.0.88 ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from gpu_server import chat, hyperqwen_server, log_dir
+from test_serve_gpu import serve_env
+
+from hyperqwen import toolkit
+
+pytestmark = pytest.mark.gpu
+
+
+def test_flashinfer_attention_builds_with_the_venvs_toolkit(tiny_models_dir, tmp_path):
+    root = toolkit.venv_toolkit()
+    if root is None:
+        pytest.skip(
+            "no nvidia/cu13 toolkit importable here: build the GPU kit with the toolkit's wheels "
+            "(nvidia-cuda-nvcc, nvidia-cuda-crt, nvidia-nvvm, nvidia-cuda-runtime, "
+            "nvidia-cuda-cccl of CUDA 13.0)"
+        )
+    no_nvcc = os.pathsep.join(
+        folder
+        for folder in os.environ.get("PATH", "").split(os.pathsep)
+        if folder and not (Path(folder) / "nvcc").exists()
+    )
+    workspace = tmp_path / "flashinfer"
+    env = serve_env(
+        tiny_models_dir,
+        PORT="18051",
+        CUDA_HOME="",
+        PATH=no_nvcc,
+        FLASHINFER_WORKSPACE_BASE=str(workspace),
+        **{toolkit.SYSTEM_TOOLKIT_ENV: str(tmp_path / "no-system-cuda")},
+    )
+    env["EXTRA_ARGS"] += " --attention-backend FLASHINFER"
+    log = log_dir(tmp_path) / "serve-batch-venv-toolkit.log"
+    with hyperqwen_server("batch", env, log) as base:
+        answers = [chat(base, "tiny") for _ in range(2)]
+    built = sorted(str(path.relative_to(workspace)) for path in workspace.rglob("*.so"))
+    report = {"toolkit": str(root), "built": built, "answers": [a["usage"] for a in answers]}
+    (log_dir(tmp_path) / "venv-toolkit.json").write_text(json.dumps(report, indent=1))
+    assert (
+        f"CUDA toolkit for JIT kernels: {root} (the venv's: no system toolkit)" in log.read_text()
+    )
+    assert all(answer["usage"]["completion_tokens"] > 0 for answer in answers)
+    assert built, f"FlashInfer built nothing under {workspace}: its kernels did not come from JIT"
