@@ -8,8 +8,9 @@ anything vLLM itself does not bring; the names the launcher and the engine share
 DRAFT_VOCAB_ENV = "HYPERQWEN_DRAFT_VOCAB"
 DRAFT_VOCAB_CHOICES = ("auto", "off")
 
-# Set to "1" by the launcher with SPEC=lookup: vLLM's GPU n-gram proposer then searches with
-# HyperQwen's longest-latest match (engine/lookup.py) instead of its own earliest match.
+# Set to "1" by the launcher with SPEC=lookup (vLLM's CPU n-gram proposer then drafts from
+# HyperQwen's longest-latest match, engine/lookup.py, instead of its earliest one) and with
+# SPEC=mtp LOOKUP=1 (the same search fused with MTP's drafts).
 LOOKUP_ENV = "HYPERQWEN_LOOKUP"
 
 # Set to "1" by the launcher with PREFIX_CACHE_OVERLAP=1: vLLM's V1 runner skips its per-step wait
