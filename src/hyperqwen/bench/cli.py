@@ -28,6 +28,7 @@ from hyperqwen.bench.plot import PlotUnavailable, write_plot
 from hyperqwen.bench.quality import add_quality_subcommands
 from hyperqwen.bench.rows import Row, format_row
 from hyperqwen.bench.run import run_bench, served_model, write_results
+from hyperqwen.bench.sass import add_subcommand as add_sass_subcommand
 from hyperqwen.bench.soak import add_subcommand as add_soak_subcommand
 from hyperqwen.bench.workload import (
     SALT_TOKENS,
@@ -264,4 +265,5 @@ def add_subcommand(subparsers) -> None:
     add_ab_subcommand(actions)
     add_kernels_subcommand(actions)
     add_gdn_subcommand(actions)
+    add_sass_subcommand(actions)
     add_soak_subcommand(actions)
