@@ -49,7 +49,7 @@ def run(kernel, x, packed, scale, config):
 
 
 CASES = [
-    # m, n, k, (block_n, block_k, split_k[, num_warps, num_stages])
+    # m, n, k, (block_n, block_k, split_k[, num_warps, num_stages, programs_per_sm])
     (1, 64, 256, (16, 128, 1)),
     (1, 80, 384, (64, 256, 1)),  # N and K beyond the last full tile
     (3, 96, 512, (32, 256, 2)),
@@ -66,6 +66,11 @@ CASES = [
     (17, 64, 256, (64, 128, 1, 4, 3)),
     (3, 128, 1024, (64, 512, 2, 4, 3)),  # a K block of 4 groups
     (3, 256, 512, (128, 256, 2, 8, 3)),  # the widest swept tile
+    # persistent grids (2 "SMs" under the interpreter): each program walks several work items
+    (1, 256, 512, (32, 256, 1, 2, 3, 1)),  # 8 tiles over 2 programs
+    (4, 192, 1024, (32, 256, 3, 4, 3, 2)),  # 6 tiles x 3 slices (one short) over 4 programs
+    (70, 64, 256, (16, 128, 2, 4, 3, 3)),  # two M tiles, split-K, over 6 programs
+    (2, 48, 384, (16, 128, 1, 4, 3, 64)),  # more programs allowed than work items
 ]
 
 

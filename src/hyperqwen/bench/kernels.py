@@ -93,8 +93,9 @@ def moved_bytes(m: int, n: int, k: int, act_bytes: int = 2, bits: int = 4) -> in
 def sweep_configs() -> list:
     """Our candidate tile configs (kernels/README.md): the pair-plane tiles that came within 3 %
     of the best somewhere on the H200 (2026-12-01; the nibble planes lost to them everywhere and
-    are gone), and, since those reached only 1.5-1.7 TB/s of the 4.2 copy, deeper pipelines and
-    a K block of 4 groups for the 64-row tile (more bytes in flight per program)."""
+    are gone), and, since those reached only 1.5-1.7 TB/s of the 4.2 copy, deeper pipelines,
+    a K block of 4 groups and a persistent grid for the 64-row tile (more bytes in flight per
+    program; no part-full last wave of short-lived programs)."""
     from hyperqwen.kernels.w4a16 import TileConfig
 
     configs = []
@@ -105,6 +106,8 @@ def sweep_configs() -> list:
         configs.append(TileConfig(64, 512, split_k, num_warps=4))
         configs.append(TileConfig(128, 256, split_k, num_warps=4))
         configs.append(TileConfig(128, 256, split_k, num_warps=8))
+        # persistent: 4 programs per SM walk the work items (no part-full last wave)
+        configs.append(TileConfig(64, 256, split_k, num_warps=4, programs_per_sm=4))
     return configs
 
 

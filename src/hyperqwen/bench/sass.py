@@ -51,7 +51,7 @@ def compile_kernel(config, arch: int, block_m: int = 16):
                 "partial_ptr": "*fp32", "counter_ptr": "*i32"}  # fmt: skip
     constants = {"GROUP": w4a16.PAIR_GROUP, "BLOCK_M": block_m, "BLOCK_N": config.block_n,
                  "BLOCK_K": config.block_k, "SPLIT_K": config.split_k, "DOT_IN_FP32": False,
-                 "EVEN": True}  # fmt: skip
+                 "EVEN": True, "PERSISTENT": config.programs_per_sm > 0}  # fmt: skip
     signature = {
         name: pointers.get(name, "constexpr" if name in constants else "i32")
         for name in kernel.arg_names
@@ -119,7 +119,7 @@ def cmd_sass(args: argparse.Namespace) -> int:
         print("bench sass: compiles the kernel; unset TRITON_INTERPRET (=1 here)", file=sys.stderr)
         return 2
 
-    config = TileConfig(args.block_n, args.block_k, 1, args.warps, args.stages)
+    config = TileConfig(args.block_n, args.block_k, 1, args.warps, args.stages, args.persistent)
     check_config(config, 128, args.block_k)
     counts = [count_loop(config, arch) for arch in args.arch]
     if args.json:
@@ -146,6 +146,13 @@ def add_subcommand(actions) -> None:
     sass.add_argument("--block-k", type=int, default=256, help="K per loop step")
     sass.add_argument("--warps", type=int, default=2)
     sass.add_argument("--stages", type=int, default=3, help="software pipeline stages")
+    sass.add_argument(
+        "--persistent",
+        type=int,
+        default=0,
+        metavar="PROGRAMS_PER_SM",
+        help="the persistent grid (programs per SM; 0: one program per work item)",
+    )
     sass.add_argument(
         "--arch", type=int, nargs="+", choices=ARCHES, default=[90], help="sm versions"
     )

@@ -21,6 +21,10 @@ against contiguous x; the group scale multiplies the small [BLOCK_N, M] product.
 unpacks of the checkpoint's own order, in K order and as 8 nibble planes of K = 16, lost to this
 one at every 27B shape on the H200 and are gone: kernels/README.md.) Where N and K are whole
 tiles (every 27B shape) the weight loads carry no masks.
+A work item is one output tile's slice of K: either each program takes one (a grid of them
+all), or (TileConfig.programs_per_sm) a persistent grid of a few programs per SM walks them in
+one flattened loop, so the next item's loads can start while one finishes and no part-full last
+wave of short programs remains.
 Split-K partial sums go to an fp32 workspace; the last program of an output tile to arrive (an
 acq_rel counter) adds the slices in slice order, so results do not depend on arrival order,
 writes the output and re-arms the counter for the next launch (CUDA-graph replays reuse it).
@@ -28,6 +32,7 @@ writes the output and re-arms the counter for the next launch (CUDA-graph replay
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -52,10 +57,15 @@ class TileConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    # > 0: a persistent grid of this many programs per SM walks the work items; 0: one
+    # program per work item
+    programs_per_sm: int = 0
 
     def label(self) -> str:
+        persistent = f"_r{self.programs_per_sm}" if self.programs_per_sm else ""
         return (
             f"n{self.block_n}_k{self.block_k}_s{self.split_k}_w{self.num_warps}_p{self.num_stages}"
+            f"{persistent}"
         )
 
 
@@ -112,31 +122,13 @@ def _plane_inputs(x_rows, k0, m_mask, K, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _w4a16_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    out_ptr,
-    partial_ptr,
-    counter_ptr,
-    M,
-    N,
-    K,
-    words_per_row,
-    groups_per_row,
-    stride_xm,
-    stride_om,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
-    EVEN: tl.constexpr,  # N and K are whole tiles: no masks on the weight loads
-):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+def _work_item(
+    pid_n, pid_k, pid_m, n_tiles, x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
+    words_per_row, groups_per_row, stride_xm, stride_om, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """One output tile's slice of K: its dots, then its store or its part of the split-K sum."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
@@ -178,7 +170,7 @@ def _w4a16_kernel(
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        tile = pid_m * tl.num_programs(0) + pid_n
+        tile = pid_m * n_tiles + pid_n
         tile_elems: tl.constexpr = BLOCK_N * BLOCK_M
         tile_offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         slice_base = partial_ptr + tile.to(tl.int64) * (SPLIT_K * tile_elems)
@@ -190,6 +182,51 @@ def _w4a16_kernel(
                 total += tl.load(slice_base + piece * tile_elems + tile_offs, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    partial_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    words_per_row,
+    groups_per_row,
+    stride_xm,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    EVEN: tl.constexpr,  # N and K are whole tiles: no masks on the weight loads
+    PERSISTENT: tl.constexpr,  # a few programs per SM walk the work items; else one each
+):
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        # work items (tile along N, slice of K, tile along M), walked by a grid of a few
+        # programs per SM; flattened, the loop can prefetch the next item's first blocks while
+        # this one finishes, and no last wave runs part-full
+        items = n_tiles * SPLIT_K * tl.cdiv(M, BLOCK_M)
+        for item in tl.range(tl.program_id(0), items, tl.num_programs(0), flatten=True):
+            _work_item(
+                item % n_tiles, (item // n_tiles) % SPLIT_K, item // (n_tiles * SPLIT_K), n_tiles,
+                x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, words_per_row,
+                groups_per_row, stride_xm, stride_om, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
+                DOT_IN_FP32, EVEN,
+            )  # fmt: skip
+    else:
+        _work_item(
+            tl.program_id(0), tl.program_id(1), tl.program_id(2), n_tiles, x_ptr, w_ptr, s_ptr,
+            out_ptr, partial_ptr, counter_ptr, M, N, K, words_per_row, groups_per_row, stride_xm,
+            stride_om, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_IN_FP32, EVEN,
+        )  # fmt: skip
 
 
 class SplitWorkspace:
@@ -236,6 +273,14 @@ class SplitWorkspace:
 
 
 WORKSPACE = SplitWorkspace()
+INTERPRETER_SMS = 2  # under the interpreter a persistent grid walks several items per program
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch_geometry(m: int, n: int, config: TileConfig) -> tuple[int, int, int]:
@@ -266,6 +311,8 @@ def check_config(config: TileConfig, group_size: int, k: int) -> None:
         problems.append(f"block_n={config.block_n} must be a power of two >= {DOT_MIN_ROWS}")
     if config.split_k < 1:
         problems.append(f"split_k={config.split_k} must be >= 1")
+    if config.programs_per_sm < 0:
+        problems.append(f"programs_per_sm={config.programs_per_sm} must be >= 0")
     if problems:
         raise ValueError("w4a16 tile config " + config.label() + ": " + "; ".join(problems))
 
@@ -307,7 +354,12 @@ def w4a16_matmul(
         partials, counters = WORKSPACE.get(x.device, partial_elems, tiles)
     else:
         partials, counters = out, weight_packed  # not touched without split-K
-    _w4a16_kernel[(n_tiles, config.split_k, m_tiles)](
+    if config.programs_per_sm:
+        items = n_tiles * config.split_k * m_tiles
+        grid = (min(items, sm_count(x.device) * config.programs_per_sm), 1, 1)
+    else:
+        grid = (n_tiles, config.split_k, m_tiles)
+    _w4a16_kernel[grid](
         x,
         weight_packed,
         weight_scale,
@@ -328,6 +380,7 @@ def w4a16_matmul(
         SPLIT_K=config.split_k,
         DOT_IN_FP32=_INTERPRETED,
         EVEN=n % config.block_n == 0 and k % config.block_k == 0,
+        PERSISTENT=config.programs_per_sm > 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
