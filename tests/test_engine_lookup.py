@@ -23,35 +23,30 @@ DRAFTS = 4
 WIDTH = 2048  # max_model_len
 
 
-def ngram_proposer(checkpoint, drafts: int, lookup_on: bool):
+def ngram_proposer(checkpoint, drafts: int):
+    """The installed NgramProposer; it reads HYPERQWEN_LOOKUP per call (see `propose`)."""
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform
 
-    platforms._current_platform = CpuPlatform()
-    with pytest.MonkeyPatch.context() as patch:
-        if lookup_on:
-            patch.setenv(LOOKUP_ENV, "1")
-        else:
-            patch.delenv(LOOKUP_ENV, raising=False)
-        from vllm.config import set_current_vllm_config
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+    platforms._current_platform = CpuPlatform()  # before vLLM's config modules read it
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 
-        config = EngineArgs(
-            model=str(checkpoint),
-            language_model_only=True,
-            max_model_len=WIDTH,
-            max_num_seqs=4,
-            speculative_config={
-                "method": "ngram",
-                "num_speculative_tokens": drafts,
-                "prompt_lookup_min": LOOKUP_MATCH[0],
-                "prompt_lookup_max": LOOKUP_MATCH[1],
-            },
-        ).create_engine_config()
-        with set_current_vllm_config(config):
-            proposer = NgramProposer(config)
-    return proposer
+    config = EngineArgs(
+        model=str(checkpoint),
+        language_model_only=True,
+        max_model_len=WIDTH,
+        max_num_seqs=4,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": drafts,
+            "prompt_lookup_min": LOOKUP_MATCH[0],
+            "prompt_lookup_max": LOOKUP_MATCH[1],
+        },
+    ).create_engine_config()
+    with set_current_vllm_config(config):
+        return NgramProposer(config)
 
 
 def propose(proposer, contexts, sampled_rows, lookup_on: bool, drafts: int = DRAFTS):
@@ -70,7 +65,7 @@ def propose(proposer, contexts, sampled_rows, lookup_on: bool, drafts: int = DRA
 
 
 def test_patched_proposer_drafts_the_longest_latest_match(tiny_checkpoint):
-    proposer = ngram_proposer(tiny_checkpoint, DRAFTS, lookup_on=True)
+    proposer = ngram_proposer(tiny_checkpoint, DRAFTS)
     text = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     contexts = [
         [*text, 5, 6, *text[:8]],  # copying text: an 8-token match
@@ -89,7 +84,7 @@ def test_patched_proposer_drafts_the_longest_latest_match(tiny_checkpoint):
 
 def test_unset_the_proposer_is_vllms(tiny_checkpoint):
     """Without the env the hook is inert: vLLM's numba search, the earliest longest match."""
-    proposer = ngram_proposer(tiny_checkpoint, DRAFTS, lookup_on=False)
+    proposer = ngram_proposer(tiny_checkpoint, DRAFTS)
     contexts = [[1, 2, 3, 4, 9, 1, 2, 3, 4, 8, 1, 2, 3]]
     assert propose(proposer, contexts, sampled_rows={0}, lookup_on=False) == [[4, 9, 1, 2]]
 

@@ -18,7 +18,7 @@ from hyperqwen.settings import (
     load_settings,
     resolve_api_key,
 )
-from hyperqwen.toolkit import release_mismatch, system_toolkit, venv_toolkit
+from hyperqwen.toolkit import choose_toolkit
 
 Status = Literal["OK", "WARN", "FAIL"]
 PINNED_TORCH = "2.11.0"
@@ -167,21 +167,22 @@ def check_exposure(loaded: LoadedSettings, in_container: bool) -> Check:
 
 def check_toolkit(environ: dict[str, str]) -> Check:
     """The CUDA toolkit JIT-compiled kernels (FlashInfer on Ampere/Ada) will use."""
-    system, root = system_toolkit(environ), venv_toolkit()
-    mismatch = release_mismatch(system, root) if system and root else None
-    if system and system.explicit and mismatch:
+    choice = choose_toolkit(environ)
+    if choice.system and choice.system.explicit and choice.mismatch:
         return Check(
             "WARN",
             "toolkit",
-            f"CUDA toolkit for JIT kernels: {mismatch}; kernels compiled at first use may fail",
-            f"unset CUDA_HOME (serve then uses the venv's {root}), or point it at a toolkit of "
-            "torch's CUDA release",
+            f"CUDA toolkit for JIT kernels: {choice.mismatch}; kernels compiled at first use may "
+            "fail",
+            f"unset CUDA_HOME (serve then uses the venv's {choice.venv}), or point it at a "
+            "toolkit of torch's CUDA release",
         )
-    if system and not mismatch:
-        return Check("OK", "toolkit", f"CUDA toolkit for JIT kernels: {system.where}")
-    if root:
-        why = mismatch or "no system toolkit"
-        return Check("OK", "toolkit", f"CUDA toolkit for JIT kernels: the venv's ({root}; {why})")
+    if why := choice.venv_reason:
+        return Check(
+            "OK", "toolkit", f"CUDA toolkit for JIT kernels: the venv's ({choice.venv}; {why})"
+        )
+    if choice.system:
+        return Check("OK", "toolkit", f"CUDA toolkit for JIT kernels: {choice.system.where}")
     return Check(
         "WARN",
         "toolkit",

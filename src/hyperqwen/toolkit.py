@@ -16,6 +16,7 @@ HYPERQWEN_SYSTEM_CUDA names where the system toolkit is looked for instead of /u
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -82,18 +83,40 @@ def release_mismatch(system: SystemToolkit, venv_root: Path) -> str | None:
     )
 
 
+@dataclass(frozen=True)
+class ToolkitChoice:
+    """The toolkits there are and which one JIT kernels get; `hyperqwen serve` acts on it,
+    `hyperqwen doctor` reports it."""
+
+    system: SystemToolkit | None
+    venv: Path | None
+
+    @functools.cached_property
+    def mismatch(self) -> str | None:
+        """Why the system toolkit cannot build for this torch (runs both nvcc), or None."""
+        return release_mismatch(self.system, self.venv) if self.system and self.venv else None
+
+    @property
+    def venv_reason(self) -> str | None:
+        """Why the venv's toolkit is used, or None where it is not: a usable system one, the
+        user's CUDA_HOME, or no venv toolkit."""
+        if self.venv is None:
+            return None
+        if self.system is None:
+            return "no system toolkit"
+        return None if self.system.explicit else self.mismatch
+
+
+def choose_toolkit(environ: Mapping[str, str]) -> ToolkitChoice:
+    return ToolkitChoice(system_toolkit(environ), venv_toolkit())
+
+
 def toolkit_env(environ: Mapping[str, str]) -> tuple[dict[str, str], str]:
-    """(CUDA_HOME and PATH to add for the venv's toolkit, why); nothing where a usable system
-    one exists, the user set CUDA_HOME, or the venv has none."""
-    root = venv_toolkit()
-    if root is None:
+    """(CUDA_HOME and PATH to add for the venv's toolkit, why); nothing where it is not used."""
+    choice = choose_toolkit(environ)
+    why = choice.venv_reason
+    if why is None:
         return {}, ""
-    system = system_toolkit(environ)
-    if system is None:
-        why = "no system toolkit"
-    else:
-        why = None if system.explicit else release_mismatch(system, root)
-        if why is None:
-            return {}, ""
     path = environ.get("PATH", os.defpath)
+    root = choice.venv
     return {"CUDA_HOME": str(root), "PATH": f"{root / 'bin'}{os.pathsep}{path}"}, why

@@ -146,7 +146,7 @@ def measure_case(
         [vllm_launch(inputs, state, indices[c], accepted, vllms) for c in range(copies)]
     )
     for config in configs_for(tokens):
-        label = "b{block_v}_w{num_warps}_p{tokens_per_pass}".format(**config)
+        label = config_label(config)
         trial = pristine.clone()
         got = our_launch(inputs, trial, indices[0], accepted, config)()
         out_error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
@@ -165,13 +165,21 @@ def measure_case(
     return entry
 
 
+def config_label(config: dict) -> str:
+    return "b{block_v}_w{num_warps}_p{tokens_per_pass}".format(**config)
+
+
 def served_label(sequences: int, tokens: int, v_heads: int, dim: int) -> str:
     """The config label of what the serving path (engine/gdn_recurrent.py) launches."""
     from hyperqwen.engine.gdn_recurrent import tokens_per_pass
-    from hyperqwen.kernels.gdn_recurrent import default_block_v
+    from hyperqwen.kernels.gdn_recurrent import DEFAULT_WARPS, default_block_v
 
-    block = default_block_v(sequences, v_heads, dim)
-    return f"b{block}_w1_p{tokens_per_pass(sequences * tokens, sequences)}"
+    served = {
+        "block_v": default_block_v(sequences, v_heads, dim),
+        "num_warps": DEFAULT_WARPS,
+        "tokens_per_pass": tokens_per_pass(sequences * tokens, sequences),
+    }
+    return config_label(served)
 
 
 def result_rows(raw: dict) -> list[dict]:

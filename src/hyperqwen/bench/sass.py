@@ -49,9 +49,7 @@ def compile_kernel(config, arch: int, block_m: int = 16):
     kernel = w4a16._w4a16_kernel
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
                 "partial_ptr": "*fp32", "counter_ptr": "*i32"}  # fmt: skip
-    constants = {"GROUP": w4a16.PAIR_GROUP, "BLOCK_M": block_m, "BLOCK_N": config.block_n,
-                 "BLOCK_K": config.block_k, "SPLIT_K": config.split_k, "DOT_IN_FP32": False,
-                 "EVEN": True, "PERSISTENT": config.programs_per_sm > 0}  # fmt: skip
+    constants = w4a16.kernel_constants(config, block_m, even=True)
     signature = {
         name: pointers.get(name, "constexpr" if name in constants else "i32")
         for name in kernel.arg_names

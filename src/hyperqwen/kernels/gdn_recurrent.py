@@ -136,6 +136,9 @@ def _gdn_recurrent_kernel(
                     tl.store(target, h.to(state.dtype.element_ty))
 
 
+DEFAULT_WARPS = 1  # one warp per program: the fastest at every case `bench gdn` timed
+
+
 def default_block_v(sequences: int, v_heads: int, v_dim: int, sm_count: int = 132) -> int:
     """State rows per program: as many as keep every SM busy with a few programs."""
     block = min(triton.next_power_of_2(v_dim), 32)
@@ -183,7 +186,7 @@ def gdn_recurrent_update(
     softplus_beta: float = 1.0,
     softplus_threshold: float = 20.0,
     block_v: int | None = None,
-    num_warps: int = 1,  # one warp per program: the fastest at every case `bench gdn` timed
+    num_warps: int = DEFAULT_WARPS,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The outputs [1, T, HV, V] of the recurrent update, with `state` updated in place; the

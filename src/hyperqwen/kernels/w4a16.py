@@ -298,6 +298,21 @@ def workspace_size(m: int, n: int, config: TileConfig) -> tuple[int, int]:
     return tiles * config.split_k * config.block_n * block_m, tiles
 
 
+def kernel_constants(config: TileConfig, block_m: int, even: bool) -> dict:
+    """The kernel's compile-time arguments for a launch of `config` (also what `hyperqwen bench
+    sass` compiles): GROUP is the pair layout's, which check_config requires."""
+    return {
+        "GROUP": PAIR_GROUP,
+        "BLOCK_M": block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "SPLIT_K": config.split_k,
+        "DOT_IN_FP32": _INTERPRETED,
+        "EVEN": even,
+        "PERSISTENT": config.programs_per_sm > 0,
+    }
+
+
 def check_config(config: TileConfig, group_size: int, k: int) -> None:
     """Refuse a config or shape the kernel cannot run, with the reason."""
     problems = []
@@ -373,14 +388,9 @@ def w4a16_matmul(
         k // group_size,
         x.stride(0),
         out.stride(0),
-        GROUP=group_size,
-        BLOCK_M=block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        SPLIT_K=config.split_k,
-        DOT_IN_FP32=_INTERPRETED,
-        EVEN=n % config.block_n == 0 and k % config.block_k == 0,
-        PERSISTENT=config.programs_per_sm > 0,
+        **kernel_constants(
+            config, block_m, even=n % config.block_n == 0 and k % config.block_k == 0
+        ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
