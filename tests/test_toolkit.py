@@ -3,6 +3,7 @@ where the system has none, and working (its nvcc runs)."""
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 from pathlib import Path
 
@@ -38,10 +39,16 @@ def fake_nvcc(folder: Path, release: str) -> Path:
 
 
 def test_used_only_without_a_usable_system_toolkit(venv_root, tmp_path, monkeypatch):
-    bare = {"PATH": str(tmp_path), toolkit.SYSTEM_TOOLKIT_ENV: str(tmp_path / "no-cuda")}
+    bare = {
+        "PATH": str(tmp_path),
+        toolkit.SYSTEM_TOOLKIT_ENV: str(tmp_path / "no-cuda"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }
     env, why = toolkit.toolkit_env(bare)
+    links = env.pop("LIBRARY_PATH")
     assert env == {"CUDA_HOME": str(venv_root), "PATH": f"{venv_root / 'bin'}:{tmp_path}"}
     assert why == "no system toolkit"
+    assert Path(links).parent == tmp_path / "cache" / "hyperqwen" / "cuda-link"
     assert "the venv's" in check_toolkit(bare).detail
     assert toolkit.toolkit_env({**bare, "CUDA_HOME": "/opt/cuda"}) == ({}, "")
     ours = toolkit.nvcc_release(venv_root / "bin" / "nvcc")
@@ -81,3 +88,92 @@ def test_an_nvcc_that_does_not_run_has_no_release(tmp_path):
     broken.write_text("not a program")
     assert toolkit.nvcc_release(broken) is None
     assert toolkit.nvcc_release(fake_nvcc(tmp_path / "ok", "13.1")) == (13, 1)
+
+
+PROBE = """
+#include <cuda_runtime.h>
+extern "C" int runtime_version() { int v = 0; return cudaRuntimeGetVersion(&v) == 0 ? v : -1; }
+"""
+
+
+def link_probe(tmp_path: Path, root: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Build a shared library with the venv's nvcc the way FlashInfer's JIT links its kernels
+    (-L$CUDA_HOME/lib64 -L$CUDA_HOME/lib64/stubs -lcudart)."""
+    (tmp_path / "probe.cu").write_text(PROBE)
+    return subprocess.run(
+        [str(root / "bin" / "nvcc"), "-shared", "-Xcompiler", "-fPIC", str(tmp_path / "probe.cu"),
+         f"-L{root}/lib64", f"-L{root}/lib64/stubs", "-lcudart", "-o", str(tmp_path / "probe.so")],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+
+
+def test_jit_links_find_the_venvs_cudart(venv_root, tmp_path):
+    """The wheels hold libcudart.so.13 but no libcudart.so: `-lcudart` fails against the venv's
+    toolkit alone, and links through serve's LIBRARY_PATH; the library built calls the venv's
+    CUDA runtime (no GPU needed to ask its version)."""
+    bare = {
+        "PATH": str(tmp_path),
+        toolkit.SYSTEM_TOOLKIT_ENV: str(tmp_path / "no-cuda"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }
+    env, _ = toolkit.toolkit_env(bare)
+    system_path = {"PATH": "/usr/bin:/bin"}
+    unaided = link_probe(tmp_path, venv_root, system_path)
+    assert unaided.returncode != 0 and "cannot find -lcudart" in unaided.stdout + unaided.stderr
+    linked = link_probe(tmp_path, venv_root, {**system_path, "LIBRARY_PATH": env["LIBRARY_PATH"]})
+    assert linked.returncode == 0, linked.stderr
+    runtime = toolkit.link_names(venv_root, None)["libcudart.so"]
+    ctypes.CDLL(str(runtime), mode=ctypes.RTLD_GLOBAL)  # as torch has loaded it when FlashInfer
+    probe = ctypes.CDLL(str(tmp_path / "probe.so"))
+    assert probe.runtime_version() // 1000 == toolkit.nvcc_release(venv_root / "bin" / "nvcc")[0]
+
+
+def test_the_link_folder_is_made_once_and_whole(tmp_path):
+    runtime = tmp_path / "toolkit" / "lib" / "libcudart.so.13"
+    runtime.parent.mkdir(parents=True)
+    runtime.write_bytes(b"not really a library")
+    driver = tmp_path / "driver" / "libcuda.so.1"
+    driver.parent.mkdir()
+    driver.write_bytes(b"nor this")
+    names = toolkit.link_names(tmp_path / "toolkit", driver)
+    assert names == {"libcudart.so": runtime, "libcuda.so": driver}
+    folder = toolkit.link_folder(names, tmp_path / "cache")
+    assert {link.name: link.readlink() for link in folder.iterdir()} == names
+    assert toolkit.link_folder(names, tmp_path / "cache") == folder
+    assert list(folder.parent.iterdir()) == [folder]  # no staging folder left behind
+    without_driver = toolkit.link_folder(toolkit.link_names(tmp_path / "toolkit", None),
+                                         tmp_path / "cache")  # fmt: skip
+    assert without_driver != folder and [p.name for p in without_driver.iterdir()] == [
+        "libcudart.so"
+    ]
+
+
+def test_an_unwritable_cache_is_said_and_serving_goes_on(venv_root, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    bare = {
+        "PATH": str(tmp_path),
+        toolkit.SYSTEM_TOOLKIT_ENV: str(tmp_path / "no-cuda"),
+        "XDG_CACHE_HOME": str(tmp_path / "a-file"),
+    }
+    env, why = toolkit.toolkit_env(bare)
+    assert env["CUDA_HOME"] == str(venv_root) and "LIBRARY_PATH" not in env
+    assert why.startswith("no system toolkit; no link folder for -lcudart")
+    assert "set XDG_CACHE_HOME to a writable folder" in why
+
+
+def test_the_driver_library_comes_from_the_loaders_cache(tmp_path, monkeypatch):
+    driver = tmp_path / "libcuda.so.1"
+    driver.write_bytes(b"")
+    ldconfig = tmp_path / "bin" / "ldconfig"
+    ldconfig.parent.mkdir()
+    ldconfig.write_text(
+        "#!/bin/sh\necho '3 libs found in cache'\n"
+        "echo '\tlibcuda.so.1 (libc6) => /nonexistent/lib32/libcuda.so.1'\n"
+        f"echo '\tlibcuda.so.1 (libc6,x86-64) => {driver}'\n"
+        "echo '\tlibcudart.so.13 (libc6,x86-64) => /elsewhere/libcudart.so.13'\n"
+    )
+    ldconfig.chmod(0o755)
+    monkeypatch.setenv("PATH", str(ldconfig.parent))
+    assert toolkit.driver_library() == driver
+    ldconfig.write_text("#!/bin/sh\necho '0 libs found in cache'\n")  # a machine without a driver
+    assert toolkit.driver_library() is None

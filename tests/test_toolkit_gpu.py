@@ -4,9 +4,11 @@ system has none (issue 14: the image is a CUDA runtime base without a toolkit).
 The batch profile serves with its fp8 KV cache and FlashInfer attention forced, with the
 system's toolkit hidden as the image has it: no CUDA_HOME, no nvcc on PATH, and
 HYPERQWEN_SYSTEM_CUDA pointing where /usr/local/cuda would be looked for at nothing.
-`hyperqwen serve` then points CUDA_HOME at the venv's toolkit (hyperqwen/toolkit.py), and
-FlashInfer builds its kernels into the workspace given here with it. The GPU kit needs the
-toolkit's wheels for this (bash ../shared/gpu-kit/build.sh nvidia-cuda-nvcc==13.0.88 ...).
+`hyperqwen serve` then points CUDA_HOME at the venv's toolkit and LIBRARY_PATH at its link
+folder (hyperqwen/toolkit.py), and FlashInfer builds its kernels into the workspace given here
+with it (before the link folder, on the H200 2026-12-01: compiled, then "cannot find -lcudart").
+The GPU kit needs the toolkit's wheels for this
+(bash ../shared/gpu-kit/build.sh nvidia-cuda-nvcc==13.0.88 ...).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def test_flashinfer_attention_builds_with_the_venvs_toolkit(tiny_models_dir, tmp
         CUDA_HOME="",
         PATH=no_nvcc,
         FLASHINFER_WORKSPACE_BASE=str(workspace),
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
         **{toolkit.SYSTEM_TOOLKIT_ENV: str(tmp_path / "no-system-cuda")},
     )
     env["EXTRA_ARGS"] += " --attention-backend FLASHINFER"
@@ -53,8 +56,8 @@ def test_flashinfer_attention_builds_with_the_venvs_toolkit(tiny_models_dir, tmp
     built = sorted(str(path.relative_to(workspace)) for path in workspace.rglob("*.so"))
     report = {"toolkit": str(root), "built": built, "answers": [a["usage"] for a in answers]}
     (log_dir(tmp_path) / "venv-toolkit.json").write_text(json.dumps(report, indent=1))
-    assert (
-        f"CUDA toolkit for JIT kernels: {root} (the venv's: no system toolkit)" in log.read_text()
-    )
+    served = log.read_text()
+    assert f"CUDA toolkit for JIT kernels: {root} (the venv's: no system toolkit)" in served
+    assert "JIT links (-lcudart, -lcuda) search" in served
     assert all(answer["usage"]["completion_tokens"] > 0 for answer in answers)
     assert built, f"FlashInfer built nothing under {workspace}: its kernels did not come from JIT"

@@ -97,6 +97,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"CUDA toolkit for JIT kernels: {toolkit['CUDA_HOME']} (the venv's: {why})",
             file=sys.stderr,
         )
+        if "LIBRARY_PATH" in toolkit:
+            folder = toolkit["LIBRARY_PATH"].split(os.pathsep)[0]
+            print(f"JIT links (-lcudart, -lcuda) search {folder} first", file=sys.stderr)
     os.execve(sys.executable, command, {**environ, **toolkit, **plan.env})
 
 

@@ -10,6 +10,13 @@ and /usr/local/cuda give no toolkit, or one of another major release (a bare-met
 CUDA 12 toolkit cannot build kernels for a CUDA 13 torch). A CUDA_HOME the user set is theirs:
 it is kept, and `hyperqwen doctor` warns when its release differs.
 
+The wheels are not laid out like a toolkit for the linker: lib/ holds libcudart.so.13 but no
+libcudart.so, and there is no lib64/stubs/libcuda.so, so FlashInfer's `-lcudart -lcuda` failed
+("cannot find -lcudart", H200, 2026-12-01). Where the venv's toolkit is used, serve also makes a
+link folder in the cache (libcudart.so -> the venv's libcudart.so.N, libcuda.so -> the driver's
+libcuda.so.1) and puts it on LIBRARY_PATH, which gcc searches for every -l of a link that nvcc
+or a build script runs.
+
 HYPERQWEN_SYSTEM_CUDA names where the system toolkit is looked for instead of /usr/local/cuda
 (the GPU tests point it at nothing to run the venv's toolkit on a host that has one).
 """
@@ -17,11 +24,13 @@ HYPERQWEN_SYSTEM_CUDA names where the system toolkit is looked for instead of /u
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,12 +120,77 @@ def choose_toolkit(environ: Mapping[str, str]) -> ToolkitChoice:
     return ToolkitChoice(system_toolkit(environ), venv_toolkit())
 
 
+def driver_library() -> Path | None:
+    """The driver's libcuda.so.1 (64-bit) as the dynamic loader's cache lists it, or None."""
+    ldconfig = shutil.which("ldconfig") or "/sbin/ldconfig"  # a user's PATH may lack sbin
+    try:
+        listed = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for flags, where in re.findall(r"^\s*libcuda\.so\.1 \(([^)]*)\) => (\S+)$", listed, re.M):
+        if "64" in flags and Path(where).is_file():
+            return Path(where)
+    return None
+
+
+def link_names(root: Path, driver: Path | None) -> dict[str, Path]:
+    """The files `-lcudart` and `-lcuda` look for, and the libraries they stand for."""
+    names = {}
+    if runtime := sorted(root.glob("lib/libcudart.so.[0-9]*")):
+        names["libcudart.so"] = runtime[0]  # the soname, libcudart.so.13, sorts first
+    if driver is not None:
+        names["libcuda.so"] = driver
+    return names
+
+
+def link_folder(names: Mapping[str, Path], cache: Path) -> Path:
+    """A folder of symlinks `names` under cache/cuda-link, made whole or not at all: named by
+    what it links, built in a staging folder beside it and renamed into place (a second serve
+    racing to make it finds it made)."""
+    listing = "\n".join(f"{name} {target}" for name, target in sorted(names.items()))
+    folder = cache / "cuda-link" / hashlib.sha256(listing.encode()).hexdigest()[:16]
+    if folder.is_dir():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=folder.parent))
+    for name, target in names.items():
+        (staging / name).symlink_to(target)
+    try:
+        staging.rename(folder)
+    except OSError:
+        shutil.rmtree(staging)
+        if not folder.is_dir():
+            raise
+    return folder
+
+
+def cache_dir(environ: Mapping[str, str]) -> Path:
+    """$XDG_CACHE_HOME/hyperqwen, else ~/.cache/hyperqwen (the image sets XDG_CACHE_HOME on the
+    /cache volume)."""
+    base = environ.get("XDG_CACHE_HOME") or str(
+        Path(environ.get("HOME", "~")).expanduser() / ".cache"
+    )
+    return Path(base) / "hyperqwen"
+
+
 def toolkit_env(environ: Mapping[str, str]) -> tuple[dict[str, str], str]:
-    """(CUDA_HOME and PATH to add for the venv's toolkit, why); nothing where it is not used."""
+    """(CUDA_HOME, PATH and LIBRARY_PATH to add for the venv's toolkit, why); nothing where it
+    is not used. Makes the link folder (link_folder) in the cache where it is missing; where the
+    cache cannot be written, says so in `why` and adds no LIBRARY_PATH."""
     choice = choose_toolkit(environ)
     why = choice.venv_reason
     if why is None:
         return {}, ""
     path = environ.get("PATH", os.defpath)
     root = choice.venv
-    return {"CUDA_HOME": str(root), "PATH": f"{root / 'bin'}{os.pathsep}{path}"}, why
+    env = {"CUDA_HOME": str(root), "PATH": f"{root / 'bin'}{os.pathsep}{path}"}
+    try:
+        folder = link_folder(link_names(root, driver_library()), cache_dir(environ))
+    except OSError as error:
+        return env, (
+            f"{why}; no link folder for -lcudart ({error}): kernels linked at first use may "
+            "fail; set XDG_CACHE_HOME to a writable folder"
+        )
+    searched = environ.get("LIBRARY_PATH")
+    env["LIBRARY_PATH"] = f"{folder}{os.pathsep}{searched}" if searched else str(folder)
+    return env, why
