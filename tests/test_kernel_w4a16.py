@@ -41,7 +41,8 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def run(kernel, x, packed, scale, config):
     """The kernel's output, written over NaN so an unwritten element cannot pass."""
-    out = torch.full((x.shape[0], packed.shape[0]), float("nan"), dtype=x.dtype)
+    n = packed.shape[0] * (kernel.TILE_ROWS if packed.dim() == 4 else 1)
+    out = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype)
     result = kernel.w4a16_matmul(x, packed, scale, GROUP, config, out=out)
     assert result is out
     assert not out.isnan().any(), "some outputs were never written"
@@ -74,21 +75,34 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("m", "n", "k", "tile"), CASES)
-def test_matches_float64_reference(kernel, m, n, k, tile):
+def in_layout(kernel, codes, scale, layout: str):
+    """Codes and scales as the kernel reads them: pair planes, in rows or in tiles."""
+    packed = kernel.repack_pairs(kernel.pack_codes(codes))
+    return kernel.tile_rows(packed, scale) if layout == "tiles" else (packed, scale)
+
+
+# every case in rows; in tiles, every case whose N is whole 16-row slabs (tile_rows needs it)
+LAYOUT_CASES = [("rows", *case) for case in CASES] + [
+    ("tiles", *case) for case in CASES if case[1] % 16 == 0
+]
+
+
+@pytest.mark.parametrize(("layout", "m", "n", "k", "tile"), LAYOUT_CASES)
+def test_matches_float64_reference(kernel, layout, m, n, k, tile):
     codes, scale, dense = random_weights(n, k, seed=m * 1000 + n)
     x = torch.randn((m, k), generator=torch.Generator().manual_seed(m), dtype=torch.float32)
     x = x.to(torch.bfloat16)
-    packed = kernel.repack_pairs(kernel.pack_codes(codes))
+    packed, scale = in_layout(kernel, codes, scale, layout)
     out = run(kernel, x, packed, scale, kernel.TileConfig(*tile))
     # bf16 output rounding alone is ~3e-3 relative
     assert relative_error(out, x.double() @ dense.T) < 6e-3
 
 
-def test_fp16_activations(kernel):
+@pytest.mark.parametrize("layout", ["rows", "tiles"])
+def test_fp16_activations(kernel, layout):
     codes, scale, dense = random_weights(64, 512, seed=7, dtype=torch.float16)
     x = torch.randn((5, 512), generator=torch.Generator().manual_seed(7)).to(torch.float16)
-    packed = kernel.repack_pairs(kernel.pack_codes(codes))
+    packed, scale = in_layout(kernel, codes, scale, layout)
     out = run(kernel, x, packed, scale, kernel.TileConfig(32, 256, 2))
     assert relative_error(out, x.double() @ dense.T) < 1e-3  # fp16 keeps 3 more bits
 
@@ -107,6 +121,22 @@ def test_pair_plane_layout_puts_two_neighbouring_columns_in_nibbles_j_and_j_plus
                 position = group * 128 + 8 * word
                 assert words[1, position + j] == codes[1, column]
                 assert words[1, position + j + 4] == codes[1, column + 1]
+
+
+def test_tiles_hold_each_slabs_groups_in_a_run(kernel):
+    """tile_rows moves words and scales only: slab s, group g, row r, word w is row 16s + r's
+    word 16g + w; refuses an N of part slabs, naming it."""
+    codes, scale, _ = random_weights(48, 384, seed=5)
+    packed = kernel.repack_pairs(kernel.pack_codes(codes))
+    words, scales = kernel.tile_rows(packed, scale)
+    assert words.shape == (3, 3, 16, 16) and scales.shape == (3, 3, 16)
+    assert words.is_contiguous() and scales.is_contiguous()
+    for slab, group, row in [(0, 0, 0), (1, 2, 5), (2, 1, 15)]:
+        n = 16 * slab + row
+        assert torch.equal(words[slab, group, row], packed[n, 16 * group : 16 * group + 16])
+        assert scales[slab, group, row] == scale[n, group]
+    with pytest.raises(ValueError, match="N=40 must be a multiple of 16"):
+        kernel.tile_rows(packed[:40], scale[:40])
 
 
 def test_reads_the_checkpoint_format(kernel):
@@ -176,6 +206,9 @@ def test_refuses_mismatched_tensors(kernel):
         kernel.w4a16_matmul(x, packed[:, :16].contiguous(), scale, GROUP, config)
     with pytest.raises(ValueError, match="x must be bfloat16 or float16"):
         kernel.w4a16_matmul(x.float(), packed, scale, GROUP, config)
+    words, _ = kernel.tile_rows(packed, scale)
+    with pytest.raises(ValueError, match=r"weight_scale must be torch.bfloat16 tiles \[N/16"):
+        kernel.w4a16_matmul(x, words, scale, GROUP, config)  # scales left in rows
 
 
 def test_int8_packing_is_the_checkpoints_too(kernel):

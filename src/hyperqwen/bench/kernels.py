@@ -90,25 +90,22 @@ def moved_bytes(m: int, n: int, k: int, act_bytes: int = 2, bits: int = 4) -> in
     return weights + n * (k // GROUP_SIZE) * act_bytes + m * k * act_bytes + m * n * act_bytes
 
 
-def sweep_configs() -> list:
-    """Our candidate tile configs (kernels/README.md): the pair-plane tiles that came within 3 %
-    of the best somewhere on the H200 (2026-12-01; the nibble planes lost to them everywhere and
-    are gone), and, since those reached only 1.5-1.7 TB/s of the 4.2 copy, deeper pipelines,
-    a K block of 4 groups and a persistent grid for the 64-row tile (more bytes in flight per
-    program; no part-full last wave of short-lived programs)."""
+LAYOUTS = ("rows", "tiles")  # kernels/w4a16.py: the words' order in memory
+
+
+def sweep_configs() -> list[tuple[str, object]]:
+    """Our candidate (layout, tile config) pairs (kernels/README.md): the tiles that came within
+    3 % of the best somewhere on the H200 (2026-12-01, commit 091d556: 64 rows with 4 warps and
+    3 stages, one program per work item or 4 per SM walking them; 128 rows with 8 warps; 4-5
+    stages, a K block of 512 and 2 warps never did), each on the words in rows and in tiles."""
     from hyperqwen.kernels.w4a16 import TileConfig
 
     configs = []
     for split_k in (1, 2, 4, 8):
-        configs.append(TileConfig(64, 256, split_k, num_warps=2))
-        for stages in (3, 4, 5):
-            configs.append(TileConfig(64, 256, split_k, num_warps=4, num_stages=stages))
-        configs.append(TileConfig(64, 512, split_k, num_warps=4))
-        configs.append(TileConfig(128, 256, split_k, num_warps=4))
-        configs.append(TileConfig(128, 256, split_k, num_warps=8))
-        # persistent: 4 programs per SM walk the work items (no part-full last wave)
+        configs.append(TileConfig(64, 256, split_k, num_warps=4))
         configs.append(TileConfig(64, 256, split_k, num_warps=4, programs_per_sm=4))
-    return configs
+        configs.append(TileConfig(128, 256, split_k, num_warps=8))
+    return [(layout, config) for layout in LAYOUTS for config in configs]
 
 
 def graph_time_us(launches: list[Callable[[], object]], replays: int = 15) -> float:
@@ -169,7 +166,7 @@ class Weights:
     def __init__(self, n: int, k: int, copies: int, seed: int, bits: int = 4):
         import torch
 
-        from hyperqwen.kernels.w4a16 import pack_codes, repack_pairs
+        from hyperqwen.kernels.w4a16 import pack_codes, repack_pairs, tile_rows
 
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.n, self.k, self.bits = n, k, bits
@@ -185,8 +182,11 @@ class Weights:
         for _ in range(copies - 1):  # distinct storage, same values: rotation defeats L2
             self.packed.append(self.packed[0].clone())
             self.scales.append(self.scales[0].clone())
-        # the same codes in the pair-plane layout our kernel reads (int4 only)
-        self.pairs = [repack_pairs(p) for p in self.packed] if bits == 4 else []
+        # the same codes in the pair-plane layout our kernel reads (int4 only), in rows and tiles
+        self.ours = {}
+        if bits == 4:
+            rows = [(repack_pairs(p), s) for p, s in zip(self.packed, self.scales, strict=True)]
+            self.ours = {"rows": rows, "tiles": [tile_rows(p, s) for p, s in rows]}
 
 
 def init_vllm_single_rank() -> None:
@@ -285,7 +285,7 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
     """Every timing for one shape: {m: {"vllm": {...}, "ours": [...]}}."""
     import torch
 
-    from hyperqwen.kernels.w4a16 import w4a16_matmul
+    from hyperqwen.kernels.w4a16 import TileConfig, w4a16_matmul
 
     weight_bytes = shape.n * shape.k * shape.bits // 8
     copies = max(2, math.ceil(L2_ROTATION_BYTES / weight_bytes))
@@ -326,15 +326,17 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
                 entry["vllm"][backend] = {"us": us, "rel_err": err}
             except Exception as error:
                 entry["vllm"][backend] = {"error": _failure(error)}
-        for config in sweep_configs() if shape.bits == 4 else ():
+        for layout, config in sweep_configs() if shape.bits == 4 else ():
             if config.split_k > 1 and shape.k // config.split_k < config.block_k:
                 continue
+            tried = {"layout": layout, "config": asdict(config)}
+            weights = w.ours[layout]
             try:
                 out = torch.full((m, shape.n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                w4a16_matmul(x, w.pairs[0], w.scales[0], GROUP_SIZE, config, out=out)
+                w4a16_matmul(x, *weights[0], GROUP_SIZE, config, out=out)
                 err = relative_error(out, ref)
                 if not math.isfinite(err) or err > 1e-2:
-                    entry["ours"].append({"config": asdict(config), "rel_err": err})
+                    entry["ours"].append({**tried, "rel_err": err})
                     continue
                 outs = [torch.empty_like(out) for _ in range(copies)]
                 us = graph_time_us(
@@ -342,21 +344,22 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
                         lambda p=p, s=s, o=o, x=x, c=config: w4a16_matmul(
                             x, p, s, GROUP_SIZE, c, out=o
                         )
-                        for p, s, o in zip(w.pairs, w.scales, outs, strict=True)
+                        for (p, s), o in zip(weights, outs, strict=True)
                     ]
                 )
-                entry["ours"].append({"config": asdict(config), "us": us, "rel_err": err})
+                entry["ours"].append({**tried, "us": us, "rel_err": err})
             except Exception as error:
-                entry["ours"].append({"config": asdict(config), "error": _failure(error)})
-        timed = [o for o in entry["ours"] if "us" in o]
-        best = min(timed, key=lambda o: o["us"]) if timed else None
+                entry["ours"].append({**tried, "error": _failure(error)})
         summary = " ".join(
             f"{b}={v['us']:.1f}" if "us" in v else f"{b}=n/a" for b, v in entry["vllm"].items()
         )
-        log(
-            f"{shape.name} n={shape.n} k={shape.k} m={m}: {summary} ours="
-            + (f"{best['us']:.1f}us ({best['config']})" if best else "n/a")
-        )
+        for layout in LAYOUTS:
+            timed = [o for o in entry["ours"] if "us" in o and o["layout"] == layout]
+            best = min(timed, key=lambda o: o["us"]) if timed else None
+            summary += f" ours/{layout}=" + (
+                f"{best['us']:.1f}us ({TileConfig(**best['config']).label()})" if best else "n/a"
+            )
+        log(f"{shape.name} n={shape.n} k={shape.k} m={m}: {summary}")
         results[m] = entry
     del w, layers, bf16_heads
     torch.cuda.empty_cache()

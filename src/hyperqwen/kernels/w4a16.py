@@ -13,6 +13,15 @@ once by repack_pairs, the one copy a layer would then keep:
   weight_scale   [N, K / G]  x.dtype  one scale per output row and group of G inputs
   value          (code - 8) * scale   (symmetric uint4b8)
 
+Two orders in memory for the same words and scales (the kernel's TILED flag, from the tensors'
+shapes):
+
+  rows   weight_packed [N, K / 8], weight_scale [N, K / G]: each row's words in a run, so a
+         program's load of one group is BLOCK_N pieces of 64 bytes, a row (K / 2 bytes) apart
+  tiles  tile_rows(): [N / 16, K / G, 16, 16] words and [N / 16, K / G, 16] scales: one group of
+         16 rows is 1 KB in a run, and a 16-row slab's groups follow each other, so a program
+         streams BLOCK_N / 16 runs of (its K slice / G) KB instead of scattered 64-byte pieces
+
 Each program owns BLOCK_N output rows and one of SPLIT_K slices of K, and takes one group of G
 inputs at a time. The codes, OR-ed into the mantissa of a float constant (MAGIC + code, exact, no
 int-to-float conversion) with the bias subtracted in x's dtype (exact), meet xᵀ in tensor-core
@@ -46,6 +55,8 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_MIN_ROWS = 16  # tl.dot's smallest M/N/K
 MAX_BLOCK_M = 64
 PAIR_GROUP = 128  # the pair-plane layout's group: 16 words, 4 pair planes of K = 32
+TILE_ROWS = 16  # the tiled order's slab: 16 rows of one group are 1 KB in a run
+_SLAB = tl.constexpr(TILE_ROWS)  # the same, as the kernel reads a global
 
 
 @dataclass(frozen=True)
@@ -126,7 +137,7 @@ def _work_item(
     pid_n, pid_k, pid_m, n_tiles, x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
     words_per_row, groups_per_row, stride_xm, stride_om, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, EVEN: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, EVEN: tl.constexpr, TILED: tl.constexpr,
 ):  # fmt: skip
     """One output tile's slice of K: its dots, then its store or its part of the split-K sum."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -135,12 +146,23 @@ def _work_item(
     m_mask = offs_m < M
     # int64 row offsets: N * K / 8 words exceeds 2**31 for a full-vocabulary head. The row
     # lengths come in as arguments so Triton sees their divisibility and vectorizes the loads.
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row
-    s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * groups_per_row
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-
     GROUPS_PER_BLOCK: tl.constexpr = BLOCK_K // GROUP
     WORDS: tl.constexpr = GROUP // 8
+    if TILED:
+        # slab n // 16 holds its groups one after another, each as 16 rows x 16 words
+        slab = (offs_n // _SLAB).to(tl.int64)
+        within = offs_n % _SLAB
+        w_rows = w_ptr + (slab * (groups_per_row * _SLAB * WORDS) + within * WORDS)[:, None]
+        s_rows = s_ptr + (slab * (groups_per_row * _SLAB) + within)[:, None]
+        W_GROUP_STRIDE: tl.constexpr = _SLAB * WORDS
+        S_GROUP_STRIDE: tl.constexpr = _SLAB
+    else:
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row
+        s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * groups_per_row
+        W_GROUP_STRIDE: tl.constexpr = WORDS
+        S_GROUP_STRIDE: tl.constexpr = 1
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+
     k_blocks = tl.cdiv(K, BLOCK_K)
     blocks_per_split = tl.cdiv(k_blocks, SPLIT_K)
     first_block = pid_k * blocks_per_split
@@ -150,14 +172,14 @@ def _work_item(
     for block in range(first_block, last_block):
         for g in tl.static_range(GROUPS_PER_BLOCK):
             group = block * GROUPS_PER_BLOCK + g
-            offs_w = group * WORDS + tl.arange(0, WORDS)
+            offs_w = group * W_GROUP_STRIDE + tl.arange(0, WORDS)
             if EVEN:
                 words = tl.load(w_rows + offs_w[None, :])
-                scale = tl.load(s_rows + group)
+                scale = tl.load(s_rows + group * S_GROUP_STRIDE)
             else:
                 group_mask = n_mask[:, None] & (group * GROUP < K)
                 words = tl.load(w_rows + offs_w[None, :], mask=group_mask, other=0)
-                scale = tl.load(s_rows + group, mask=group_mask, other=0.0)
+                scale = tl.load(s_rows + group * S_GROUP_STRIDE, mask=group_mask, other=0.0)
             # pair plane j: nibbles j and j + 4 of word i hold k = 32j + 2i and 32j + 2i + 1
             part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for j in tl.static_range(4):
@@ -207,6 +229,7 @@ def _w4a16_kernel(
     DOT_IN_FP32: tl.constexpr,
     EVEN: tl.constexpr,  # N and K are whole tiles: no masks on the weight loads
     PERSISTENT: tl.constexpr,  # a few programs per SM walk the work items; else one each
+    TILED: tl.constexpr,  # the words and scales in the tiled order (tile_rows); else rows
 ):
     n_tiles = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
@@ -219,13 +242,13 @@ def _w4a16_kernel(
                 item % n_tiles, (item // n_tiles) % SPLIT_K, item // (n_tiles * SPLIT_K), n_tiles,
                 x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, words_per_row,
                 groups_per_row, stride_xm, stride_om, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
-                DOT_IN_FP32, EVEN,
+                DOT_IN_FP32, EVEN, TILED,
             )  # fmt: skip
     else:
         _work_item(
             tl.program_id(0), tl.program_id(1), tl.program_id(2), n_tiles, x_ptr, w_ptr, s_ptr,
             out_ptr, partial_ptr, counter_ptr, M, N, K, words_per_row, groups_per_row, stride_xm,
-            stride_om, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_IN_FP32, EVEN,
+            stride_om, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_IN_FP32, EVEN, TILED,
         )  # fmt: skip
 
 
@@ -298,10 +321,11 @@ def workspace_size(m: int, n: int, config: TileConfig) -> tuple[int, int]:
     return tiles * config.split_k * config.block_n * block_m, tiles
 
 
-def kernel_constants(config: TileConfig, block_m: int, even: bool) -> dict:
+def kernel_constants(config: TileConfig, block_m: int, even: bool, tiled: bool) -> dict:
     """The kernel's compile-time arguments for a launch of `config` (also what `hyperqwen bench
     sass` compiles): GROUP is the pair layout's, which check_config requires."""
     return {
+        "TILED": tiled,
         "GROUP": PAIR_GROUP,
         "BLOCK_M": block_m,
         "BLOCK_N": config.block_n,
@@ -341,19 +365,28 @@ def w4a16_matmul(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16, rows contiguous) times dequantized weights [N, K]ᵀ -> [M, N];
-    weight_packed in the pair-plane layout (repack_pairs of the checkpoint's words)."""
+    weight_packed in the pair-plane layout (repack_pairs of the checkpoint's words), in rows
+    ([N, K/8] words, [N, K/G] scales) or tiles (tile_rows: 4-d words, 3-d scales)."""
     m, k = x.shape
-    n = weight_packed.shape[0]
+    tiled = weight_packed.dim() == 4
+    n = weight_packed.shape[0] * (TILE_ROWS if tiled else 1)
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
-    if weight_packed.shape != (n, k // 8) or weight_packed.dtype != torch.int32:
+    groups = k // group_size
+    if tiled:
+        words_shape, words_name = (n // TILE_ROWS, groups, TILE_ROWS, group_size // 8), "tiles"
+        scale_shape, scale_name = (n // TILE_ROWS, groups, TILE_ROWS), "tiles [N/16, K/G, 16]"
+    else:
+        words_shape, words_name = (n, k // 8), "[N, K/8]"
+        scale_shape, scale_name = (n, groups), "[N, K/G]"
+    if tuple(weight_packed.shape) != words_shape or weight_packed.dtype != torch.int32:
         raise ValueError(
-            f"weight_packed must be int32 [N, K/8] = [{n}, {k // 8}], got "
+            f"weight_packed must be int32 {words_name} = {list(words_shape)}, got "
             f"{weight_packed.dtype} {list(weight_packed.shape)}"
         )
-    if weight_scale.shape != (n, k // group_size) or weight_scale.dtype != x.dtype:
+    if tuple(weight_scale.shape) != scale_shape or weight_scale.dtype != x.dtype:
         raise ValueError(
-            f"weight_scale must be {x.dtype} [N, K/G] = [{n}, {k // group_size}], got "
+            f"weight_scale must be {x.dtype} {scale_name} = {list(scale_shape)}, got "
             f"{weight_scale.dtype} {list(weight_scale.shape)}"
         )
     if x.stride(1) != 1 or not weight_packed.is_contiguous() or not weight_scale.is_contiguous():
@@ -389,7 +422,7 @@ def w4a16_matmul(
         x.stride(0),
         out.stride(0),
         **kernel_constants(
-            config, block_m, even=n % config.block_n == 0 and k % config.block_k == 0
+            config, block_m, even=n % config.block_n == 0 and k % config.block_k == 0, tiled=tiled
         ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -424,6 +457,25 @@ def repack_pairs(weight_packed: torch.Tensor) -> torch.Tensor:
     codes = unpack_codes(weight_packed)
     order = pair_plane_order(codes.shape[1]).to(codes.device)
     return pack_codes(codes[:, order])
+
+
+def tile_rows(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair-plane words [N, K/8] and scales [N, K/G] (G = 128) in rows -> the same in tiles:
+    [N/16, K/G, 16, 16] words and [N/16, K/G, 16] scales, slab by slab, group by group. N must
+    be a multiple of 16 (every 27B projection and head is)."""
+    n, words = weight_packed.shape
+    groups = weight_scale.shape[1]
+    if n % TILE_ROWS or words != groups * (PAIR_GROUP // 8):
+        raise ValueError(
+            f"tile_rows: N={n} must be a multiple of {TILE_ROWS} and the words [N, K/8] must "
+            f"hold {groups} groups of {PAIR_GROUP} (got {words} words per row)"
+        )
+    slabs = n // TILE_ROWS
+    tiled_words = weight_packed.reshape(slabs, TILE_ROWS, groups, PAIR_GROUP // 8)
+    tiled_scales = weight_scale.reshape(slabs, TILE_ROWS, groups)
+    return tiled_words.transpose(1, 2).contiguous(), tiled_scales.transpose(1, 2).contiguous()
 
 
 def unpack_codes(weight_packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
