@@ -104,9 +104,7 @@ def test_head_rows_compare_int8_kernels_with_the_bf16_head_in_ms():
 def test_sweep_stays_within_the_kernels_limits():
     from hyperqwen.kernels.w4a16 import check_config
 
-    candidates = sweep_configs()
-    assert {layout for layout, _ in candidates} == {"rows", "tiles"}
-    for _, config in candidates:
+    for config in sweep_configs():
         check_config(config, 128, 5120)
 
 

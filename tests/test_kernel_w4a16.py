@@ -41,8 +41,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def run(kernel, x, packed, scale, config):
     """The kernel's output, written over NaN so an unwritten element cannot pass."""
-    n = packed.shape[0] * (kernel.TILE_ROWS if packed.dim() == 4 else 1)
-    out = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype)
+    out = torch.full((x.shape[0], packed.shape[0] * kernel.TILE_ROWS), float("nan"), dtype=x.dtype)
     result = kernel.w4a16_matmul(x, packed, scale, GROUP, config, out=out)
     assert result is out
     assert not out.isnan().any(), "some outputs were never written"
@@ -58,7 +57,7 @@ CASES = [
     (5, 48, 640, (16, 128, 3)),
     (16, 32, 256, (16, 256, 2)),
     (17, 64, 512, (32, 256, 1)),  # BLOCK_M 32
-    (70, 40, 256, (16, 128, 2)),  # two M tiles of 64
+    (70, 48, 256, (16, 128, 2)),  # two M tiles of 64
     (1, 80, 384, (16, 128, 2, 1, 3)),
     (5, 64, 640, (32, 256, 3, 2, 3)),
     (1, 64, 512, (32, 256, 1, 2, 3)),  # whole tiles: loads without masks
@@ -75,35 +74,25 @@ CASES = [
 ]
 
 
-def in_layout(kernel, codes, scale, layout: str):
-    """Codes and scales as the kernel reads them: pair planes, in rows or in tiles."""
-    packed = kernel.repack_pairs(kernel.pack_codes(codes))
-    return kernel.tile_rows(packed, scale) if layout == "tiles" else (packed, scale)
+def tiled(kernel, codes, scale):
+    """Codes and scales as the kernel reads them: pair planes, in tiles."""
+    return kernel.tile_rows(kernel.repack_pairs(kernel.pack_codes(codes)), scale)
 
 
-# every case in rows; in tiles, every case whose N is whole 16-row slabs (tile_rows needs it)
-LAYOUT_CASES = [("rows", *case) for case in CASES] + [
-    ("tiles", *case) for case in CASES if case[1] % 16 == 0
-]
-
-
-@pytest.mark.parametrize(("layout", "m", "n", "k", "tile"), LAYOUT_CASES)
-def test_matches_float64_reference(kernel, layout, m, n, k, tile):
+@pytest.mark.parametrize(("m", "n", "k", "tile"), CASES)
+def test_matches_float64_reference(kernel, m, n, k, tile):
     codes, scale, dense = random_weights(n, k, seed=m * 1000 + n)
     x = torch.randn((m, k), generator=torch.Generator().manual_seed(m), dtype=torch.float32)
     x = x.to(torch.bfloat16)
-    packed, scale = in_layout(kernel, codes, scale, layout)
-    out = run(kernel, x, packed, scale, kernel.TileConfig(*tile))
+    out = run(kernel, x, *tiled(kernel, codes, scale), kernel.TileConfig(*tile))
     # bf16 output rounding alone is ~3e-3 relative
     assert relative_error(out, x.double() @ dense.T) < 6e-3
 
 
-@pytest.mark.parametrize("layout", ["rows", "tiles"])
-def test_fp16_activations(kernel, layout):
+def test_fp16_activations(kernel):
     codes, scale, dense = random_weights(64, 512, seed=7, dtype=torch.float16)
     x = torch.randn((5, 512), generator=torch.Generator().manual_seed(7)).to(torch.float16)
-    packed, scale = in_layout(kernel, codes, scale, layout)
-    out = run(kernel, x, packed, scale, kernel.TileConfig(32, 256, 2))
+    out = run(kernel, x, *tiled(kernel, codes, scale), kernel.TileConfig(32, 256, 2))
     assert relative_error(out, x.double() @ dense.T) < 1e-3  # fp16 keeps 3 more bits
 
 
@@ -153,18 +142,20 @@ def test_reads_the_checkpoint_format(kernel):
     )
     dense = (codes.double() - 8) * stored["weight_scale"].double().repeat_interleave(GROUP, 1)
     x = torch.randn((4, 512), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    packed = kernel.repack_pairs(stored["weight_packed"])
-    out = run(kernel, x, packed, stored["weight_scale"], kernel.TileConfig(16, 256, 2))
+    words, scales = kernel.tile_rows(
+        kernel.repack_pairs(stored["weight_packed"]), stored["weight_scale"]
+    )
+    out = run(kernel, x, words, scales, kernel.TileConfig(16, 256, 2))
     assert relative_error(out, x.double() @ dense.T) < 6e-3
 
 
 def test_split_k_is_deterministic_and_rearms_its_counters(kernel):
     codes, scale, _ = random_weights(64, 1024, seed=11)
-    packed = kernel.repack_pairs(kernel.pack_codes(codes))
+    words, scales = tiled(kernel, codes, scale)
     x = torch.randn((4, 1024), generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
     config = kernel.TileConfig(16, 128, 4)
-    first = run(kernel, x, packed, scale, config)
-    second = run(kernel, x, packed, scale, config)
+    first = run(kernel, x, words, scales, config)
+    second = run(kernel, x, words, scales, config)
     assert torch.equal(first, second)
     _, counters = kernel.WORKSPACE.get(x.device, *kernel.workspace_size(4, 64, config))
     assert not counters.any(), "a split-K launch left an arrival counter armed"
@@ -173,9 +164,7 @@ def test_split_k_is_deterministic_and_rearms_its_counters(kernel):
 def test_zero_rows_writes_nothing_and_returns(kernel):
     codes, scale, _ = random_weights(32, 256, seed=1)
     x = torch.empty((0, 256), dtype=torch.bfloat16)
-    out = kernel.w4a16_matmul(
-        x, kernel.pack_codes(codes), scale, GROUP, kernel.TileConfig(16, 128, 1)
-    )
+    out = kernel.w4a16_matmul(x, *tiled(kernel, codes, scale), GROUP, kernel.TileConfig(16, 128, 1))
     assert out.shape == (0, 32)
 
 
@@ -197,17 +186,17 @@ def test_refuses_bad_configs_naming_the_value(kernel, config, group, k, message)
 
 def test_refuses_mismatched_tensors(kernel):
     codes, scale, _ = random_weights(32, 256, seed=2)
-    packed = kernel.pack_codes(codes)
+    words, scales = tiled(kernel, codes, scale)
     x = torch.randn((1, 256)).to(torch.bfloat16)
     config = kernel.TileConfig(16, 128, 1)
-    with pytest.raises(ValueError, match=r"weight_scale must be torch.bfloat16 \[N, K/G\]"):
-        kernel.w4a16_matmul(x, packed, scale.half(), GROUP, config)
-    with pytest.raises(ValueError, match=r"weight_packed must be int32 \[N, K/8\] = \[32, 32\]"):
-        kernel.w4a16_matmul(x, packed[:, :16].contiguous(), scale, GROUP, config)
+    tiles = r"tiles \[N/16, K/G, 16\] = \[2, 2, 16\]"
+    with pytest.raises(ValueError, match=rf"weight_scale must be torch.bfloat16 {tiles}"):
+        kernel.w4a16_matmul(x, words, scales.half(), GROUP, config)
+    with pytest.raises(ValueError, match=r"weight_packed must be int32 tiles .*tile_rows makes"):
+        kernel.w4a16_matmul(x, kernel.pack_codes(codes), scales, GROUP, config)  # still in rows
     with pytest.raises(ValueError, match="x must be bfloat16 or float16"):
-        kernel.w4a16_matmul(x.float(), packed, scale, GROUP, config)
-    words, _ = kernel.tile_rows(packed, scale)
-    with pytest.raises(ValueError, match=r"weight_scale must be torch.bfloat16 tiles \[N/16"):
+        kernel.w4a16_matmul(x.float(), words, scales, GROUP, config)
+    with pytest.raises(ValueError, match=rf"weight_scale must be torch.bfloat16 {tiles}"):
         kernel.w4a16_matmul(x, words, scale, GROUP, config)  # scales left in rows
 
 

@@ -90,14 +90,11 @@ def moved_bytes(m: int, n: int, k: int, act_bytes: int = 2, bits: int = 4) -> in
     return weights + n * (k // GROUP_SIZE) * act_bytes + m * k * act_bytes + m * n * act_bytes
 
 
-LAYOUTS = ("rows", "tiles")  # kernels/w4a16.py: the words' order in memory
-
-
-def sweep_configs() -> list[tuple[str, object]]:
-    """Our candidate (layout, tile config) pairs (kernels/README.md): the tiles that came within
-    3 % of the best somewhere on the H200 (2026-12-01, commit 091d556: 64 rows with 4 warps and
-    3 stages, one program per work item or 4 per SM walking them; 128 rows with 8 warps; 4-5
-    stages, a K block of 512 and 2 warps never did), each on the words in rows and in tiles."""
+def sweep_configs() -> list:
+    """Our candidate tile configs (kernels/README.md): the tiles that came within 3 % of the
+    best somewhere on the H200 (2026-12-01, commit 091d556: 64 rows with 4 warps and 3 stages,
+    one program per work item or 4 per SM walking them; 128 rows with 8 warps; 4-5 stages, a K
+    block of 512 and 2 warps never did)."""
     from hyperqwen.kernels.w4a16 import TileConfig
 
     configs = []
@@ -105,7 +102,7 @@ def sweep_configs() -> list[tuple[str, object]]:
         configs.append(TileConfig(64, 256, split_k, num_warps=4))
         configs.append(TileConfig(64, 256, split_k, num_warps=4, programs_per_sm=4))
         configs.append(TileConfig(128, 256, split_k, num_warps=8))
-    return [(layout, config) for layout in LAYOUTS for config in configs]
+    return configs
 
 
 def graph_time_us(launches: list[Callable[[], object]], replays: int = 15) -> float:
@@ -182,11 +179,12 @@ class Weights:
         for _ in range(copies - 1):  # distinct storage, same values: rotation defeats L2
             self.packed.append(self.packed[0].clone())
             self.scales.append(self.scales[0].clone())
-        # the same codes in the pair-plane layout our kernel reads (int4 only), in rows and tiles
-        self.ours = {}
-        if bits == 4:
-            rows = [(repack_pairs(p), s) for p, s in zip(self.packed, self.scales, strict=True)]
-            self.ours = {"rows": rows, "tiles": [tile_rows(p, s) for p, s in rows]}
+        # the same codes as our kernel reads them (int4 only): pair planes, in tiles
+        self.ours = (
+            [tile_rows(repack_pairs(p), s) for p, s in zip(self.packed, self.scales, strict=True)]
+            if bits == 4
+            else []
+        )
 
 
 def init_vllm_single_rank() -> None:
@@ -326,14 +324,13 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
                 entry["vllm"][backend] = {"us": us, "rel_err": err}
             except Exception as error:
                 entry["vllm"][backend] = {"error": _failure(error)}
-        for layout, config in sweep_configs() if shape.bits == 4 else ():
+        for config in sweep_configs() if shape.bits == 4 else ():
             if config.split_k > 1 and shape.k // config.split_k < config.block_k:
                 continue
-            tried = {"layout": layout, "config": asdict(config)}
-            weights = w.ours[layout]
+            tried = {"config": asdict(config)}
             try:
                 out = torch.full((m, shape.n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                w4a16_matmul(x, *weights[0], GROUP_SIZE, config, out=out)
+                w4a16_matmul(x, *w.ours[0], GROUP_SIZE, config, out=out)
                 err = relative_error(out, ref)
                 if not math.isfinite(err) or err > 1e-2:
                     entry["ours"].append({**tried, "rel_err": err})
@@ -344,7 +341,7 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
                         lambda p=p, s=s, o=o, x=x, c=config: w4a16_matmul(
                             x, p, s, GROUP_SIZE, c, out=o
                         )
-                        for (p, s), o in zip(weights, outs, strict=True)
+                        for (p, s), o in zip(w.ours, outs, strict=True)
                     ]
                 )
                 entry["ours"].append({**tried, "us": us, "rel_err": err})
@@ -353,12 +350,11 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
         summary = " ".join(
             f"{b}={v['us']:.1f}" if "us" in v else f"{b}=n/a" for b, v in entry["vllm"].items()
         )
-        for layout in LAYOUTS:
-            timed = [o for o in entry["ours"] if "us" in o and o["layout"] == layout]
-            best = min(timed, key=lambda o: o["us"]) if timed else None
-            summary += f" ours/{layout}=" + (
-                f"{best['us']:.1f}us ({TileConfig(**best['config']).label()})" if best else "n/a"
-            )
+        timed = [o for o in entry["ours"] if "us" in o]
+        best = min(timed, key=lambda o: o["us"]) if timed else None
+        summary += " ours=" + (
+            f"{best['us']:.1f}us ({TileConfig(**best['config']).label()})" if best else "n/a"
+        )
         log(f"{shape.name} n={shape.n} k={shape.k} m={m}: {summary}")
         results[m] = entry
     del w, layers, bf16_heads

@@ -24,7 +24,7 @@ from pathlib import Path
 ARCHES = (80, 86, 89, 90)
 INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)(\S*)([^;]*)")
 # the kernel's integer arguments that are multiples of 16 at every 27B shape
-DIVISIBLE = ("K", "N", "words_per_row", "groups_per_row", "stride_xm", "stride_om")
+DIVISIBLE = ("K", "N", "groups_per_row", "stride_xm", "stride_om")
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class LoopCount:
     loads: dict[str, int]  # global loads and cp.async copies by their SASS suffix
 
 
-def compile_kernel(config, arch: int, tiled: bool = False, block_m: int = 16):
+def compile_kernel(config, arch: int, block_m: int = 16):
     """The Triton-compiled kernel for one tile config and architecture (no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -49,7 +49,7 @@ def compile_kernel(config, arch: int, tiled: bool = False, block_m: int = 16):
     kernel = w4a16._w4a16_kernel
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
                 "partial_ptr": "*fp32", "counter_ptr": "*i32"}  # fmt: skip
-    constants = w4a16.kernel_constants(config, block_m, even=True, tiled=tiled)
+    constants = w4a16.kernel_constants(config, block_m, even=True)
     signature = {
         name: pointers.get(name, "constexpr" if name in constants else "i32")
         for name in kernel.arg_names
@@ -91,8 +91,8 @@ def main_loop(sass: str) -> list[tuple[str, str]]:
     return best
 
 
-def count_loop(config, arch: int, tiled: bool = False) -> LoopCount:
-    compiled = compile_kernel(config, arch, tiled)
+def count_loop(config, arch: int) -> LoopCount:
+    compiled = compile_kernel(config, arch)
     loop = main_loop(disassemble(compiled.asm["cubin"]))
     if not loop:
         raise RuntimeError(f"no loop found in the sm{arch} SASS of {config.label()}")
@@ -119,7 +119,7 @@ def cmd_sass(args: argparse.Namespace) -> int:
 
     config = TileConfig(args.block_n, args.block_k, 1, args.warps, args.stages, args.persistent)
     check_config(config, 128, args.block_k)
-    counts = [count_loop(config, arch, args.tiles) for arch in args.arch]
+    counts = [count_loop(config, arch) for arch in args.arch]
     if args.json:
         print(json.dumps([asdict(count) for count in counts], indent=1))
         return 0
@@ -153,11 +153,6 @@ def add_subcommand(actions) -> None:
     )
     sass.add_argument(
         "--arch", type=int, nargs="+", choices=ARCHES, default=[90], help="sm versions"
-    )
-    sass.add_argument(
-        "--tiles",
-        action="store_true",
-        help="the weights in the tiled order (kernels/w4a16.py tile_rows) instead of rows",
     )
     sass.add_argument("--json", action="store_true", help="print JSON instead of text")
     sass.set_defaults(func=cmd_sass)

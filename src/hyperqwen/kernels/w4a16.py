@@ -1,11 +1,11 @@
 """Skinny W4A16 GEMM: y = x @ dequant(W)ᵀ for the few rows of a decode or verify step.
 
-Status: correct, and slower than vLLM's Marlin on the H200 at every measured shape (1.1-1.4x
-Marlin's time at M <= 16, kernels/README.md); no serving path dispatches to it yet. `hyperqwen
-bench kernels` times it beside vLLM's kernels so each change is measured against them.
+Status: correct; on the H200 level with vLLM's Marlin over the 27B body at M = 1 and 7 %
+slower at M = 4 (kernels/README.md); no serving path dispatches to it yet. `hyperqwen bench
+kernels` times it beside vLLM's kernels so each change is measured against them.
 
 Reads the compressed-tensors pack-quantized weights (G = 128) with each group's codes reordered
-once by repack_pairs, the one copy a layer would then keep:
+once by repack_pairs and moved into tiles by tile_rows, the one copy a layer would then keep:
 
   checkpoint     [N, K / 8]  int32    eight 4-bit codes per word along K, code j at bits 4j..4j+3
   weight_packed  [N, K / 8]  int32    repack_pairs(checkpoint): word i of a group holds columns
@@ -13,14 +13,11 @@ once by repack_pairs, the one copy a layer would then keep:
   weight_scale   [N, K / G]  x.dtype  one scale per output row and group of G inputs
   value          (code - 8) * scale   (symmetric uint4b8)
 
-Two orders in memory for the same words and scales (the kernel's TILED flag, from the tensors'
-shapes):
-
-  rows   weight_packed [N, K / 8], weight_scale [N, K / G]: each row's words in a run, so a
-         program's load of one group is BLOCK_N pieces of 64 bytes, a row (K / 2 bytes) apart
-  tiles  tile_rows(): [N / 16, K / G, 16, 16] words and [N / 16, K / G, 16] scales: one group of
-         16 rows is 1 KB in a run, and a 16-row slab's groups follow each other, so a program
-         streams BLOCK_N / 16 runs of (its K slice / G) KB instead of scattered 64-byte pieces
+The layer keeps those words and scales in tiles (tile_rows): [N / 16, K / G, 16, 16] words and
+[N / 16, K / G, 16] scales, so one group of 16 rows is 1 KB in a run and a 16-row slab's groups
+follow each other; a program streams BLOCK_N / 16 runs of (its K slice / G) KB. (Kept in rows,
+[N, K / 8], a program's load of one group was BLOCK_N pieces of 64 bytes a row apart: 2-9 %
+slower at every 27B shape at M = 1 and 4 on the H200, kernels/README.md.)
 
 Each program owns BLOCK_N output rows and one of SPLIT_K slices of K, and takes one group of G
 inputs at a time. The codes, OR-ed into the mantissa of a float constant (MAGIC + code, exact, no
@@ -135,32 +132,24 @@ def _plane_inputs(x_rows, k0, m_mask, K, EVEN: tl.constexpr):
 @triton.jit
 def _work_item(
     pid_n, pid_k, pid_m, n_tiles, x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
-    words_per_row, groups_per_row, stride_xm, stride_om, GROUP: tl.constexpr,
+    groups_per_row, stride_xm, stride_om, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, EVEN: tl.constexpr, TILED: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     """One output tile's slice of K: its dots, then its store or its part of the split-K sum."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    # int64 row offsets: N * K / 8 words exceeds 2**31 for a full-vocabulary head. The row
-    # lengths come in as arguments so Triton sees their divisibility and vectorizes the loads.
+    # int64 slab offsets: N * K / 8 words exceeds 2**31 for a full-vocabulary head. The group
+    # count comes in as an argument so Triton sees its divisibility and vectorizes the loads.
     GROUPS_PER_BLOCK: tl.constexpr = BLOCK_K // GROUP
     WORDS: tl.constexpr = GROUP // 8
-    if TILED:
-        # slab n // 16 holds its groups one after another, each as 16 rows x 16 words
-        slab = (offs_n // _SLAB).to(tl.int64)
-        within = offs_n % _SLAB
-        w_rows = w_ptr + (slab * (groups_per_row * _SLAB * WORDS) + within * WORDS)[:, None]
-        s_rows = s_ptr + (slab * (groups_per_row * _SLAB) + within)[:, None]
-        W_GROUP_STRIDE: tl.constexpr = _SLAB * WORDS
-        S_GROUP_STRIDE: tl.constexpr = _SLAB
-    else:
-        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row
-        s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * groups_per_row
-        W_GROUP_STRIDE: tl.constexpr = WORDS
-        S_GROUP_STRIDE: tl.constexpr = 1
+    # slab n // 16 holds its groups one after another, each as 16 rows x 16 words
+    slab = (offs_n // _SLAB).to(tl.int64)
+    within = offs_n % _SLAB
+    w_rows = w_ptr + (slab * (groups_per_row * _SLAB * WORDS) + within * WORDS)[:, None]
+    s_rows = s_ptr + (slab * (groups_per_row * _SLAB) + within)[:, None]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
 
     k_blocks = tl.cdiv(K, BLOCK_K)
@@ -172,14 +161,14 @@ def _work_item(
     for block in range(first_block, last_block):
         for g in tl.static_range(GROUPS_PER_BLOCK):
             group = block * GROUPS_PER_BLOCK + g
-            offs_w = group * W_GROUP_STRIDE + tl.arange(0, WORDS)
+            offs_w = group * (_SLAB * WORDS) + tl.arange(0, WORDS)
             if EVEN:
                 words = tl.load(w_rows + offs_w[None, :])
-                scale = tl.load(s_rows + group * S_GROUP_STRIDE)
+                scale = tl.load(s_rows + group * _SLAB)
             else:
                 group_mask = n_mask[:, None] & (group * GROUP < K)
                 words = tl.load(w_rows + offs_w[None, :], mask=group_mask, other=0)
-                scale = tl.load(s_rows + group * S_GROUP_STRIDE, mask=group_mask, other=0.0)
+                scale = tl.load(s_rows + group * _SLAB, mask=group_mask, other=0.0)
             # pair plane j: nibbles j and j + 4 of word i hold k = 32j + 2i and 32j + 2i + 1
             part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for j in tl.static_range(4):
@@ -217,7 +206,6 @@ def _w4a16_kernel(
     M,
     N,
     K,
-    words_per_row,
     groups_per_row,
     stride_xm,
     stride_om,
@@ -229,7 +217,6 @@ def _w4a16_kernel(
     DOT_IN_FP32: tl.constexpr,
     EVEN: tl.constexpr,  # N and K are whole tiles: no masks on the weight loads
     PERSISTENT: tl.constexpr,  # a few programs per SM walk the work items; else one each
-    TILED: tl.constexpr,  # the words and scales in the tiled order (tile_rows); else rows
 ):
     n_tiles = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
@@ -240,15 +227,15 @@ def _w4a16_kernel(
         for item in tl.range(tl.program_id(0), items, tl.num_programs(0), flatten=True):
             _work_item(
                 item % n_tiles, (item // n_tiles) % SPLIT_K, item // (n_tiles * SPLIT_K), n_tiles,
-                x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, words_per_row,
-                groups_per_row, stride_xm, stride_om, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
-                DOT_IN_FP32, EVEN, TILED,
+                x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, groups_per_row,
+                stride_xm, stride_om, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
+                DOT_IN_FP32, EVEN,
             )  # fmt: skip
     else:
         _work_item(
             tl.program_id(0), tl.program_id(1), tl.program_id(2), n_tiles, x_ptr, w_ptr, s_ptr,
-            out_ptr, partial_ptr, counter_ptr, M, N, K, words_per_row, groups_per_row, stride_xm,
-            stride_om, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_IN_FP32, EVEN, TILED,
+            out_ptr, partial_ptr, counter_ptr, M, N, K, groups_per_row, stride_xm,
+            stride_om, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_IN_FP32, EVEN,
         )  # fmt: skip
 
 
@@ -321,11 +308,10 @@ def workspace_size(m: int, n: int, config: TileConfig) -> tuple[int, int]:
     return tiles * config.split_k * config.block_n * block_m, tiles
 
 
-def kernel_constants(config: TileConfig, block_m: int, even: bool, tiled: bool) -> dict:
+def kernel_constants(config: TileConfig, block_m: int, even: bool) -> dict:
     """The kernel's compile-time arguments for a launch of `config` (also what `hyperqwen bench
     sass` compiles): GROUP is the pair layout's, which check_config requires."""
     return {
-        "TILED": tiled,
         "GROUP": PAIR_GROUP,
         "BLOCK_M": block_m,
         "BLOCK_N": config.block_n,
@@ -365,29 +351,23 @@ def w4a16_matmul(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16, rows contiguous) times dequantized weights [N, K]ᵀ -> [M, N];
-    weight_packed in the pair-plane layout (repack_pairs of the checkpoint's words), in rows
-    ([N, K/8] words, [N, K/G] scales) or tiles (tile_rows: 4-d words, 3-d scales)."""
+    weight_packed and weight_scale in tiles (tile_rows of the pair-plane words, repack_pairs)."""
     m, k = x.shape
-    tiled = weight_packed.dim() == 4
-    n = weight_packed.shape[0] * (TILE_ROWS if tiled else 1)
+    n = weight_packed.shape[0] * TILE_ROWS
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
     groups = k // group_size
-    if tiled:
-        words_shape, words_name = (n // TILE_ROWS, groups, TILE_ROWS, group_size // 8), "tiles"
-        scale_shape, scale_name = (n // TILE_ROWS, groups, TILE_ROWS), "tiles [N/16, K/G, 16]"
-    else:
-        words_shape, words_name = (n, k // 8), "[N, K/8]"
-        scale_shape, scale_name = (n, groups), "[N, K/G]"
+    words_shape = (n // TILE_ROWS, groups, TILE_ROWS, group_size // 8)
+    scale_shape = (n // TILE_ROWS, groups, TILE_ROWS)
     if tuple(weight_packed.shape) != words_shape or weight_packed.dtype != torch.int32:
         raise ValueError(
-            f"weight_packed must be int32 {words_name} = {list(words_shape)}, got "
-            f"{weight_packed.dtype} {list(weight_packed.shape)}"
+            f"weight_packed must be int32 tiles [N/16, K/G, 16, G/8] = {list(words_shape)}, got "
+            f"{weight_packed.dtype} {list(weight_packed.shape)} (tile_rows makes them)"
         )
     if tuple(weight_scale.shape) != scale_shape or weight_scale.dtype != x.dtype:
         raise ValueError(
-            f"weight_scale must be {x.dtype} {scale_name} = {list(scale_shape)}, got "
-            f"{weight_scale.dtype} {list(weight_scale.shape)}"
+            f"weight_scale must be {x.dtype} tiles [N/16, K/G, 16] = {list(scale_shape)}, got "
+            f"{weight_scale.dtype} {list(weight_scale.shape)} (tile_rows makes them)"
         )
     if x.stride(1) != 1 or not weight_packed.is_contiguous() or not weight_scale.is_contiguous():
         raise ValueError("x rows and both weight tensors must be contiguous")
@@ -417,12 +397,11 @@ def w4a16_matmul(
         m,
         n,
         k,
-        k // 8,
         k // group_size,
         x.stride(0),
         out.stride(0),
         **kernel_constants(
-            config, block_m, even=n % config.block_n == 0 and k % config.block_k == 0, tiled=tiled
+            config, block_m, even=n % config.block_n == 0 and k % config.block_k == 0
         ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
