@@ -107,11 +107,32 @@ def _unbiased_dot(biased, x_t, part, x_ptr, DOT_IN_FP32: tl.constexpr):
 
 
 @triton.jit
+def _mask_into_magic(shifted, x_ptr):
+    """(shifted & 0x000F000F) | the magic float's bits in both halves, as one LOP3: written in
+    Triton, both constants are immediates and ptxas needs two (sm90 SASS: 434 instructions per
+    loop step at 64 rows / 4 warps, 371 with this)."""
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;", "=r,r", [shifted],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        return tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;", "=r,r", [shifted],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def _pair_dot(words, j: tl.constexpr, x_j, part, x_ptr, DOT_IN_FP32: tl.constexpr):
     """Pair plane j: one shift and mask turn nibbles j and j + 4 of every word into two codes,
     OR-ed into the mantissas of two magic floats at once; the halves are the pair's two k."""
-    bits, _ = _magic(x_ptr)
-    pairs = ((words >> (4 * j)) & 0x000F000F) | (bits | (bits << 16))
+    shifted = words >> (4 * j) if j else words
+    if DOT_IN_FP32:  # the interpreter runs no PTX: the same bits from two operations
+        bits, _ = _magic(x_ptr)
+        pairs = (shifted & 0x000F000F) | (bits | (bits << 16))
+    else:
+        pairs = _mask_into_magic(shifted, x_ptr)
     low = _as_x_dtype(pairs, x_ptr)  # the int16 cast keeps the low half
     high = _as_x_dtype(pairs >> 16, x_ptr)
     biased = tl.interleave(low, high)  # k = 2i from word i's low half, 2i + 1 from its high
