@@ -49,7 +49,7 @@ def run(kernel, x, packed, scale, config):
 
 
 CASES = [
-    # m, n, k, (block_n, block_k, split_k[, num_warps, num_stages, programs_per_sm])
+    # m, n, k, (block_n, block_k, split_k[, num_warps, num_stages, programs_per_sm, block_m])
     (1, 64, 256, (16, 128, 1)),
     (1, 80, 384, (64, 256, 1)),  # N and K beyond the last full tile
     (3, 96, 512, (32, 256, 2)),
@@ -71,6 +71,10 @@ CASES = [
     (4, 192, 1024, (32, 256, 3, 4, 3, 2)),  # 6 tiles x 3 slices (one short) over 4 programs
     (70, 64, 256, (16, 128, 2, 4, 3, 3)),  # two M tiles, split-K, over 6 programs
     (2, 48, 384, (16, 128, 1, 4, 3, 64)),  # more programs allowed than work items
+    # block_m asked for (prefill's tiles): several M tiles launched M first, one part-full
+    (70, 64, 256, (16, 128, 1, 4, 3, 0, 32)),  # three M tiles of 32
+    (130, 48, 384, (32, 128, 2, 4, 3, 0, 128)),  # two M tiles of 128, split-K
+    (70, 96, 512, (32, 256, 2, 4, 3, 2, 16)),  # five M tiles of 16, persistent
 ]
 
 
@@ -177,6 +181,8 @@ def test_zero_rows_writes_nothing_and_returns(kernel):
         ((16, 128, 1), 128, 320, "K=320 must be a multiple of group_size=128"),
         ((16, 128, 1), 64, 512, "group_size=64: the pair-plane layout takes 128"),
         ((16, 512, 1), 256, 1024, "group_size=256: the pair-plane layout takes 128"),
+        ((16, 128, 1, 4, 3, 0, 24), 128, 512, "block_m=24 must be 0 .from M. or a power of two"),
+        ((16, 128, 1, 4, 3, 0, 512), 128, 512, "block_m=512 must be 0 .from M. or a power"),
     ],
 )
 def test_refuses_bad_configs_naming_the_value(kernel, config, group, k, message):

@@ -102,7 +102,20 @@ def sweep_configs() -> list:
         configs.append(TileConfig(64, 256, split_k, num_warps=4))
         configs.append(TileConfig(64, 256, split_k, num_warps=4, programs_per_sm=4))
         configs.append(TileConfig(128, 256, split_k, num_warps=8))
+    # prefill's M (beyond 64 rows): wider M tiles, timed only where M fills them (skip_config);
+    # 128 x 256 with 128 rows of x would take 224 KB of shared memory on sm90
+    configs.append(TileConfig(128, 256, 1, num_warps=8, block_m=64))
+    for block_m in (64, 128):
+        configs.append(TileConfig(128, 128, 1, num_warps=8, num_stages=4, block_m=block_m))
     return configs
+
+
+def skip_config(config, m: int, k: int) -> bool:
+    """Configs not worth timing at this shape: a K slice shorter than one K block, or an M
+    tile asked for that is more than twice the rows there are."""
+    if config.split_k > 1 and k // config.split_k < config.block_k:
+        return True
+    return bool(config.block_m) and config.block_m > 2 * max(m, 16)
 
 
 def graph_time_us(launches: list[Callable[[], object]], replays: int = 15) -> float:
@@ -325,7 +338,7 @@ def measure_shape(shape: LinearShape, ms: tuple[int, ...], backends: tuple[str, 
             except Exception as error:
                 entry["vllm"][backend] = {"error": _failure(error)}
         for config in sweep_configs() if shape.bits == 4 else ():
-            if config.split_k > 1 and shape.k // config.split_k < config.block_k:
+            if skip_config(config, m, shape.k):
                 continue
             tried = {"config": asdict(config)}
             try:

@@ -92,7 +92,7 @@ def main_loop(sass: str) -> list[tuple[str, str]]:
 
 
 def count_loop(config, arch: int) -> LoopCount:
-    compiled = compile_kernel(config, arch)
+    compiled = compile_kernel(config, arch, block_m=config.block_m or 16)
     loop = main_loop(disassemble(compiled.asm["cubin"]))
     if not loop:
         raise RuntimeError(f"no loop found in the sm{arch} SASS of {config.label()}")
@@ -117,7 +117,9 @@ def cmd_sass(args: argparse.Namespace) -> int:
         print("bench sass: compiles the kernel; unset TRITON_INTERPRET (=1 here)", file=sys.stderr)
         return 2
 
-    config = TileConfig(args.block_n, args.block_k, 1, args.warps, args.stages, args.persistent)
+    config = TileConfig(
+        args.block_n, args.block_k, 1, args.warps, args.stages, args.persistent, args.block_m
+    )
     check_config(config, 128, args.block_k)
     counts = [count_loop(config, arch) for arch in args.arch]
     if args.json:
@@ -153,6 +155,9 @@ def add_subcommand(actions) -> None:
     )
     sass.add_argument(
         "--arch", type=int, nargs="+", choices=ARCHES, default=[90], help="sm versions"
+    )
+    sass.add_argument(
+        "--block-m", type=int, default=0, help="rows of x per program (default 0: 16, as M <= 16)"
     )
     sass.add_argument("--json", action="store_true", help="print JSON instead of text")
     sass.set_defaults(func=cmd_sass)

@@ -50,7 +50,8 @@ import triton.language as tl
 # fp32 (exact for these operands), so CPU tests check the same arithmetic.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_MIN_ROWS = 16  # tl.dot's smallest M/N/K
-MAX_BLOCK_M = 64
+MAX_BLOCK_M = 64  # the automatic block_m's largest; a config may ask for up to LARGEST_BLOCK_M
+LARGEST_BLOCK_M = 256
 PAIR_GROUP = 128  # the pair-plane layout's group: 16 words, 4 pair planes of K = 32
 TILE_ROWS = 16  # the tiled order's slab: 16 rows of one group are 1 KB in a run
 _SLAB = tl.constexpr(TILE_ROWS)  # the same, as the kernel reads a global
@@ -68,12 +69,15 @@ class TileConfig:
     # > 0: a persistent grid of this many programs per SM walks the work items; 0: one
     # program per work item
     programs_per_sm: int = 0
+    # rows of x per program; 0: M rounded up to a power of two, 16 to MAX_BLOCK_M
+    block_m: int = 0
 
     def label(self) -> str:
         persistent = f"_r{self.programs_per_sm}" if self.programs_per_sm else ""
+        rows = f"_m{self.block_m}" if self.block_m else ""
         return (
             f"n{self.block_n}_k{self.block_k}_s{self.split_k}_w{self.num_warps}_p{self.num_stages}"
-            f"{persistent}"
+            f"{persistent}{rows}"
         )
 
 
@@ -240,21 +244,24 @@ def _w4a16_kernel(
     PERSISTENT: tl.constexpr,  # a few programs per SM walk the work items; else one each
 ):
     n_tiles = tl.cdiv(N, BLOCK_N)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    # Tiles along M come first in the launch order, so the programs running at once share their
+    # weight tiles through L2 and a weight byte leaves DRAM about once however large M is.
     if PERSISTENT:
-        # work items (tile along N, slice of K, tile along M), walked by a grid of a few
+        # work items (tile along M, tile along N, slice of K), walked by a grid of a few
         # programs per SM; flattened, the loop can prefetch the next item's first blocks while
         # this one finishes, and no last wave runs part-full
-        items = n_tiles * SPLIT_K * tl.cdiv(M, BLOCK_M)
+        items = m_tiles * n_tiles * SPLIT_K
         for item in tl.range(tl.program_id(0), items, tl.num_programs(0), flatten=True):
             _work_item(
-                item % n_tiles, (item // n_tiles) % SPLIT_K, item // (n_tiles * SPLIT_K), n_tiles,
+                (item // m_tiles) % n_tiles, item // (m_tiles * n_tiles), item % m_tiles, n_tiles,
                 x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, groups_per_row,
                 stride_xm, stride_om, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
                 DOT_IN_FP32, EVEN,
             )  # fmt: skip
     else:
         _work_item(
-            tl.program_id(0), tl.program_id(1), tl.program_id(2), n_tiles, x_ptr, w_ptr, s_ptr,
+            tl.program_id(1), tl.program_id(2), tl.program_id(0), n_tiles, x_ptr, w_ptr, s_ptr,
             out_ptr, partial_ptr, counter_ptr, M, N, K, groups_per_row, stride_xm,
             stride_om, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_IN_FP32, EVEN,
         )  # fmt: skip
@@ -316,7 +323,7 @@ def sm_count(device: torch.device) -> int:
 
 def _launch_geometry(m: int, n: int, config: TileConfig) -> tuple[int, int, int]:
     """(BLOCK_M, tiles along N, tiles along M) for a launch of `config` on m rows."""
-    block_m = min(max(DOT_MIN_ROWS, triton.next_power_of_2(m)), MAX_BLOCK_M)
+    block_m = config.block_m or min(max(DOT_MIN_ROWS, triton.next_power_of_2(m)), MAX_BLOCK_M)
     return block_m, triton.cdiv(n, config.block_n), triton.cdiv(m, block_m)
 
 
@@ -357,6 +364,15 @@ def check_config(config: TileConfig, group_size: int, k: int) -> None:
         problems.append(f"block_n={config.block_n} must be a power of two >= {DOT_MIN_ROWS}")
     if config.split_k < 1:
         problems.append(f"split_k={config.split_k} must be >= 1")
+    if config.block_m and (
+        config.block_m < DOT_MIN_ROWS
+        or config.block_m > LARGEST_BLOCK_M
+        or config.block_m & (config.block_m - 1)
+    ):
+        problems.append(
+            f"block_m={config.block_m} must be 0 (from M) or a power of two from "
+            f"{DOT_MIN_ROWS} to {LARGEST_BLOCK_M}"
+        )
     if config.programs_per_sm < 0:
         problems.append(f"programs_per_sm={config.programs_per_sm} must be >= 0")
     if problems:
@@ -407,7 +423,7 @@ def w4a16_matmul(
         items = n_tiles * config.split_k * m_tiles
         grid = (min(items, sm_count(x.device) * config.programs_per_sm), 1, 1)
     else:
-        grid = (n_tiles, config.split_k, m_tiles)
+        grid = (m_tiles, n_tiles, config.split_k)
     _w4a16_kernel[grid](
         x,
         weight_packed,
