@@ -14,6 +14,7 @@ from hyperqwen.engine import (
     DRAFT_VOCAB_ENV,
     GDN_RECURRENT_ENV,
     LOOKUP_ENV,
+    W4A16_ENV,
 )
 from hyperqwen.launch import FLAG_ALIASES, LOOKUP_MATCH, build_launch, redact_argv
 from hyperqwen.patches import series_status
@@ -307,17 +308,23 @@ def test_the_engine_reads_the_values_the_knob_takes():
         ("single", {"LINEAR_BACKEND": "machete"}, "machete"),
         ("batch", {}, "auto"),  # vLLM's choice: Machete on Hopper, faster at 64 rows
         ("batch", {"LINEAR_BACKEND": "marlin"}, "marlin"),
+        ("single", {"LINEAR_BACKEND": "hyperqwen"}, "marlin"),  # what our kernel leaves
+        ("batch", {"LINEAR_BACKEND": "hyperqwen"}, "marlin"),
     ],
 )
 def test_linear_backend_defaults_per_mode_and_reaches_vllm(vllm_serve, mode, values, expected):
-    args = vllm_serve(build_launch(loaded(**values), mode, None).argv)
+    plan = build_launch(loaded(**values), mode, None)
+    args = vllm_serve(plan.argv)
     assert args.linear_backend == expected
+    ours = values.get("LINEAR_BACKEND") == "hyperqwen"
+    assert (plan.env.get(W4A16_ENV) == "1") == ours
 
 
-def test_linear_backend_values_are_vllms():
+def test_linear_backend_values_are_vllms_but_ours():
     from vllm.config.kernel import LinearBackend as VllmLinearBackend
 
-    assert set(get_args(LinearBackend)) <= set(get_args(VllmLinearBackend))
+    assert set(get_args(LinearBackend)) - {"hyperqwen"} <= set(get_args(VllmLinearBackend))
+    assert "hyperqwen" not in get_args(VllmLinearBackend)
 
 
 @pytest.mark.parametrize(

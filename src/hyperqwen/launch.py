@@ -13,9 +13,16 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hyperqwen.engine import ALIGN_OVERLAP_ENV, DRAFT_VOCAB_ENV, GDN_RECURRENT_ENV, LOOKUP_ENV
+from hyperqwen.engine import (
+    ALIGN_OVERLAP_ENV,
+    DRAFT_VOCAB_ENV,
+    GDN_RECURRENT_ENV,
+    LOOKUP_ENV,
+    W4A16_ENV,
+)
 from hyperqwen.settings import (
     NO_REASONING_PARSER,
+    OUR_LINEAR_BACKEND,
     LoadedSettings,
     Mode,
     Settings,
@@ -154,6 +161,12 @@ def _is_number(token: str) -> bool:
     return True
 
 
+def vllm_linear_backend(backend: str) -> str:
+    """What --linear-backend gets: hyperqwen is Marlin for the layers HyperQwen's kernel
+    leaves (engine/w4a16_linear.py)."""
+    return "marlin" if backend == OUR_LINEAR_BACKEND else backend
+
+
 def build_launch(
     loaded: LoadedSettings,
     mode: Mode,
@@ -163,6 +176,7 @@ def build_launch(
     """The argv and environment of `vllm serve` for these settings. Pure: no I/O."""
     settings = loaded.settings
     profile = profile_for(settings, mode)
+    linear_backend = settings.LINEAR_BACKEND or profile.linear_backend
     warnings: list[str] = []
 
     host, host_warnings, notices = choose_host(settings, api_key, in_container, loaded.explicit)
@@ -190,7 +204,7 @@ def build_launch(
         ("--tensor-parallel-size", str(tensor_parallel), "GPU_COUNT"),
         ("--kv-cache-dtype", kv_dtype, "KV" if mode == "batch" else "CTX"),
         ("--mamba-ssm-cache-dtype", profile.ssm_cache_dtype, f"mode {mode}"),
-        ("--linear-backend", settings.LINEAR_BACKEND or profile.linear_backend, "LINEAR_BACKEND"),
+        ("--linear-backend", vllm_linear_backend(linear_backend), "LINEAR_BACKEND"),
         (
             "--enable-prefix-caching"
             if settings.PREFIX_CACHE == "1"
@@ -249,6 +263,8 @@ def build_launch(
         env["VLLM_API_KEY"] = api_key
     if settings.GDN_RECURRENT == "1":
         env[GDN_RECURRENT_ENV] = "1"
+    if linear_backend == OUR_LINEAR_BACKEND:
+        env[W4A16_ENV] = "1"
     if mode == "single":
         env[DRAFT_VOCAB_ENV] = settings.DRAFT_VOCAB
         if settings.SPEC == "lookup" or (settings.SPEC == "mtp" and settings.LOOKUP == "1"):

@@ -34,7 +34,9 @@ DraftVocab = Literal[
     "auto", "off"
 ]  # hyperqwen.engine.DRAFT_VOCAB_CHOICES (a test keeps them equal)
 Switch = Literal["0", "1"]
-LinearBackend = Literal["auto", "marlin", "machete"]
+LinearBackend = Literal["auto", "marlin", "machete", "hyperqwen"]
+# LINEAR_BACKEND's one value vLLM does not know: vLLM gets marlin, the engine HYPERQWEN_W4A16=1
+OUR_LINEAR_BACKEND = "hyperqwen"
 GpuSplit = Literal["tp", "dp"]
 
 PINNED_VLLM = "0.26.0"
@@ -190,10 +192,13 @@ class Settings(BaseModel):
     LINEAR_BACKEND: LinearBackend | None = knob(
         None,
         "Kernel for the int4 body GEMMs and int8 heads. auto: vLLM's choice (Machete on "
-        "Hopper, Marlin on Ampere/Ada/Blackwell); marlin; machete (Hopper only). Default: "
-        "single marlin (faster at 1-16 tokens per step: 1.14x stock vLLM's MTP at C1 on the "
-        "H200, against 1.01x with Machete), batch auto (Machete wins at 64).",
-        "--linear-backend",
+        "Hopper, Marlin on Ampere/Ada/Blackwell); marlin; machete (Hopper only); hyperqwen: "
+        "HyperQwen's Triton W4A16 kernel for the int4 body at every M, Marlin for the rest "
+        "(src/hyperqwen/engine/w4a16_linear.py; level with Marlin at M = 1 and 7 % slower at "
+        "M = 4 in kernel timings on the H200, not measured in a server yet). Default: single "
+        "marlin (faster at 1-16 tokens per step: 1.14x stock vLLM's MTP at C1 on the H200, "
+        "against 1.01x with Machete), batch auto (Machete wins at 64).",
+        "--linear-backend (hyperqwen: marlin, and env HYPERQWEN_W4A16 for the patched vLLM)",
     )
     PREFIX_CACHE_OVERLAP: Switch = knob(
         "1",

@@ -21,3 +21,7 @@ ALIGN_OVERLAP_ENV = "HYPERQWEN_ALIGN_OVERLAP"
 # Set to "1" by the launcher with GDN_RECURRENT=1: the GDN layer's decode and verify steps take
 # HyperQwen's recurrent-update kernel (engine/gdn_recurrent.py) instead of vLLM's.
 GDN_RECURRENT_ENV = "HYPERQWEN_GDN_RECURRENT"
+
+# Set to "1" by the launcher with LINEAR_BACKEND=hyperqwen: vLLM's compressed-tensors W4A16
+# layers try HyperQwen's kernel first (engine/w4a16_linear.py), Marlin where it cannot serve.
+W4A16_ENV = "HYPERQWEN_W4A16"

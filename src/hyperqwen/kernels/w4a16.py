@@ -1,8 +1,9 @@
 """Skinny W4A16 GEMM: y = x @ dequant(W)ᵀ for the few rows of a decode or verify step.
 
 Status: correct; on the H200 level with vLLM's Marlin over the 27B body at M = 1 and 7 %
-slower at M = 4 (kernels/README.md); no serving path dispatches to it yet. `hyperqwen bench
-kernels` times it beside vLLM's kernels so each change is measured against them.
+slower at M = 4 (kernels/README.md); LINEAR_BACKEND=hyperqwen serves vLLM's W4A16 layers with it
+(engine/w4a16_linear.py; off by default). `hyperqwen bench kernels` times it beside vLLM's
+kernels so each change is measured against them.
 
 Reads the compressed-tensors pack-quantized weights (G = 128) with each group's codes reordered
 once by repack_pairs and moved into tiles by tile_rows, the one copy a layer would then keep:

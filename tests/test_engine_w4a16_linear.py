@@ -1,0 +1,189 @@
+"""HyperQwen's W4A16 kernel as a vLLM linear kernel (engine/w4a16_linear.py, LINEAR_BACKEND=
+hyperqwen): a layer built from vLLM's own parameter classes, repacked once, answers every M like
+a float64 reference; what it refuses it names; the launch shapes stay within the kernel's
+limits. The kernel runs under Triton's interpreter here (conftest turns it on without a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hyperqwen.bench.kernels import PRESETS, layer_shapes
+from hyperqwen.checkpoint import w4a16 as checkpoint_format
+from hyperqwen.engine import W4A16_ENV, w4a16_linear
+from hyperqwen.kernels import w4a16
+
+GROUP = 128
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-process gloo world on vLLM's CPU platform: vLLM's weight parameters ask for their
+    tensor-parallel rank."""
+    import vllm.platforms as platforms
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+    from vllm.platforms.cpu import CpuPlatform
+
+    from hyperqwen.bench.ab import free_port
+
+    before = platforms._current_platform
+    platforms._current_platform = CpuPlatform()
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
+    yield
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    platforms._current_platform = before
+
+
+def interpreted():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU test: this machine has a GPU")
+
+
+def layer_config(n: int, k: int, **changes):
+    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
+        MPLinearLayerConfig,
+    )
+    from vllm.scalar_type import scalar_types
+
+    fields = dict(
+        full_weight_shape=(k, n), partition_weight_shape=(k, n),
+        weight_type=scalar_types.uint4b8, act_type=torch.bfloat16, group_size=GROUP,
+        zero_points=False, has_g_idx=False,
+    )  # fmt: skip
+    return MPLinearLayerConfig(**{**fields, **changes})
+
+
+def loaded_layer(weight: torch.Tensor) -> torch.nn.Module:
+    """A module holding a compressed-tensors W4A16 checkpoint's tensors in the parameter
+    classes vLLM's CompressedTensorsWNA16.create_weights registers."""
+    from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
+
+    stored = checkpoint_format.pack(weight.to(torch.bfloat16))
+    layer = torch.nn.Module()
+    load = lambda *args, **kwargs: None  # noqa: E731 (vLLM's weight_loader, unused here)
+    layer.register_parameter(
+        "weight_packed",
+        PackedvLLMParameter(
+            data=stored["weight_packed"], input_dim=1, output_dim=0, packed_dim=1,
+            packed_factor=8, weight_loader=load,
+        ),
+    )  # fmt: skip
+    layer.register_parameter(
+        "weight_scale",
+        GroupQuantScaleParameter(
+            data=stored["weight_scale"], input_dim=1, output_dim=0, weight_loader=load
+        ),
+    )
+    return layer, checkpoint_format.unpack(stored).double()
+
+
+def test_a_vllm_layer_answers_every_m_from_its_one_copy_of_tiles(one_rank):
+    interpreted()
+    n, k = 48, 512
+    weight = torch.randn((n, k), generator=torch.Generator().manual_seed(21)) * 0.05
+    layer, dense = loaded_layer(weight)
+    words_bytes = layer.weight_packed.numel() * 4
+    kernel = w4a16_linear.linear_kernel_class()(layer_config(n, k), "weight_packed", "weight_scale")
+    kernel.process_weights_after_loading(layer)
+    assert layer.weight_packed.shape == (n // 16, k // GROUP, 16, 16)
+    assert layer.weight_packed.numel() * 4 == words_bytes  # moved, not copied beside
+    assert {name for name, _ in layer.named_parameters()} == {"weight_packed", "weight_scale"}
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(22)).to(torch.bfloat16)
+    for shape in [(1, k), (5, k), (2, 3, k), (70, k)]:  # 70 rows: prefill's tiles
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))).to(
+            torch.bfloat16
+        )
+        out = kernel.apply_weights(layer, x, bias)
+        assert out.shape == (*shape[:-1], n) and out.dtype == torch.bfloat16
+        ref = x.double() @ dense.T + bias.double()
+        error = ((out.double() - ref).norm() / ref.norm()).item()
+        assert error < 6e-3, (shape, error)
+
+
+def test_the_op_is_opaque_to_torch_compile_and_its_fake_agrees():
+    """torch.library.opcheck runs the op eagerly and under fake tensors (what torch.compile
+    traces), comparing shapes, dtypes and schema."""
+    interpreted()
+    codes = torch.randint(0, 16, (32, 256), generator=torch.Generator().manual_seed(5))
+    scale = (torch.rand((32, 2), generator=torch.Generator().manual_seed(6)) * 0.02 + 0.001).to(
+        torch.bfloat16
+    )
+    words, scales = w4a16.tile_rows(w4a16.repack_pairs(w4a16.pack_codes(codes)), scale)
+    x = torch.randn((3, 256), generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.hyperqwen.w4a16_linear, (x, words, scales))
+
+
+def test_repacking_in_slices_is_repacking_whole(monkeypatch):
+    codes = torch.randint(0, 16, (80, 256), generator=torch.Generator().manual_seed(8))
+    packed = w4a16.pack_codes(codes)
+    scale = torch.rand((80, 2), generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    monkeypatch.setattr(w4a16_linear, "REPACK_ROWS", 32)  # 80 rows: slices of 32, 32 and 16
+    sliced = w4a16_linear.repack(packed, scale)
+    whole = w4a16.tile_rows(w4a16.repack_pairs(packed), scale)
+    assert all(torch.equal(a, b) for a, b in zip(sliced, whole, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"group_size": 64}, "group size 64"),
+        ({"zero_points": True}, "zero points"),
+        ({"partition_weight_shape": (512, 40)}, "N=40"),
+        ({"act_type": torch.float32}, "activations torch.float32"),
+    ],
+)
+def test_it_refuses_what_it_cannot_serve_and_says_what(changes, named):
+    can, reason = w4a16_linear.linear_kernel_class().can_implement(layer_config(48, 512, **changes))
+    assert not can and named in reason
+
+
+def test_the_int8_heads_go_to_the_next_kernel():
+    from vllm.scalar_type import scalar_types
+
+    config = layer_config(48, 512, weight_type=scalar_types.uint8b128)
+    can, reason = w4a16_linear.linear_kernel_class().can_implement(config)
+    assert not can and "takes uint4b8" in reason
+
+
+def test_it_comes_first_only_when_asked_and_on_cuda(monkeypatch):
+    vllms = ["MarlinLinearKernel"]
+    monkeypatch.delenv(W4A16_ENV, raising=False)
+    assert w4a16_linear.candidates(vllms, on_cuda=True) == vllms
+    monkeypatch.setenv(W4A16_ENV, "1")
+    assert w4a16_linear.candidates(vllms, on_cuda=False) == vllms
+    assert w4a16_linear.candidates(vllms, on_cuda=True) == [
+        w4a16_linear.linear_kernel_class(),
+        *vllms,
+    ]
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 65, 256, 8192])
+@pytest.mark.parametrize("capability", [86, 90])
+def test_launch_shapes_fit_the_kernel_at_every_27b_shape(m, capability):
+    for shape in layer_shapes(PRESETS["27b"]):
+        config = w4a16_linear.tile_for(m, shape.n, shape.k, capability)
+        w4a16.check_config(config, GROUP, shape.k)
+        assert shape.k // config.split_k >= config.block_k  # no slice shorter than a K block
+        if m <= w4a16_linear.SMALL_M:
+            programs = -(-shape.n // config.block_n) * config.split_k
+            assert programs >= 640 or config.split_k == 8, (shape.name, config)
+        elif capability < 90:
+            assert config.block_m == 64  # 128 rows of x overflow an sm86/89 program's 99 KB
