@@ -52,6 +52,7 @@ def tile_for(m: int, n: int, k: int, capability: int = 90) -> w4a16.TileConfig:
     return w4a16.TileConfig(128, 128, 1, num_warps=8, num_stages=4, block_m=block_m)
 
 
+@functools.cache
 def _capability(device: torch.device) -> int:
     if device.type != "cuda":
         return 90
