@@ -30,8 +30,11 @@ from hyperqwen.checkpoint.geometry import PRESETS, Geometry
 GROUP_SIZE = 128
 DEFAULT_MS = (1, 2, 4, 5, 8, 16, 32, 64)
 VLLM_BACKENDS = ("machete", "marlin", "exllama", "triton")
-# humming JIT-compiles its GEMMs with nvcc on first use (not timed yet): asked for by name only
-OPTIONAL_BACKENDS = ("humming",)
+# humming JIT-compiles its GEMMs with nvcc on first use (not timed yet): asked for by name only;
+# hyperqwen_layer is our kernel as LINEAR_BACKEND=hyperqwen serves it (engine/w4a16_linear.py:
+# its own launch shapes, through the custom op), against the sweep's best launch of it
+LAYER_BACKEND = "hyperqwen_layer"
+OPTIONAL_BACKENDS = ("humming", LAYER_BACKEND)
 L2_ROTATION_BYTES = 256 * 2**20
 
 
@@ -238,7 +241,12 @@ def vllm_layers(backend: str, w: Weights):
         "triton": "TritonW4A16LinearKernel",
         "humming": "HummingLinearKernel",
     }
-    kernel_cls = getattr(mp, classes[backend])
+    if backend == LAYER_BACKEND:
+        from hyperqwen.engine.w4a16_linear import linear_kernel_class
+
+        kernel_cls = linear_kernel_class()
+    else:
+        kernel_cls = getattr(mp, classes[backend])
     config = mp.MPLinearLayerConfig(
         full_weight_shape=(w.k, w.n),
         partition_weight_shape=(w.k, w.n),
@@ -380,7 +388,7 @@ BF16 = "bf16_torch"  # a head in bf16 through F.linear, as stock vLLM runs the b
 HEAD_CANDIDATES = ("machete", "marlin")
 BASELINE = "machete"
 ROW_CANDIDATES = ("marlin", OURS)
-SUMMARY_CANDIDATES = ("machete", "marlin", "triton", "humming", OURS)
+SUMMARY_CANDIDATES = ("machete", "marlin", "triton", "humming", LAYER_BACKEND, OURS)
 
 
 def best_us(entry: dict, candidate: str) -> float | None:
