@@ -50,3 +50,25 @@ def test_full_shapes_match_float64(name, n, k):
             if out.isnan().any() or not error < 6e-3:
                 failures.append(f"{name} m={m} {config.label()}: rel err {error:.2e}")
     assert not failures, "\n".join(failures)
+
+
+def test_the_layer_path_matches_float64_at_every_m():
+    """The kernel as LINEAR_BACKEND=hyperqwen serves it: vLLM's layer repacked by
+    engine/w4a16_linear.py, its launch shapes (prefill's tiles at 65 and 300 rows), the op."""
+    from hyperqwen.bench.kernels import LAYER_BACKEND, Weights, init_vllm_single_rank, vllm_layers
+
+    init_vllm_single_rank()
+    failures = []
+    for shape in layer_shapes(PRESETS["27b"]):
+        weights = Weights(shape.n, shape.k, copies=1, seed=shape.n + 7)
+        built, reason = vllm_layers(LAYER_BACKEND, weights)
+        assert built, reason
+        kernel, layer = built[0]
+        for m in (1, 4, 16, 64, 65, 300):
+            x = torch.randn((m, shape.k), device="cuda").to(torch.bfloat16)
+            out = kernel.apply_weights(layer, x)
+            ref = x.double() @ weights.dense.double().T
+            error = ((out.double() - ref).norm() / ref.norm()).item()
+            if out.isnan().any() or not error < 6e-3:
+                failures.append(f"{shape.name} m={m}: rel err {error:.2e}")
+    assert not failures, "\n".join(failures)
