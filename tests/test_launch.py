@@ -12,6 +12,7 @@ from hyperqwen.engine import (
     ALIGN_OVERLAP_ENV,
     DRAFT_VOCAB_CHOICES,
     DRAFT_VOCAB_ENV,
+    GDN_BA_ENV,
     GDN_RECURRENT_ENV,
     LOOKUP_ENV,
     W4A16_ENV,
@@ -369,8 +370,11 @@ def test_prefix_cache_overlap_reaches_the_engine_env(mode, values, expected):
 
 
 @pytest.mark.parametrize("mode", ["single", "batch"])
-def test_gdn_recurrent_reaches_the_engine_env_in_both_modes(mode):
-    assert GDN_RECURRENT_ENV not in build_launch(loaded(), mode, None).env  # off by default
-    plan = build_launch(loaded(GDN_RECURRENT="1"), mode, None)
-    assert plan.env[GDN_RECURRENT_ENV] == "1"
-    assert GDN_RECURRENT_ENV not in " ".join(plan.argv)  # an environment variable, not a flag
+@pytest.mark.parametrize(
+    ("knob", "variable"), [("GDN_RECURRENT", GDN_RECURRENT_ENV), ("GDN_BA", GDN_BA_ENV)]
+)
+def test_gdn_kernel_knobs_reach_the_engine_env_in_both_modes(mode, knob, variable):
+    assert variable not in build_launch(loaded(), mode, None).env  # off by default
+    plan = build_launch(loaded(**{knob: "1"}), mode, None)
+    assert plan.env[variable] == "1"
+    assert variable not in " ".join(plan.argv)  # an environment variable, not a flag

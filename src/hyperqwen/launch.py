@@ -16,6 +16,7 @@ from pathlib import Path
 from hyperqwen.engine import (
     ALIGN_OVERLAP_ENV,
     DRAFT_VOCAB_ENV,
+    GDN_BA_ENV,
     GDN_RECURRENT_ENV,
     LOOKUP_ENV,
     W4A16_ENV,
@@ -263,6 +264,8 @@ def build_launch(
         env["VLLM_API_KEY"] = api_key
     if settings.GDN_RECURRENT == "1":
         env[GDN_RECURRENT_ENV] = "1"
+    if settings.GDN_BA == "1":
+        env[GDN_BA_ENV] = "1"
     if linear_backend == OUR_LINEAR_BACKEND:
         env[W4A16_ENV] = "1"
     if mode == "single":

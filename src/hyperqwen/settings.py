@@ -221,6 +221,15 @@ class Settings(BaseModel):
         "default.",
         "env HYPERQWEN_GDN_RECURRENT (patched vLLM)",
     )
+    GDN_BA: Switch = knob(
+        "0",
+        "Compute the Gated DeltaNet layers' b and a projections of decode and verify steps "
+        "(at most 16 tokens) with HyperQwen's skinny kernel (src/hyperqwen/kernels/ba_proj.py), "
+        "written contiguous in one launch, instead of vLLM's bf16 GEMM (4.9 us per layer at a "
+        "4-token verify on the H200), split and two copies; prefill keeps vLLM's. Same results "
+        "to bf16 rounding (CPU tests); not timed yet, so off by default.",
+        "env HYPERQWEN_GDN_BA (patched vLLM)",
+    )
     VISION: Switch = knob(
         "0",
         "Load the vision tower and accept images. 0 serves text only and frees its memory.",

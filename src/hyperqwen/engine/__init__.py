@@ -25,3 +25,7 @@ GDN_RECURRENT_ENV = "HYPERQWEN_GDN_RECURRENT"
 # Set to "1" by the launcher with LINEAR_BACKEND=hyperqwen: vLLM's compressed-tensors W4A16
 # layers try HyperQwen's kernel first (engine/w4a16_linear.py), Marlin where it cannot serve.
 W4A16_ENV = "HYPERQWEN_W4A16"
+
+# Set to "1" by the launcher with GDN_BA=1: the GDN layer's b and a projections come from one op
+# (engine/gdn_ba.py, a skinny kernel at decode and verify) instead of a GEMM, a split and copies.
+GDN_BA_ENV = "HYPERQWEN_GDN_BA"

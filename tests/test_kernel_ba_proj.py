@@ -1,0 +1,105 @@
+"""The GDN layer's b/a projection kernel (kernels/ba_proj.py) and its op (engine/gdn_ba.py,
+GDN_BA=1) against a float64 reference, on the CPU under Triton's interpreter (conftest turns it
+on without a GPU): every row count a decode or verify step has, the 27B's 48 heads and its
+hidden 5120, outputs poisoned first; beyond 16 rows the op is vLLM's own GEMM, split and copies.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hyperqwen.engine import GDN_BA_ENV, gdn_ba
+from hyperqwen.kernels import ba_proj
+
+HIDDEN_27B, HEADS_27B = 5120, 48
+
+
+def interpreted():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU test: this machine has a GPU")
+
+
+def inputs(m: int, heads: int, k: int, seed: int, dtype=torch.bfloat16):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn((m, k), generator=generator).to(dtype)
+    weight = (torch.randn((2 * heads, k), generator=generator) * 0.02).to(dtype)
+    return x, weight, x.double() @ weight.double().T
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize(
+    ("m", "heads", "k"),
+    [(1, HEADS_27B, HIDDEN_27B), (4, HEADS_27B, HIDDEN_27B), (16, HEADS_27B, HIDDEN_27B),
+     (3, 5, 300), (9, 2, 256), (5, 1, 4200)],  # K beyond the last block; one head
+)  # fmt: skip
+def test_b_and_a_match_float64_and_every_element_is_written(m, heads, k):
+    interpreted()
+    x, weight, ref = inputs(m, heads, k, seed=m * 100 + heads)
+    out = tuple(torch.full((m, heads), float("nan"), dtype=x.dtype) for _ in range(2))
+    b, a = ba_proj.ba_projection(x, weight, out=out)
+    assert b is out[0] and a is out[1]
+    assert not (b.isnan().any() or a.isnan().any()), "some outputs were never written"
+    assert relative_error(b, ref[:, :heads]) < 6e-3  # bf16 output rounding
+    assert relative_error(a, ref[:, heads:]) < 6e-3
+
+
+def test_it_reads_strided_rows_and_fp16():
+    interpreted()
+    x, weight, _ = inputs(4, 3, 512, seed=3, dtype=torch.float16)
+    wide = torch.zeros((4, 700), dtype=x.dtype)
+    wide[:, 100:612] = x  # rows 700 apart, as a column slice of a bigger output would be
+    b, a = ba_proj.ba_projection(wide[:, 100:612], weight)
+    ref = x.double() @ weight.double().T
+    assert relative_error(b, ref[:, :3]) < 1e-3 and relative_error(a, ref[:, 3:]) < 1e-3
+
+
+def test_it_refuses_what_it_cannot_take_saying_what_it_takes():
+    x, weight, _ = inputs(4, 3, 256, seed=4)
+    for bad_x, bad_w in [(x.repeat(5, 1), weight), (x, weight[:5]), (x.float(), weight)]:
+        assert not ba_proj.runs_here(bad_x, bad_w)
+        with pytest.raises(ValueError, match="takes 1-16 rows"):
+            ba_proj.ba_projection(bad_x, bad_w)
+    with pytest.raises(ValueError, match="out must be two contiguous"):
+        ba_proj.ba_projection(x, weight, out=(torch.empty(4, 3), torch.empty(4, 3)))
+
+
+@pytest.mark.parametrize("m", [1, 4, 17, 64])
+def test_the_op_is_the_kernel_at_decode_and_vllms_gemm_beyond(m):
+    interpreted()
+    x, weight, ref = inputs(m, 6, 512, seed=m)
+    b, a = torch.ops.hyperqwen.gdn_ba(x, weight)
+    assert b.is_contiguous() and a.is_contiguous() and b.shape == a.shape == (m, 6)
+    if m > ba_proj.MAX_ROWS:  # vLLM's way, exactly
+        vllms_b, vllms_a = torch.nn.functional.linear(x, weight).chunk(2, dim=-1)
+        assert torch.equal(b, vllms_b) and torch.equal(a, vllms_a)
+    assert relative_error(b, ref[:, :6]) < 6e-3 and relative_error(a, ref[:, 6:]) < 6e-3
+
+
+def test_the_op_is_opaque_to_torch_compile_and_its_fake_agrees():
+    interpreted()
+    x, weight, _ = inputs(3, 4, 256, seed=9)
+    torch.library.opcheck(torch.ops.hyperqwen.gdn_ba, (x, weight))
+
+
+def test_it_takes_a_plain_bf16_layer_only_when_asked(monkeypatch):
+    """`takes` on a bf16 projection with vLLM's UnquantizedLinearMethod as in_proj_ba."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    projection = torch.nn.Linear(256, 12, bias=False, dtype=torch.bfloat16)
+    projection.quant_method = UnquantizedLinearMethod()
+    layer = SimpleNamespace(gqa_interleaved_layout=False, tp_size=1, in_proj_ba=projection)
+    monkeypatch.delenv(GDN_BA_ENV, raising=False)
+    assert not gdn_ba.takes(layer)
+    monkeypatch.setenv(GDN_BA_ENV, "1")
+    assert gdn_ba.takes(layer)
+    for other in [{"gqa_interleaved_layout": True}, {"tp_size": 2}, {"in_proj_qkv": object()}]:
+        assert not gdn_ba.takes(SimpleNamespace(**{**vars(layer), **other}))
+    projection.quant_method = object()  # a quantized in_proj_ba keeps vLLM's path
+    assert not gdn_ba.takes(layer)
