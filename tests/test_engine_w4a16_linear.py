@@ -25,28 +25,17 @@ def one_rank():
     tensor-parallel rank."""
     import vllm.platforms as platforms
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
     from vllm.platforms.cpu import CpuPlatform
 
-    from hyperqwen.bench.ab import free_port
+    from hyperqwen.bench.kernels import start_one_rank
 
     before = platforms._current_platform
     platforms._current_platform = CpuPlatform()
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-            backend="gloo",
-        )
-        initialize_model_parallel(1, 1)
+        start_one_rank()
     yield
+    from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
     destroy_model_parallel()
     destroy_distributed_environment()
     platforms._current_platform = before

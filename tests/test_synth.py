@@ -19,7 +19,6 @@ import torch
 from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
     CompressedTensorsDequantizer,
 )
-from local_server import free_port
 from transformers import AutoConfig, AutoTokenizer
 
 from hyperqwen.checkpoint import layout, shards, w4a16
@@ -246,22 +245,12 @@ def vllm_cpu(tiny):
         library = torch.library.Library("_C", "FRAGMENT")
         library.define("silu_and_mul(Tensor! result, Tensor input) -> ()")
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
+    from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+    from hyperqwen.bench.kernels import start_one_rank
 
     with set_current_vllm_config(engine_config(tiny)):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-            backend="gloo",
-        )
-        initialize_model_parallel(1, 1)
+        start_one_rank()
     yield
     destroy_model_parallel()
     destroy_distributed_environment()

@@ -203,28 +203,35 @@ class Weights:
         )
 
 
-def init_vllm_single_rank() -> None:
-    """A one-rank vLLM world and config for the rest of the process: vLLM's weight parameters
-    ask for the TP rank."""
-    from vllm.config import VllmConfig, set_current_vllm_config
+def start_one_rank() -> None:
+    """vLLM's distributed state for this process alone (world and tensor-parallel size 1, gloo
+    on a free local port), under the vLLM config current now: vLLM's weight parameters ask for
+    their tensor-parallel rank. destroy_model_parallel and destroy_distributed_environment end
+    it."""
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     from hyperqwen.bench.ab import free_port
 
-    port = free_port()
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+        backend="gloo",
+    )
+    initialize_model_parallel(1, 1)
+
+
+def init_vllm_single_rank() -> None:
+    """A one-rank vLLM world and config for the rest of the process (start_one_rank)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
     # Kept referenced: a dropped context generator is closed by the collector, which
     # unsets the config again.
     global _VLLM_CONFIG_CONTEXT
     _VLLM_CONFIG_CONTEXT = set_current_vllm_config(VllmConfig())
     _VLLM_CONFIG_CONTEXT.__enter__()  # never left: the process ends first
-    init_distributed_environment(
-        world_size=1,
-        rank=0,
-        local_rank=0,
-        distributed_init_method=f"tcp://127.0.0.1:{port}",
-        backend="gloo",
-    )
-    initialize_model_parallel(1, 1)
+    start_one_rank()
 
 
 def vllm_layers(backend: str, w: Weights):
