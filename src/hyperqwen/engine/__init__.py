@@ -29,3 +29,24 @@ W4A16_ENV = "HYPERQWEN_W4A16"
 # Set to "1" by the launcher with GDN_BA=1: the GDN layer's b and a projections come from one op
 # (engine/gdn_ba.py, a skinny kernel at decode and verify) instead of a GEMM, a split and copies.
 GDN_BA_ENV = "HYPERQWEN_GDN_BA"
+
+# Every switch above, as vLLM's torch.compile cache key must see them
+# (patches/compile-cache-key.patch): some change what the compiled graph holds (W4A16, GDN_BA
+# decide at layer construction which ops it calls), and a graph cached with a switch off must
+# not be loaded with it on.
+ENGINE_SWITCHES = (
+    DRAFT_VOCAB_ENV,
+    LOOKUP_ENV,
+    ALIGN_OVERLAP_ENV,
+    GDN_RECURRENT_ENV,
+    W4A16_ENV,
+    GDN_BA_ENV,
+)
+
+
+def compile_factors(environ=None) -> dict[str, str | None]:
+    """The engine switches' values, for vLLM's compile cache key (unset is None)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    return {name: environ.get(name) for name in ENGINE_SWITCHES}
