@@ -223,8 +223,13 @@ def start_one_rank() -> None:
 
 
 def init_vllm_single_rank() -> None:
-    """A one-rank vLLM world and config for the rest of the process (start_one_rank)."""
+    """A one-rank vLLM world and config for the rest of the process (start_one_rank); a
+    second call (another GPU test in the same process) finds it made."""
     from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    if model_parallel_is_initialized():
+        return
 
     # Kept referenced: a dropped context generator is closed by the collector, which
     # unsets the config again.
