@@ -136,3 +136,31 @@ def test_a_server_that_is_not_there_is_a_usage_error(tmp_path, capsys) -> None:
     ]
     assert run_in_process(*argv) == 2
     assert "http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_gpu_memory_is_the_servers_processes_where_nvidia_smi_lists_them(tmp_path, monkeypatch):
+    """Summed over the server's process tree (an engine core runs under the API process), so
+    two servers can soak side by side; the whole GPU where nvidia-smi lists none of them."""
+    import subprocess
+
+    from hyperqwen.bench.soak import gpu_memory
+
+    engine = subprocess.Popen(["sleep", "60"])  # under this process, as an engine core is
+    stranger = subprocess.Popen(["sleep", "60"])  # not listed: another PID namespace's view
+    try:
+        smi = tmp_path / "nvidia-smi"
+        smi.write_text(
+            '#!/bin/sh\ncase "$1" in\n'
+            f"  --query-compute-apps=*) echo '{os.getpid()}, 500'; echo '{engine.pid}, 1500';"
+            " echo '4000000, 7000';;\n"
+            "  --query-gpu=*) echo '9000';;\nesac\n"
+        )
+        smi.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+        assert gpu_memory(os.getpid()) == {"gpu_used_mib": 2000.0, "gpu_scope": "server processes"}
+        assert gpu_memory(stranger.pid) == {"gpu_used_mib": 9000.0, "gpu_scope": "whole GPU"}
+        monkeypatch.setenv("PATH", str(tmp_path / "no-nvidia-smi"))
+        assert gpu_memory(os.getpid()) == {"gpu_used_mib": None, "gpu_scope": None}
+    finally:
+        engine.kill()
+        stranger.kill()

@@ -14,8 +14,9 @@ arrives at once. Every request ends in one outcome:
                 answer, a hang past --timeout, a refused connection. Must be 0.
 
 A valid request that gets a 4xx, or a malformed one that gets an answer, also counts as
-`unexpected` (must be 0). The API process's RSS (--api-pid) and the GPU's used memory
-(nvidia-smi) are sampled after --warmup-s and at the end.
+`unexpected` (must be 0). The API process's RSS (--api-pid) and the GPU memory of its process
+tree (nvidia-smi; the whole GPU's where nvidia-smi does not list those processes, as the report's
+gpu_scope says) are sampled after --warmup-s and at the end.
 """
 
 from __future__ import annotations
@@ -200,19 +201,55 @@ def rss_mib(pid: int | None) -> float | None:
     return None
 
 
-def gpu_used_mib() -> float | None:
-    """Used memory of the first GPU from nvidia-smi, or None where there is none."""
+def process_tree(pid: int) -> set[int]:
+    """pid and every process below it (the API server's engine core and workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # the parent is the 2nd field after the command, which is in parentheses
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = set(), [pid]
+    while todo:
+        current = todo.pop()
+        tree.add(current)
+        todo.extend(children.get(current, []))
+    return tree
+
+
+def _nvidia_smi(query: str) -> list[list[str]]:
+    """Rows of `nvidia-smi --query-...=... --format=csv,noheader,nounits`; [] without one."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-        return float(out.split()[0])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
+            ["nvidia-smi", query, "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line]
+
+
+def gpu_memory(api_pid: int | None) -> dict:
+    """GPU memory the server holds: summed over its processes where nvidia-smi lists them
+    (so two servers can soak side by side on one GPU), else the first GPU's whole use (a
+    container's own PIDs need not be the ones nvidia-smi shows); None without nvidia-smi."""
+    tree = process_tree(api_pid) if api_pid is not None else set()
+    used = [
+        float(row[1])
+        for row in _nvidia_smi("--query-compute-apps=pid,used_memory")
+        if len(row) == 2 and row[0].isdigit() and int(row[0]) in tree
+    ]
+    if used:
+        return {"gpu_used_mib": sum(used), "gpu_scope": "server processes"}
+    whole = _nvidia_smi("--query-gpu=memory.used")
+    try:
+        return {"gpu_used_mib": float(whole[0][0]), "gpu_scope": "whole GPU"}
+    except (IndexError, ValueError):
+        return {"gpu_used_mib": None, "gpu_scope": None}
 
 
 class Tally:
@@ -283,14 +320,14 @@ def soak(
     for thread in threads:
         thread.start()
     time.sleep(min(warmup_s, duration_s))
-    memory_start = {"api_rss_mib": rss_mib(api_pid), "gpu_used_mib": gpu_used_mib()}
+    memory_start = {"api_rss_mib": rss_mib(api_pid), **gpu_memory(api_pid)}
     next_progress = time.monotonic() + PROGRESS_EVERY_S
     while any(thread.is_alive() for thread in threads):
         time.sleep(0.5)
         if time.monotonic() >= next_progress:
             print(f"  {time.monotonic() - start:.0f} s: {tally.line()}", flush=True)
             next_progress += PROGRESS_EVERY_S
-    memory_end = {"api_rss_mib": rss_mib(api_pid), "gpu_used_mib": gpu_used_mib()}
+    memory_end = {"api_rss_mib": rss_mib(api_pid), **gpu_memory(api_pid)}
     return {
         "duration_s": round(time.monotonic() - start, 1),
         "concurrency": concurrency,
