@@ -34,7 +34,10 @@ GPU_GROWTH_MIB = 512  # vLLM allocates its pools at start; later growth is a lea
 
 @pytest.mark.parametrize(("mode", "port"), [("single", 18051), ("batch", 18052)])
 def test_soak_loses_nothing_and_memory_stays_flat(tiny_models_dir, tmp_path, mode, port):
-    env = serve_env(tiny_models_dir, PORT=str(port), VLLM_API_KEY=KEY, MAX_SEQS=str(SLOTS[mode]))
+    side = {"GPU_UTIL": "0.4"} if SIDE_BY_SIDE else {}  # two servers' shares of one GPU
+    env = serve_env(
+        tiny_models_dir, PORT=str(port), VLLM_API_KEY=KEY, MAX_SEQS=str(SLOTS[mode]), **side
+    )
     log = log_dir(tmp_path) / f"soak-{mode}-server.log"
     with hyperqwen_server(mode, env, log, started_server) as process:
         base = f"http://127.0.0.1:{port}"
