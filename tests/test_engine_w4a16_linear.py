@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from hyperqwen.bench.kernels import PRESETS, layer_shapes
+from hyperqwen.bench.kernels import PRESETS, layer_shapes, vllm_w4a16_layer, w4a16_layer_config
 from hyperqwen.checkpoint import w4a16 as checkpoint_format
 from hyperqwen.engine import W4A16_ENV, w4a16_linear
 from hyperqwen.kernels import w4a16
@@ -46,41 +46,11 @@ def interpreted():
         pytest.skip("CPU test: this machine has a GPU")
 
 
-def layer_config(n: int, k: int, **changes):
-    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
-        MPLinearLayerConfig,
-    )
-    from vllm.scalar_type import scalar_types
-
-    fields = dict(
-        full_weight_shape=(k, n), partition_weight_shape=(k, n),
-        weight_type=scalar_types.uint4b8, act_type=torch.bfloat16, group_size=GROUP,
-        zero_points=False, has_g_idx=False,
-    )  # fmt: skip
-    return MPLinearLayerConfig(**{**fields, **changes})
-
-
-def loaded_layer(weight: torch.Tensor) -> torch.nn.Module:
-    """A module holding a compressed-tensors W4A16 checkpoint's tensors in the parameter
-    classes vLLM's CompressedTensorsWNA16.create_weights registers."""
-    from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
-
+def loaded_layer(weight: torch.Tensor):
+    """A vLLM W4A16 layer holding a compressed-tensors checkpoint's tensors of `weight`, and
+    the float64 weights they stand for."""
     stored = checkpoint_format.pack(weight.to(torch.bfloat16))
-    layer = torch.nn.Module()
-    load = lambda *args, **kwargs: None  # noqa: E731 (vLLM's weight_loader, unused here)
-    layer.register_parameter(
-        "weight_packed",
-        PackedvLLMParameter(
-            data=stored["weight_packed"], input_dim=1, output_dim=0, packed_dim=1,
-            packed_factor=8, weight_loader=load,
-        ),
-    )  # fmt: skip
-    layer.register_parameter(
-        "weight_scale",
-        GroupQuantScaleParameter(
-            data=stored["weight_scale"], input_dim=1, output_dim=0, weight_loader=load
-        ),
-    )
+    layer = vllm_w4a16_layer(stored["weight_packed"], stored["weight_scale"])
     return layer, checkpoint_format.unpack(stored).double()
 
 
@@ -90,7 +60,9 @@ def test_a_vllm_layer_answers_every_m_from_its_one_copy_of_tiles(one_rank):
     weight = torch.randn((n, k), generator=torch.Generator().manual_seed(21)) * 0.05
     layer, dense = loaded_layer(weight)
     words_bytes = layer.weight_packed.numel() * 4
-    kernel = w4a16_linear.linear_kernel_class()(layer_config(n, k), "weight_packed", "weight_scale")
+    kernel = w4a16_linear.linear_kernel_class()(
+        w4a16_layer_config(n, k), "weight_packed", "weight_scale"
+    )
     kernel.process_weights_after_loading(layer)
     assert layer.weight_packed.shape == (n // 16, k // GROUP, 16, 16)
     assert layer.weight_packed.numel() * 4 == words_bytes  # moved, not copied beside
@@ -140,14 +112,14 @@ def test_repacking_in_slices_is_repacking_whole(monkeypatch):
     ],
 )
 def test_it_refuses_what_it_cannot_serve_and_says_what(changes, named):
-    can, reason = w4a16_linear.linear_kernel_class().can_implement(layer_config(48, 512, **changes))
+    can, reason = w4a16_linear.linear_kernel_class().can_implement(
+        w4a16_layer_config(48, 512, **changes)
+    )
     assert not can and named in reason
 
 
 def test_the_int8_heads_go_to_the_next_kernel():
-    from vllm.scalar_type import scalar_types
-
-    config = layer_config(48, 512, weight_type=scalar_types.uint8b128)
+    config = w4a16_layer_config(48, 512, bits=8)
     can, reason = w4a16_linear.linear_kernel_class().can_implement(config)
     assert not can and "takes uint4b8" in reason
 

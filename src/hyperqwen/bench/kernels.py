@@ -239,12 +239,45 @@ def init_vllm_single_rank() -> None:
     start_one_rank()
 
 
+def w4a16_layer_config(n: int, k: int, bits: int = 4, **changes):
+    """vLLM's MPLinearLayerConfig of an unsharded compressed-tensors layer [N, K] (int4 or the
+    int8 heads, symmetric groups of GROUP_SIZE, bf16 activations), with `changes` applied."""
+    import torch
+    from vllm.model_executor.kernels.linear.mixed_precision import MPLinearLayerConfig
+    from vllm.scalar_type import scalar_types
+
+    fields = dict(
+        full_weight_shape=(k, n), partition_weight_shape=(k, n),
+        weight_type=scalar_types.uint4b8 if bits == 4 else scalar_types.uint8b128,
+        act_type=torch.bfloat16, group_size=GROUP_SIZE, zero_points=False, has_g_idx=False,
+    )  # fmt: skip
+    return MPLinearLayerConfig(**{**fields, **changes})
+
+
+def vllm_w4a16_layer(packed, scale, bits: int = 4):
+    """A module holding a checkpoint's packed words [N, K * bits / 32] and scales [N, K / G] in
+    the parameter classes vLLM's CompressedTensorsWNA16.create_weights registers."""
+    import torch
+    from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
+
+    layer = torch.nn.Module()
+    layer.register_parameter(
+        "weight_packed",
+        PackedvLLMParameter(
+            data=packed, input_dim=1, output_dim=0, packed_dim=1, packed_factor=32 // bits,
+            weight_loader=None,
+        ),
+    )  # fmt: skip
+    layer.register_parameter(
+        "weight_scale",
+        GroupQuantScaleParameter(data=scale, input_dim=1, output_dim=0, weight_loader=None),
+    )
+    return layer
+
+
 def vllm_layers(backend: str, w: Weights):
     """One vLLM layer per weight copy, processed by `backend`'s MPLinearKernel; or a reason."""
-    import torch
     from vllm.model_executor.kernels.linear import mixed_precision as mp
-    from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
-    from vllm.scalar_type import scalar_types
 
     classes = {
         "machete": "MacheteLinearKernel",
@@ -259,38 +292,13 @@ def vllm_layers(backend: str, w: Weights):
         kernel_cls = linear_kernel_class()
     else:
         kernel_cls = getattr(mp, classes[backend])
-    config = mp.MPLinearLayerConfig(
-        full_weight_shape=(w.k, w.n),
-        partition_weight_shape=(w.k, w.n),
-        weight_type=scalar_types.uint4b8 if w.bits == 4 else scalar_types.uint8b128,
-        act_type=torch.bfloat16,
-        group_size=GROUP_SIZE,
-        zero_points=False,
-        has_g_idx=False,
-    )
+    config = w4a16_layer_config(w.n, w.k, w.bits)
     ok, reason = kernel_cls.can_implement(config)
     if not ok:
         return None, reason
     built = []
     for packed, scale in zip(w.packed, w.scales, strict=True):
-        layer = torch.nn.Module()
-        layer.register_parameter(
-            "weight_packed",
-            PackedvLLMParameter(
-                data=packed.clone(),
-                input_dim=1,
-                output_dim=0,
-                packed_dim=1,
-                packed_factor=32 // w.bits,
-                weight_loader=None,
-            ),
-        )
-        layer.register_parameter(
-            "weight_scale",
-            GroupQuantScaleParameter(
-                data=scale.clone(), input_dim=1, output_dim=0, weight_loader=None
-            ),
-        )
+        layer = vllm_w4a16_layer(packed.clone(), scale.clone(), w.bits)
         kernel = kernel_cls(
             config,
             w_q_param_name="weight_packed",

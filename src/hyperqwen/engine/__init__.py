@@ -44,9 +44,8 @@ ENGINE_SWITCHES = (
 )
 
 
-def compile_factors(environ=None) -> dict[str, str | None]:
+def compile_factors() -> dict[str, str | None]:
     """The engine switches' values, for vLLM's compile cache key (unset is None)."""
     import os
 
-    environ = os.environ if environ is None else environ
-    return {name: environ.get(name) for name in ENGINE_SWITCHES}
+    return {name: os.environ.get(name) for name in ENGINE_SWITCHES}

@@ -43,11 +43,12 @@ def tile_for(m: int, n: int, k: int, capability: int = 90) -> w4a16.TileConfig:
     128 x 128 tiles with 64 rows of x (128 from 256 rows on sm90, whose shared memory holds
     them; an sm86/89 program gets 99 KB)."""
     if m <= SMALL_M:
-        tiles = -(-n // 64)
+        block_n, block_k = 64, 256
+        tiles = -(-n // block_n)
         split = 1
-        while split < 8 and tiles * split < SMALL_M_PROGRAMS and k // (2 * split) >= 256:
+        while split < 8 and tiles * split < SMALL_M_PROGRAMS and k // (2 * split) >= block_k:
             split *= 2
-        return w4a16.TileConfig(64, 256, split, num_warps=4)
+        return w4a16.TileConfig(block_n, block_k, split, num_warps=4)
     block_m = 128 if m >= 256 and capability >= 90 else 64
     return w4a16.TileConfig(128, 128, 1, num_warps=8, num_stages=4, block_m=block_m)
 

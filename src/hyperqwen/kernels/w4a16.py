@@ -56,6 +56,16 @@ LARGEST_BLOCK_M = 256
 PAIR_GROUP = 128  # the pair-plane layout's group: 16 words, 4 pair planes of K = 32
 TILE_ROWS = 16  # the tiled order's slab: 16 rows of one group are 1 KB in a run
 _SLAB = tl.constexpr(TILE_ROWS)  # the same, as the kernel reads a global
+# bit patterns of the floats whose mantissas take a 4-bit code exactly (_magic)
+_BF16_MAGIC, _FP16_MAGIC = tl.constexpr(0x4300), tl.constexpr(0x6400)
+
+
+def _lop3_into_magic(bits: int) -> tl.constexpr:
+    """PTX for (word & 0x000F000F) | the magic's bits in both halves, in one LOP3."""
+    return tl.constexpr(f"lop3.b32 $0, $1, 0x000F000F, {bits | bits << 16:#010x}, 0xEA;")
+
+
+_LOP3_BF16, _LOP3_FP16 = _lop3_into_magic(_BF16_MAGIC.value), _lop3_into_magic(_FP16_MAGIC.value)
 
 
 @dataclass(frozen=True)
@@ -87,9 +97,9 @@ def _magic(x_ptr):
     """(bit pattern, value) of the float whose mantissa takes a 4-bit code exactly, in x's dtype:
     bf16 0x4300 = 128.0, fp16 0x6400 = 1024.0."""
     if x_ptr.dtype.element_ty == tl.bfloat16:
-        return 0x4300, 128.0
+        return _BF16_MAGIC, 128.0
     else:
-        return 0x6400, 1024.0
+        return _FP16_MAGIC, 1024.0
 
 
 @triton.jit
@@ -118,14 +128,12 @@ def _mask_into_magic(shifted, x_ptr):
     loop step at 64 rows / 4 warps, 371 with this)."""
     if x_ptr.dtype.element_ty == tl.bfloat16:
         return tl.inline_asm_elementwise(
-            "lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;", "=r,r", [shifted],
-            dtype=tl.int32, is_pure=True, pack=1,
-        )  # fmt: skip
+            _LOP3_BF16, "=r,r", [shifted], dtype=tl.int32, is_pure=True, pack=1
+        )
     else:
         return tl.inline_asm_elementwise(
-            "lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;", "=r,r", [shifted],
-            dtype=tl.int32, is_pure=True, pack=1,
-        )  # fmt: skip
+            _LOP3_FP16, "=r,r", [shifted], dtype=tl.int32, is_pure=True, pack=1
+        )
 
 
 @triton.jit
