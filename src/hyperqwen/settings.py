@@ -195,7 +195,8 @@ class Settings(BaseModel):
         "Hopper, Marlin on Ampere/Ada/Blackwell); marlin; machete (Hopper only); hyperqwen: "
         "HyperQwen's Triton W4A16 kernel for the int4 body at every M, Marlin for the rest "
         "(src/hyperqwen/engine/w4a16_linear.py; level with Marlin at M = 1 and 7 % slower at "
-        "M = 4 in kernel timings on the H200, not measured in a server yet). Default: single "
+        "M = 4 in kernel timings on the H200, docs/results/2026-12-01-h200-27b-w4a16-kernels-"
+        "tiles.json; not measured in a server yet). Default: single "
         "marlin (faster at 1-16 tokens per step: 1.14x stock vLLM's MTP at C1 on the H200, "
         "against 1.01x with Machete), batch auto (Machete wins at 64).",
         "--linear-backend (hyperqwen: marlin, and env HYPERQWEN_W4A16 for the patched vLLM)",
@@ -225,8 +226,9 @@ class Settings(BaseModel):
         "0",
         "Compute the Gated DeltaNet layers' b and a projections of decode and verify steps "
         "(at most 16 tokens) with HyperQwen's skinny kernel (src/hyperqwen/kernels/ba_proj.py), "
-        "written contiguous in one launch, instead of vLLM's bf16 GEMM (4.9 us per layer at a "
-        "4-token verify on the H200), split and two copies; prefill keeps vLLM's. Same results "
+        "written contiguous in one launch, instead of vLLM's bf16 GEMM (4.9 us per layer in "
+        "the H200 profile of docs/results/2026-12-01-h200-27b-single-overlap.json), split and "
+        "two copies; prefill keeps vLLM's. Same results "
         "to bf16 rounding (CPU tests); not timed yet, so off by default.",
         "env HYPERQWEN_GDN_BA (patched vLLM)",
     )

@@ -1,9 +1,11 @@
 """A Gated DeltaNet layer's b and a projections for the few rows of a decode or verify step.
 
 vLLM 0.26's Qwen3.5 GDN layer runs `in_proj_ba` (bf16, [2H, hidden]: b's H rows, then a's) as
-one GEMM, splits its [T, 2H] output and copies b and a out contiguous. On the H200 the GEMM
-alone took 4.9 us per layer at a 4-token verify (48 launches, 0.24 ms of a 27B MTP step, for
-1 MB of weights each; docs/results/2026-12-01-h200-27b-single-vs-stock-mtp-profiled.json).
+one GEMM, splits its [T, 2H] output and copies b and a out contiguous. In the shipped single
+profile's step on the H200 the one dense GEMM launched once per GDN layer (cuBLAS's
+nvjet_sm90_tst_64x8_64x16 split-K kernel, 48 launches per step, 1 MB of weights each) took
+4.9 us a launch, 0.24 ms of a 27B MTP step (docs/results/2026-12-01-h200-27b-single-overlap.json,
+patched side's profile).
 Here one program per weight row streams that row against the step's few rows of x and writes
 its column of b or a, both contiguous, in one launch.
 """
