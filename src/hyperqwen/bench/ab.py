@@ -623,8 +623,10 @@ class GpuTurns:
                     time.sleep(HEALTH_POLL_S)
                 yield time.monotonic() - start
             finally:
+                # stamped before the unlock: the next run's "measuring from" is then never earlier
+                given_up = _now()
                 fcntl.flock(handle, fcntl.LOCK_UN)
-                print(f"   gave up the turn at {_now()}", flush=True)
+                print(f"   gave up the turn at {given_up}", flush=True)
 
 
 def _now() -> str:
