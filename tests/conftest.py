@@ -28,6 +28,14 @@ def wheel_cache_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def interpreted() -> None:
+    """For CPU kernel tests: skips them where Triton compiles for a GPU instead (this file turns
+    the interpreter on only without one; the *_gpu.py tests run there)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU test: this machine has a GPU (the *_gpu.py tests run there)")
+
+
+@pytest.fixture(scope="session")
 def vllm_wheel() -> Path:
     """The pinned vLLM wheel, downloaded once (no dependencies) and reused from the cache."""
     cache = wheel_cache_dir()

@@ -6,12 +6,16 @@ limits. The kernel runs under Triton's interpreter here (conftest turns it on wi
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from hyperqwen.bench.kernels import PRESETS, layer_shapes, vllm_w4a16_layer, w4a16_layer_config
+from hyperqwen.bench.kernels import (
+    PRESETS,
+    layer_shapes,
+    relative_error,
+    vllm_w4a16_layer,
+    w4a16_layer_config,
+)
 from hyperqwen.checkpoint import w4a16 as checkpoint_format
 from hyperqwen.engine import W4A16_ENV, w4a16_linear
 from hyperqwen.kernels import w4a16
@@ -41,11 +45,6 @@ def one_rank():
     platforms._current_platform = before
 
 
-def interpreted():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU test: this machine has a GPU")
-
-
 def loaded_layer(weight: torch.Tensor):
     """A vLLM W4A16 layer holding a compressed-tensors checkpoint's tensors of `weight`, and
     the float64 weights they stand for."""
@@ -54,8 +53,8 @@ def loaded_layer(weight: torch.Tensor):
     return layer, checkpoint_format.unpack(stored).double()
 
 
+@pytest.mark.usefixtures("interpreted")
 def test_a_vllm_layer_answers_every_m_from_its_one_copy_of_tiles(one_rank):
-    interpreted()
     n, k = 48, 512
     weight = torch.randn((n, k), generator=torch.Generator().manual_seed(21)) * 0.05
     layer, dense = loaded_layer(weight)
@@ -75,19 +74,19 @@ def test_a_vllm_layer_answers_every_m_from_its_one_copy_of_tiles(one_rank):
         out = kernel.apply_weights(layer, x, bias)
         assert out.shape == (*shape[:-1], n) and out.dtype == torch.bfloat16
         ref = x.double() @ dense.T + bias.double()
-        error = ((out.double() - ref).norm() / ref.norm()).item()
+        error = relative_error(out, ref)
         assert error < 6e-3, (shape, error)
 
 
+@pytest.mark.usefixtures("interpreted")
 def test_the_op_is_opaque_to_torch_compile_and_its_fake_agrees():
     """torch.library.opcheck runs the op eagerly and under fake tensors (what torch.compile
     traces), comparing shapes, dtypes and schema."""
-    interpreted()
     codes = torch.randint(0, 16, (32, 256), generator=torch.Generator().manual_seed(5))
     scale = (torch.rand((32, 2), generator=torch.Generator().manual_seed(6)) * 0.02 + 0.001).to(
         torch.bfloat16
     )
-    words, scales = w4a16.tile_rows(w4a16.repack_pairs(w4a16.pack_codes(codes)), scale)
+    words, scales = w4a16.tiles_from_checkpoint(w4a16.pack_codes(codes), scale)
     x = torch.randn((3, 256), generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     torch.library.opcheck(torch.ops.hyperqwen.w4a16_linear, (x, words, scales))
 
@@ -98,7 +97,7 @@ def test_repacking_in_slices_is_repacking_whole(monkeypatch):
     scale = torch.rand((80, 2), generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     monkeypatch.setattr(w4a16_linear, "REPACK_ROWS", 32)  # 80 rows: slices of 32, 32 and 16
     sliced = w4a16_linear.repack(packed, scale)
-    whole = w4a16.tile_rows(w4a16.repack_pairs(packed), scale)
+    whole = w4a16.tiles_from_checkpoint(packed, scale)
     assert all(torch.equal(a, b) for a, b in zip(sliced, whole, strict=True))
 
 

@@ -6,21 +6,16 @@ hidden 5120, outputs poisoned first; beyond 16 rows the op is vLLM's own GEMM, s
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from hyperqwen.bench.kernels import relative_error
 from hyperqwen.engine import GDN_BA_ENV, gdn_ba
 from hyperqwen.kernels import ba_proj
 
 HIDDEN_27B, HEADS_27B = 5120, 48
-
-
-def interpreted():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU test: this machine has a GPU")
 
 
 def inputs(m: int, heads: int, k: int, seed: int, dtype=torch.bfloat16):
@@ -30,17 +25,13 @@ def inputs(m: int, heads: int, k: int, seed: int, dtype=torch.bfloat16):
     return x, weight, x.double() @ weight.double().T
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
+@pytest.mark.usefixtures("interpreted")
 @pytest.mark.parametrize(
     ("m", "heads", "k"),
     [(1, HEADS_27B, HIDDEN_27B), (4, HEADS_27B, HIDDEN_27B), (16, HEADS_27B, HIDDEN_27B),
      (3, 5, 300), (9, 2, 256), (5, 1, 4200)],  # K beyond the last block; one head
 )  # fmt: skip
 def test_b_and_a_match_float64_and_every_element_is_written(m, heads, k):
-    interpreted()
     x, weight, ref = inputs(m, heads, k, seed=m * 100 + heads)
     out = tuple(torch.full((m, heads), float("nan"), dtype=x.dtype) for _ in range(2))
     b, a = ba_proj.ba_projection(x, weight, out=out)
@@ -50,8 +41,8 @@ def test_b_and_a_match_float64_and_every_element_is_written(m, heads, k):
     assert relative_error(a, ref[:, heads:]) < 6e-3
 
 
+@pytest.mark.usefixtures("interpreted")
 def test_it_reads_strided_rows_and_fp16():
-    interpreted()
     x, weight, _ = inputs(4, 3, 512, seed=3, dtype=torch.float16)
     wide = torch.zeros((4, 700), dtype=x.dtype)
     wide[:, 100:612] = x  # rows 700 apart, as a column slice of a bigger output would be
@@ -60,6 +51,7 @@ def test_it_reads_strided_rows_and_fp16():
     assert relative_error(b, ref[:, :3]) < 1e-3 and relative_error(a, ref[:, 3:]) < 1e-3
 
 
+@pytest.mark.usefixtures("interpreted")  # CPU tensors pass runs_here only interpreted
 def test_it_refuses_what_it_cannot_take_saying_what_it_takes():
     x, weight, _ = inputs(4, 3, 256, seed=4)
     for bad_x, bad_w in [(x.repeat(5, 1), weight), (x, weight[:5]), (x.float(), weight)]:
@@ -70,9 +62,9 @@ def test_it_refuses_what_it_cannot_take_saying_what_it_takes():
         ba_proj.ba_projection(x, weight, out=(torch.empty(4, 3), torch.empty(4, 3)))
 
 
+@pytest.mark.usefixtures("interpreted")
 @pytest.mark.parametrize("m", [1, 4, 17, 64])
 def test_the_op_is_the_kernel_at_decode_and_vllms_gemm_beyond(m):
-    interpreted()
     x, weight, ref = inputs(m, 6, 512, seed=m)
     b, a = torch.ops.hyperqwen.gdn_ba(x, weight)
     assert b.is_contiguous() and a.is_contiguous() and b.shape == a.shape == (m, 6)
@@ -82,8 +74,8 @@ def test_the_op_is_the_kernel_at_decode_and_vllms_gemm_beyond(m):
     assert relative_error(b, ref[:, :6]) < 6e-3 and relative_error(a, ref[:, 6:]) < 6e-3
 
 
+@pytest.mark.usefixtures("interpreted")
 def test_the_op_is_opaque_to_torch_compile_and_its_fake_agrees():
-    interpreted()
     x, weight, _ = inputs(3, 4, 256, seed=9)
     torch.library.opcheck(torch.ops.hyperqwen.gdn_ba, (x, weight))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from hyperqwen.bench.kernels import layer_shapes, sweep_configs
+from hyperqwen.bench.kernels import layer_shapes, relative_error, sweep_configs
 from hyperqwen.checkpoint.geometry import PRESETS
 
 pytestmark = pytest.mark.gpu
@@ -27,15 +27,14 @@ SHAPES = [(s.name, s.n, s.k) for s in layer_shapes(G27)] + [
 
 @pytest.mark.parametrize(("name", "n", "k"), SHAPES, ids=[s[0] for s in SHAPES])
 def test_full_shapes_match_float64(name, n, k):
-    from hyperqwen.kernels.w4a16 import pack_codes, repack_pairs, tile_rows, w4a16_matmul
+    from hyperqwen.kernels.w4a16 import pack_codes, tiles_from_checkpoint, w4a16_matmul
 
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     codes = torch.randint(0, 16, (n, k), device="cuda", generator=gen)
     scale = (torch.rand((n, k // GROUP), device="cuda", generator=gen) * 0.02 + 0.001).to(
         torch.bfloat16
     )
-    pairs = repack_pairs(pack_codes(codes))
-    words, scales = tile_rows(pairs, scale)
+    words, scales = tiles_from_checkpoint(pack_codes(codes), scale)
     dense = (codes.double() - 8) * scale.double().repeat_interleave(GROUP, dim=1)
     del codes
     failures = []
@@ -46,7 +45,7 @@ def test_full_shapes_match_float64(name, n, k):
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             w4a16_matmul(x, words, scales, GROUP, config, out=out)
             torch.cuda.synchronize()
-            error = ((out.double() - ref).norm() / ref.norm()).item()
+            error = relative_error(out, ref)
             if out.isnan().any() or not error < 6e-3:
                 failures.append(f"{name} m={m} {config.label()}: rel err {error:.2e}")
     assert not failures, "\n".join(failures)
@@ -68,7 +67,7 @@ def test_the_layer_path_matches_float64_at_every_m():
             x = torch.randn((m, shape.k), device="cuda").to(torch.bfloat16)
             out = kernel.apply_weights(layer, x)
             ref = x.double() @ weights.dense.double().T
-            error = ((out.double() - ref).norm() / ref.norm()).item()
+            error = relative_error(out, ref)
             if out.isnan().any() or not error < 6e-3:
                 failures.append(f"{shape.name} m={m}: rel err {error:.2e}")
     assert not failures, "\n".join(failures)

@@ -179,7 +179,7 @@ class Weights:
     def __init__(self, n: int, k: int, copies: int, seed: int, bits: int = 4):
         import torch
 
-        from hyperqwen.kernels.w4a16 import pack_codes, repack_pairs, tile_rows
+        from hyperqwen.kernels.w4a16 import pack_codes, tiles_from_checkpoint
 
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.n, self.k, self.bits = n, k, bits
@@ -197,7 +197,7 @@ class Weights:
             self.scales.append(self.scales[0].clone())
         # the same codes as our kernel reads them (int4 only): pair planes, in tiles
         self.ours = (
-            [tile_rows(repack_pairs(p), s) for p, s in zip(self.packed, self.scales, strict=True)]
+            [tiles_from_checkpoint(p, s) for p, s in zip(self.packed, self.scales, strict=True)]
             if bits == 4
             else []
         )

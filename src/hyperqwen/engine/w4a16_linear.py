@@ -5,7 +5,7 @@ through `candidates`: with HYPERQWEN_W4A16=1 on CUDA, HyperQwenW4A16LinearKernel
 and a layer it cannot take (not int4 with symmetric groups of 128, N not a multiple of 16:
 the int8 heads, for one) gets the next kernel of vLLM's list, which the launcher narrows to
 Marlin. The layer keeps one copy of its weights, in the kernel's tiles
-(kernels/w4a16.py: tile_rows of repack_pairs), and every M runs from it: `tile_for` picks the
+(kernels/w4a16.py: tiles_from_checkpoint), and every M runs from it: `tile_for` picks the
 launch shape, and the launch is a torch custom op so torch.compile and CUDA graphs see one
 opaque call, as they see Marlin's.
 
@@ -80,9 +80,8 @@ def repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> tuple:
     a time (unpacking a whole lm_head at once would take gigabytes of int64 codes)."""
     n = weight_packed.shape[0]
     parts = [
-        w4a16.tile_rows(
-            w4a16.repack_pairs(weight_packed[start : start + REPACK_ROWS]),
-            weight_scale[start : start + REPACK_ROWS],
+        w4a16.tiles_from_checkpoint(
+            weight_packed[start : start + REPACK_ROWS], weight_scale[start : start + REPACK_ROWS]
         )
         for start in range(0, n, REPACK_ROWS)
     ]

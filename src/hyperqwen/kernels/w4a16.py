@@ -503,6 +503,14 @@ def tile_rows(
     return tiled_words.transpose(1, 2).contiguous(), tiled_scales.transpose(1, 2).contiguous()
 
 
+def tiles_from_checkpoint(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint's words [N, K/8] and scales [N, K/G] -> the tiles w4a16_matmul reads
+    (tile_rows of repack_pairs): what a layer keeps instead of them."""
+    return tile_rows(repack_pairs(weight_packed), weight_scale)
+
+
 def unpack_codes(weight_packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
     """The inverse of pack_codes: int32 [N, K * bits / 32] -> int64 codes [N, K]."""
     per_word = 32 // bits
