@@ -18,7 +18,7 @@ from hyperqwen.settings import (
     load_settings,
     resolve_api_key,
 )
-from hyperqwen.toolkit import choose_toolkit
+from hyperqwen.toolkit import choose_toolkit, missing_headers
 
 Status = Literal["OK", "WARN", "FAIL"]
 PINNED_TORCH = "2.11.0"
@@ -178,9 +178,10 @@ def check_toolkit(environ: dict[str, str]) -> Check:
             "toolkit of torch's CUDA release",
         )
     if why := choice.venv_reason:
-        return Check(
-            "OK", "toolkit", f"CUDA toolkit for JIT kernels: the venv's ({choice.venv}; {why})"
-        )
+        where = f"CUDA toolkit for JIT kernels: the venv's ({choice.venv}; {why})"
+        if lacking := missing_headers(choice.venv):
+            return Check("WARN", "toolkit", where, lacking)
+        return Check("OK", "toolkit", where)
     if choice.system:
         return Check("OK", "toolkit", f"CUDA toolkit for JIT kernels: {choice.system.where}")
     return Check(

@@ -17,6 +17,12 @@ link folder in the cache (libcudart.so -> the venv's libcudart.so.N, libcuda.so 
 libcuda.so.1) and puts it on LIBRARY_PATH, which gcc searches for every -l of a link that nvcc
 or a build script runs.
 
+The nvcc wheel brings CUDA's own headers but not every library's: FlashInfer's kernels include
+cutlass utilities that include curand_kernel.h, which comes with the nvidia-curand wheel (a torch
+dependency, so a venv made by install.sh has it in the same nvidia/cu13/include). Where that folder
+lacks it (H200, 2026-12-01: a toolkit installed apart from torch's wheels), the build stops at the
+first request; serve and doctor say which header and which package before that.
+
 HYPERQWEN_SYSTEM_CUDA names where the system toolkit is looked for instead of /usr/local/cuda
 (the GPU tests point it at nothing to run the venv's toolkit on a host that has one).
 """
@@ -38,6 +44,8 @@ from pathlib import Path
 SYSTEM_TOOLKIT = Path("/usr/local/cuda")
 SYSTEM_TOOLKIT_ENV = "HYPERQWEN_SYSTEM_CUDA"
 VENV_TOOLKIT = "cu13"  # nvidia/cu13, the CUDA 13 wheels torch 2.11 + cu130 brings
+# Headers JIT-compiled kernels include that the nvcc wheel does not bring -> the wheel that does.
+JIT_HEADERS = {"curand_kernel.h": "nvidia-curand"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,23 @@ def venv_toolkit() -> Path | None:
         if (root / "bin" / "nvcc").is_file():
             return root
     return None
+
+
+def missing_headers(root: Path) -> str | None:
+    """What a toolkit at `root` lacks for JIT kernels and how to get it, or None."""
+    missing = {
+        header: wheel
+        for header, wheel in JIT_HEADERS.items()
+        if not (root / "include" / header).is_file()
+    }
+    if not missing:
+        return None
+    headers = ", ".join(missing)
+    wheels = " ".join(sorted(set(missing.values())))
+    return (
+        f"{root / 'include'} has no {headers}: kernels compiled at first use (FlashInfer "
+        f"attention) will not build; install it into this venv: pip install {wheels}"
+    )
 
 
 def nvcc_release(nvcc: Path) -> tuple[int, int] | None:
@@ -183,6 +208,8 @@ def toolkit_env(environ: Mapping[str, str]) -> tuple[dict[str, str], str]:
         return {}, ""
     path = environ.get("PATH", os.defpath)
     root = choice.venv
+    if lacking := missing_headers(root):
+        why = f"{why}; {lacking}"
     env = {"CUDA_HOME": str(root), "PATH": f"{root / 'bin'}{os.pathsep}{path}"}
     try:
         folder = link_folder(link_names(root, driver_library()), cache_dir(environ))
