@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 
 from hyperqwen.checkpoint.geometry import Geometry
-from hyperqwen.settings import SettingsError
+from hyperqwen.settings import Settings, SettingsError
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -290,3 +290,94 @@ def card_pool_bytes(
 
 def gib(size: int) -> str:
     return f"{size / GiB:.2f}"
+
+
+# Derived lengths are rounded down to whole KiB-tokens; MAX_LEN's own lower bound is the least.
+LEN_STEP = 1024
+MIN_MAX_LEN = next(
+    bound.ge for bound in Settings.model_fields["MAX_LEN"].metadata if hasattr(bound, "ge")
+)
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    max_len: int
+    max_seqs: int
+    line: str  # the startup line: what this card holds
+
+
+def fit_to_card(
+    machine: Machine,
+    settings: Settings,
+    setup: CacheSetup,
+    profile: tuple[int, int],
+    batched_tokens: int,
+) -> ContextFit:
+    """MAX_LEN and MAX_SEQS for a CTX profile: the knobs the user set, else the profile's
+    (max_len, slots) where they fit, else what does: fewer slots first, then a shorter
+    length at one slot. Every slot can hold a full-length request at once, so no request is
+    ever preempted for cache space. CapacityRefusal when the knobs set cannot fit."""
+    if settings.KV_MEM:
+        pool, how = kv_mem_bytes(settings.KV_MEM), f"KV_MEM={settings.KV_MEM}"
+    else:
+        pool, how = card_pool_bytes(
+            machine, settings.GPU_UTIL, batched_tokens, setup.tensor_parallel
+        )
+    capacity = Capacity(pool_layout(machine.geometry, setup), pool)
+    room = (
+        f"{how} leaves {gib(max(pool, 0))} GiB for the KV cache ({setup.kv_cache_dtype}) and "
+        f"recurrent state ({setup.draft_tokens} draft tokens, prefix caching "
+        f"{'on' if setup.prefix_caching else 'off'})"
+    )
+    max_len, max_seqs = _choose(capacity, room, settings, profile)
+    line = (
+        f"this card holds {max_len:,} tokens at {max_seqs} slot{'s' * (max_seqs > 1)} "
+        f"(MAX_LEN {max_len}, MAX_SEQS {max_seqs}): {room}. vLLM should log 'GPU KV cache "
+        f"size: {capacity.vllm_tokens(max_len):,} tokens' and "
+        f"{capacity.vllm_concurrency(max_len):.2f}x concurrency."
+    )
+    return ContextFit(max_len, max_seqs, line)
+
+
+def _choose(
+    capacity: Capacity, room: str, settings: Settings, profile: tuple[int, int]
+) -> tuple[int, int]:
+    length, slots = settings.MAX_LEN, settings.MAX_SEQS
+    one_slot = capacity.max_len(1)
+    if length and slots:
+        if capacity.fits(length, slots):
+            return length, slots
+        raise CapacityRefusal(
+            f"MAX_LEN={length} with MAX_SEQS={slots} does not fit: {room}, which holds "
+            f"{capacity.max_len(slots):,} tokens at {slots} slots, or {capacity.slots(length)} "
+            f"slots of {length:,} tokens. Lower MAX_LEN or MAX_SEQS, or raise GPU_UTIL."
+        )
+    if length:
+        if capacity.fits(length, 1):
+            return length, min(profile[1], capacity.slots(length))
+        raise CapacityRefusal(
+            f"MAX_LEN={length} does not fit: {room}, which holds {one_slot:,} tokens at 1 slot. "
+            f"Set MAX_LEN={_rounded(one_slot)} or less (unset, CTX={settings.CTX} takes what "
+            "fits), or raise GPU_UTIL."
+        )
+    if slots:
+        fitted = _rounded(min(profile[0], capacity.max_len(slots)))
+        if fitted >= MIN_MAX_LEN:
+            return fitted, slots
+        raise CapacityRefusal(
+            f"MAX_SEQS={slots} does not fit: {room}, which holds {capacity.max_len(slots):,} "
+            f"tokens per slot at {slots} slots and {one_slot:,} at 1 slot. Lower MAX_SEQS (or "
+            f"unset it), or raise GPU_UTIL."
+        )
+    if capacity.fits(profile[0], 1):
+        return profile[0], min(profile[1], capacity.slots(profile[0]))
+    if _rounded(one_slot) >= MIN_MAX_LEN:
+        return _rounded(one_slot), 1
+    raise CapacityRefusal(
+        f"CTX={settings.CTX} does not fit: {room}, not even {MIN_MAX_LEN} tokens at 1 slot. "
+        "Raise GPU_UTIL, free the card of other processes, or serve on a larger card."
+    )
+
+
+def _rounded(length: int) -> int:
+    return length // LEN_STEP * LEN_STEP if length >= LEN_STEP else length
