@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 from hyperqwen import bench, docs, doctor, patches, synth
+from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.drafter import cli as drafter_cli
 from hyperqwen.gpu import REQUIREMENT, NoGpu, list_gpus
-from hyperqwen.launch import build_launch, effective_config_lines, redact_argv
+from hyperqwen.launch import build_launch, effective_config_lines, model_path, redact_argv
 from hyperqwen.parallel import tensor_parallel_refusal
 from hyperqwen.prepare import cli as prepare_cli
 from hyperqwen.settings import MODES, SettingsError, load_settings, resolve_api_key
@@ -40,7 +41,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"hyperqwen serve {args.mode}: refusing to start:\n{error}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
     api_key, _ = resolve_api_key(loaded.settings)
-    plan = build_launch(loaded, args.mode, api_key, in_container(environ))
+    try:
+        gpus, no_gpu = list_gpus(), None
+    except NoGpu as reason:
+        gpus, no_gpu = [], reason
+    machine = probe_machine(loaded.settings, model_path(loaded.settings), gpus)
+    try:
+        plan = build_launch(loaded, args.mode, api_key, in_container(environ), machine)
+    except SettingsError as refusal:
+        print(f"hyperqwen serve {args.mode}: refusing to start: {refusal}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
     _say(plan.warnings, "WARNING: ")
     _say(plan.notices, "note: ")
     print_argv = args.print_argv or environ.get("PRINT_ARGV") == "1"
@@ -58,11 +68,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"hyperqwen serve {args.mode}: refusing to start: {refusal}", file=sys.stderr)
             return EXIT_BAD_SETTINGS
 
-    try:
-        gpus = list_gpus()
-    except NoGpu as reason:
+    if no_gpu:
         print(
-            f"hyperqwen serve {args.mode}: no CUDA GPU here ({reason}).\n"
+            f"hyperqwen serve {args.mode}: no CUDA GPU here ({no_gpu}).\n"
             f"Serving needs {REQUIREMENT}.\n"
             "To see the vLLM command without a GPU: PRINT_ARGV=1 hyperqwen serve "
             f"{args.mode}. To check this machine: hyperqwen doctor.",

@@ -13,6 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hyperqwen.capacity import CacheSetup, CapacityRefusal, Machine, fit_to_card
 from hyperqwen.engine import (
     ALIGN_OVERLAP_ENV,
     DRAFT_VOCAB_ENV,
@@ -59,6 +60,11 @@ DEFAULT_DRAFT_TOKENS = {"mtp": 3, "ngram": 4, "lookup": 4}
 # SPEC=lookup's match lengths: at least 3 tokens (shorter repeats are mostly chance), at most 12
 # compared (longer agreement says nothing more about what comes next).
 LOOKUP_MATCH = (3, 12)
+
+
+# CTX profiles whose MAX_LEN and MAX_SEQS defaults are a ceiling the card's memory may lower
+# (capacity.py); fast keeps its numbers.
+BUDGETED_CONTEXTS = ("long", "huge")
 
 
 def profile_for(settings: Settings, mode: Mode) -> Profile:
@@ -168,13 +174,54 @@ def vllm_linear_backend(backend: str) -> str:
     return "marlin" if backend == OUR_LINEAR_BACKEND else backend
 
 
+def fitted_context(
+    settings: Settings,
+    mode: Mode,
+    profile: Profile,
+    machine: Machine | str | None,
+    spec: dict | None,
+    tensor_parallel: int,
+) -> tuple[int, int, list[str], list[str]]:
+    """MAX_LEN and MAX_SEQS, with notices and warnings: the knobs, else the profile's numbers,
+    which for CTX=long and huge shrink to what the machine's card holds (capacity.py).
+    CapacityRefusal for knob values the card cannot hold; only a warning on an assumed card
+    (no GPU seen) unless KV_MEM fixes the cache size whatever the card.
+    `machine` is None when no budget is asked for, or the reason there can be none."""
+    max_len = settings.MAX_LEN or profile.max_len
+    max_seqs = settings.MAX_SEQS or profile.max_seqs
+    if machine is None or mode != "single" or settings.CTX not in BUDGETED_CONTEXTS:
+        return max_len, max_seqs, [], []
+    if isinstance(machine, str):
+        return max_len, max_seqs, [f"CTX={settings.CTX}: not sized to the card: {machine}."], []
+    setup = CacheSetup(
+        profile.kv_cache_dtype,
+        profile.ssm_cache_dtype,
+        draft_tokens=spec["num_speculative_tokens"] if spec else 0,
+        mtp_layers=machine.geometry.mtp_num_hidden_layers if settings.SPEC == "mtp" else 0,
+        prefix_caching=settings.PREFIX_CACHE == "1",
+        tensor_parallel=tensor_parallel,
+    )
+    target = (profile.max_len, profile.max_seqs)
+    try:
+        fit = fit_to_card(machine, settings, setup, target, profile.max_batched_tokens)
+    except CapacityRefusal as refusal:
+        if settings.KV_MEM or not machine.card_assumed:
+            raise
+        return max_len, max_seqs, [], [f"{refusal} (the server checks its own card at start)"]
+    return fit.max_len, fit.max_seqs, [f"CTX={settings.CTX}: {fit.line}"], []
+
+
 def build_launch(
     loaded: LoadedSettings,
     mode: Mode,
     api_key: str | None,
     in_container: bool = False,
+    machine: Machine | str | None = None,
 ) -> LaunchPlan:
-    """The argv and environment of `vllm serve` for these settings. Pure: no I/O."""
+    """The argv and environment of `vllm serve` for these settings. Pure: no I/O.
+
+    With a `machine` (card memory, model size), CTX=long and huge take MAX_LEN and MAX_SEQS
+    from what its memory holds, and knob values that cannot fit raise CapacityRefusal."""
     settings = loaded.settings
     profile = profile_for(settings, mode)
     linear_backend = settings.LINEAR_BACKEND or profile.linear_backend
@@ -184,17 +231,22 @@ def build_launch(
     warnings += host_warnings
     path = model_path(settings)
     served_name = path.name
-    max_seqs = settings.MAX_SEQS or profile.max_seqs
     kv_dtype = settings.KV if mode == "batch" else profile.kv_cache_dtype
     split = settings.GPU_SPLIT or profile.gpu_split
     tensor_parallel = settings.GPU_COUNT if split == "tp" else 1
+    spec = speculative_config(settings) if mode == "single" else None
+    max_len, max_seqs, fit_notices, fit_warnings = fitted_context(
+        settings, mode, profile, machine, spec, tensor_parallel
+    )
+    notices += fit_notices
+    warnings += fit_warnings
 
     # (flag, value or None, knob that decided it) — the knob names feed the shadow warning.
     flags: list[tuple[str, str | None, str]] = [
         ("--host", host, "HOST"),
         ("--port", str(settings.PORT), "PORT"),
         ("--served-model-name", served_name, "MODEL"),
-        ("--max-model-len", str(settings.MAX_LEN or profile.max_len), "MAX_LEN"),
+        ("--max-model-len", str(max_len), "MAX_LEN"),
         ("--max-num-seqs", str(max_seqs), "MAX_SEQS"),
         (
             "--max-num-batched-tokens",
@@ -232,7 +284,6 @@ def build_launch(
         flags.append(("--enable-per-request-metrics", None, "REQ_METRICS"))
 
     tokens_per_step = max_seqs
-    spec = speculative_config(settings) if mode == "single" else None
     if spec:
         flags.append(("--speculative-config", json.dumps(spec, separators=(",", ":")), "SPEC"))
         tokens_per_step = max_seqs * (1 + spec["num_speculative_tokens"])

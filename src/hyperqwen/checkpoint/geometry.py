@@ -8,8 +8,13 @@ DeltaNet (`linear_attention`) layers, then one `full_attention` layer, repeating
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
+from typing import Any
+
+# config.json's model_type of a Qwen3.5 checkpoint, and its text_config's.
+MODEL_TYPE = "qwen3_5"
+TEXT_MODEL_TYPE = "qwen3_5_text"
 
 
 class GeometryError(ValueError):
@@ -64,6 +69,25 @@ class Geometry:
     @property
     def linear_value_dim(self) -> int:
         return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @classmethod
+    def from_text_config(cls, text: Mapping[str, Any]) -> Geometry:
+        """The geometry a Qwen3.5 config.json's text_config describes (the rotary keys may sit
+        in its rope_parameters). GeometryError for a shape vLLM cannot build or a layer layout
+        other than three linear_attention layers then one full_attention layer, repeating."""
+        values = {**text.get("rope_parameters", {}), **text}
+        known = {field.name: values[field.name] for field in fields(cls) if field.name in values}
+        try:
+            geometry = cls(**known).validate(tokenizer_size=0)
+        except (GeometryError, TypeError) as error:
+            raise GeometryError(f"unexpected geometry: {error}") from None
+        if text.get("layer_types", geometry.layer_types) != geometry.layer_types:
+            raise GeometryError(
+                "layer_types is not three linear_attention layers then one full_attention "
+                f"layer, repeating (full_attention_interval={geometry.full_attention_interval}): "
+                "an unexpected layer layout"
+            )
+        return geometry
 
     def validate(self, tokenizer_size: int) -> Geometry:
         """Raise GeometryError for shapes vLLM cannot build; return self so calls chain."""

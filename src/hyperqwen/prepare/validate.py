@@ -10,11 +10,11 @@ tokenizer, a shard missing or truncated (header length and data offsets against 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from hyperqwen.checkpoint import layout, shards, w4a16
-from hyperqwen.checkpoint.geometry import Geometry, GeometryError
+from hyperqwen.checkpoint.geometry import MODEL_TYPE, TEXT_MODEL_TYPE, Geometry, GeometryError
 from hyperqwen.prepare.folder import (
     CONFIG_NAME,
     PLACE_BY_HAND,
@@ -24,8 +24,6 @@ from hyperqwen.prepare.folder import (
 )
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-MODEL_TYPE = "qwen3_5"
-TEXT_MODEL_TYPE = "qwen3_5_text"
 # Tensors of the vision tower: passed through untouched, never checked against the text layout.
 PASS_THROUGH_PREFIXES = (f"{layout.VISION_PREFIX}.",)
 
@@ -66,19 +64,10 @@ def read_geometry(config: dict, config_path: Path) -> Geometry:
             f"{config_path}: text_config.model_type {text.get('model_type')!r}, expected "
             f"{TEXT_MODEL_TYPE!r}"
         )
-    values = {**text.get("rope_parameters", {}), **text}
-    known = {field.name: values[field.name] for field in fields(Geometry) if field.name in values}
     try:
-        geometry = Geometry(**known).validate(tokenizer_size=0)
-    except (GeometryError, TypeError) as error:
-        raise Refused(f"{config_path}: unexpected geometry: {error}") from None
-    if text.get("layer_types", geometry.layer_types) != geometry.layer_types:
-        raise Refused(
-            f"{config_path}: layer_types is not three linear_attention layers then one "
-            f"full_attention layer, repeating (full_attention_interval="
-            f"{geometry.full_attention_interval}): an unexpected layer layout"
-        )
-    return geometry
+        return Geometry.from_text_config(text)
+    except GeometryError as error:
+        raise Refused(f"{config_path}: {error}") from None
 
 
 def expected_tensors(geometry: Geometry) -> dict[str, tuple[str, tuple[int, ...]]]:

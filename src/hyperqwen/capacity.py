@@ -1,0 +1,383 @@
+"""How much context a card holds: vLLM 0.26's own sizing of a hybrid GDN + attention model.
+
+Pure arithmetic, no I/O: from a model's geometry, its loaded weight bytes and the card's memory,
+the bytes vLLM's KV-cache pool gets, how that pool is cut into blocks, and so how many tokens
+fit at how many slots. Each step follows a named vLLM 0.26 function, so the numbers here are
+the ones vLLM logs at startup ("GPU KV cache size: N tokens", "Maximum concurrency").
+
+What makes a hybrid model differ from "KV bytes per token x tokens" (all in vLLM 0.26):
+- One pool of equal pages serves both kinds of layer. A Gated DeltaNet layer's recurrent state
+  (its "mamba page") is ~3 MiB, so the attention block grows until one block of one attention
+  layer is at least that big (platforms/interface.py: _align_hybrid_block_size), e.g. 1600
+  tokens with an fp8 cache, and the state page is padded up to it.
+- Layers are grouped so every group has as many layers as the smallest kind (here the 16 or 17
+  attention layers); the 48 GDN layers then fill 3 groups, padded to 17 when MTP's attention
+  layer is the 17th (kv_cache_utils.py: _get_kv_cache_groups_uniform_page_size). A block is one
+  page in each of the group-size tensors, whichever group uses it
+  (kv_cache_utils.py: get_kv_cache_config_from_groups).
+- Each request holds, in each GDN group, 1 + draft tokens state blocks, one more under prefix
+  caching's "align" mode (kv_cache_interface.py: MambaSpec.max_memory_usage_bytes).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from hyperqwen.checkpoint.geometry import Geometry
+from hyperqwen.settings import Settings, SettingsError
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+# Every CUDA attention backend vLLM picks for head_dim 256 (FlashAttention, FlashInfer, Triton,
+# TurboQuant) takes 16-token kernel blocks, so the hybrid block is a multiple of 16 tokens
+# (interface.py: _align_hybrid_block_size, kernel_block_alignment_size).
+KERNEL_BLOCK_TOKENS = 16
+# Qwen3.5 checkpoints are bfloat16: the conv state and an "auto" KV cache take the model dtype
+# (mamba_utils.py: MambaStateDtypeCalculator._mamba_state_dtype).
+MODEL_DTYPE_BYTES = 2
+STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# TurboQuant presets: (key bits, value bits); 8-bit keys are stored as fp8
+# (model_executor/layers/quantization/turboquant/config.py: TQ_PRESETS).
+TURBOQUANT_BITS = {
+    "turboquant_k8v4": (8, 4),
+    "turboquant_4bit_nc": (4, 4),
+    "turboquant_k3v4_nc": (3, 4),
+    "turboquant_3bit_nc": (3, 3),
+}
+KV_CACHE_DTYPES = (
+    "auto",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "int8_per_token_head",
+    "fp8_per_token_head",
+    "int4_per_token_head",
+    *TURBOQUANT_BITS,
+)
+
+# The card PRINT_ARGV and a machine without a visible GPU size for: the smallest card the
+# 27B model serves on (gpu.MIN_MEMORY_GIB_27B).
+ASSUMED_CARD_BYTES = 24 * GiB
+# Weights vLLM loads for the prepared 27B, text only, with MTP and the draft head ("Model
+# loading took 15.31 GiB", docs/results/2026-12-01-h200-27b-single-overlap.json, patched
+# weight_gib): the stand-in when the model folder is not there to count.
+PREPARED_27B_WEIGHT_BYTES = int(15.31 * GiB)
+# nvidia-smi's memory.total exceeds the total CUDA reports (cudaMemGetInfo), which vLLM
+# multiplies by --gpu-memory-utilization (worker/utils.py: request_memory): by the driver's own
+# reservation, 143,771 MiB against 139.8 GiB on the H200.
+CUDA_UNREPORTED_BYTES = 640 * MiB
+# Memory vLLM's profile finds besides weights and the cache (gpu_worker.py:
+# determine_available_memory). Estimates, to be replaced by the GPU host's measurement (vLLM
+# logs it: "Actual usage is ... GiB for peak activation, ... non-torch memory, and ... CUDAGraph
+# memory"):
+# - non-torch memory: CUDA context growth, cuBLAS and Triton workspaces;
+NON_TORCH_BYTES = 512 * MiB
+# - the CUDA graphs single mode captures (FULL_AND_PIECEWISE up to 512 tokens, target + MTP);
+CUDA_GRAPH_BYTES = 1 * GiB
+# - peak activation of the profile run at max_num_batched_tokens (activation_bytes below).
+
+
+class CapacityRefusal(SettingsError):
+    """Knob values that cannot fit the card; the message names the knob, what fits, the fix."""
+
+
+def attention_token_bytes(kv_cache_dtype: str, kv_heads: int, head_dim: int) -> int:
+    """Bytes one token's K and V take in one attention layer (kv_cache_interface.py:
+    AttentionSpec.page_size_bytes at block_size 1; TQFullAttentionSpec for TurboQuant)."""
+    if kv_cache_dtype in ("auto", "bfloat16", "float16"):
+        return 2 * kv_heads * head_dim * MODEL_DTYPE_BYTES
+    if kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        return 2 * kv_heads * head_dim
+    # Per-token-head modes add a float32 scale per token, head and K/V
+    # (AttentionSpec.unpadded_page_size_bytes); int4 packs two values a byte.
+    scales = 2 * kv_heads * 4
+    if kv_cache_dtype in ("int8_per_token_head", "fp8_per_token_head"):
+        return 2 * kv_heads * head_dim + scales
+    if kv_cache_dtype == "int4_per_token_head":
+        return 2 * kv_heads * (head_dim // 2) + scales
+    if kv_cache_dtype in TURBOQUANT_BITS:
+        return kv_heads * turboquant_slot_bytes(kv_cache_dtype, head_dim)
+    raise ValueError(f"kv cache dtype {kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
+
+
+def turboquant_slot_bytes(kv_cache_dtype: str, head_dim: int) -> int:
+    """K and V of one head and token, packed (TurboQuantConfig.slot_size_aligned): fp8 keys
+    or MSE indices plus an fp16 norm; values at their bits plus fp16 scale and zero."""
+    key_bits, value_bits = TURBOQUANT_BITS[kv_cache_dtype]
+    key = head_dim if key_bits == 8 else math.ceil(head_dim * key_bits / 8) + 2
+    value = math.ceil(head_dim * value_bits / 8) + 4
+    return key + value + (key + value) % 2
+
+
+def recurrent_state_bytes(g: Geometry, ssm_dtype: str, draft_tokens: int, tp: int = 1) -> int:
+    """One GDN layer's state for one sequence: the conv window, which keeps a column per draft
+    token (mamba_utils.py: MambaStateShapeCalculator.gated_delta_net_state_shape), in the
+    model dtype, and the recurrent state in the SSM cache dtype (MambaSpec.page_size_bytes)."""
+    conv_dim = 2 * g.linear_key_dim + g.linear_value_dim
+    conv = conv_dim // tp * (g.linear_conv_kernel_dim - 1 + draft_tokens) * MODEL_DTYPE_BYTES
+    recurrent = (
+        g.linear_num_value_heads // tp * g.linear_value_head_dim * g.linear_key_head_dim
+    ) * STATE_DTYPE_BYTES[ssm_dtype]
+    return conv + recurrent
+
+
+@dataclass(frozen=True)
+class CacheSetup:
+    """The launch choices that shape the pool."""
+
+    kv_cache_dtype: str
+    ssm_dtype: str
+    draft_tokens: int  # num_speculative_tokens, whatever the method
+    mtp_layers: int  # attention layers the drafter adds (MTP: its own KV cache layer)
+    prefix_caching: bool
+    tensor_parallel: int = 1
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """How vLLM cuts its KV-cache pool for one model and setup."""
+
+    block_tokens: int  # attention tokens per block (vLLM's aligned block_size)
+    page_bytes: int  # one block of one layer: the attention page = the padded GDN state page
+    state_bytes: int  # the unpadded GDN state page
+    group_layers: int  # layers per KV-cache group = tensors the pool is split into
+    attention_groups: int
+    state_groups: int
+    state_blocks_per_slot: int  # blocks each GDN group holds per request
+
+    @property
+    def block_bytes(self) -> int:
+        return self.page_bytes * self.group_layers
+
+    def blocks_per_request(self, max_len: int) -> int:
+        """One request of max_len tokens (kv_cache_utils.py: _max_memory_usage_bytes_from_groups
+        over FullAttentionSpec and MambaSpec.max_memory_usage_bytes)."""
+        return (
+            self.attention_groups * math.ceil(max_len / self.block_tokens)
+            + self.state_groups * self.state_blocks_per_slot
+        )
+
+
+def pool_layout(g: Geometry, setup: CacheSetup) -> PoolLayout:
+    tp = setup.tensor_parallel
+    kv_heads = max(1, g.num_key_value_heads // tp)  # ModelConfig.get_num_kv_heads
+    token_bytes = attention_token_bytes(setup.kv_cache_dtype, kv_heads, g.head_dim)
+    state = recurrent_state_bytes(g, setup.ssm_dtype, setup.draft_tokens, tp)
+    # interface.py: _align_hybrid_block_size (no "all" mode: Qwen3.5 does not declare
+    # SupportsMambaPrefixCaching, so prefix caching runs in "align" mode, same block size)
+    align = KERNEL_BLOCK_TOKENS
+    block_tokens = align * math.ceil(state / (align * token_bytes))
+    attention_layers = g.layer_types.count("full_attention") + setup.mtp_layers
+    state_layers = g.layer_types.count("linear_attention")
+    # kv_cache_utils.py: _get_kv_cache_groups_uniform_page_size
+    fewest, most = sorted((attention_layers, state_layers))
+    group_layers = most if most < fewest * 1.5 else fewest
+    return PoolLayout(
+        block_tokens=block_tokens,
+        page_bytes=block_tokens * token_bytes,
+        state_bytes=state,
+        group_layers=group_layers,
+        attention_groups=math.ceil(attention_layers / group_layers),
+        state_groups=math.ceil(state_layers / group_layers),
+        # MambaSpec.max_memory_usage_bytes: "align" keeps the last cached state besides the
+        # running one and one block per draft token
+        state_blocks_per_slot=(2 if setup.prefix_caching else 1) + setup.draft_tokens,
+    )
+
+
+def activation_bytes(g: Geometry, batched_tokens: int, tp: int = 1) -> int:
+    """Estimated peak activation of vLLM's profile run (gpu_model_runner.py: profile_run, a
+    forward pass of max_num_batched_tokens tokens): the MLP's gate/up output (2 x
+    intermediate) and its SiLU product (1 x) beside ~4 hidden-size tensors, bf16, per token."""
+    per_token = MODEL_DTYPE_BYTES * (3 * g.intermediate_size // tp + 4 * g.hidden_size)
+    return batched_tokens * per_token
+
+
+def kv_mem_bytes(text: str) -> int:
+    """KV_MEM as vLLM reads --kv-cache-memory-bytes (argparse_utils.py: human_readable_int):
+    K/M/G/T are powers of 1024, k/m/g/t powers of 1000 (decimals allowed), no suffix: bytes."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
+    if match is None:
+        raise ValueError(f"KV_MEM={text!r}: expected bytes such as 6G or 6.5g")
+    number, suffix = match.groups()
+    if suffix.isupper():
+        return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+    return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1 if suffix else 0))
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the budget needs from the machine; `hyperqwen serve` fills it (capacity_probe)."""
+
+    card_bytes: int  # one GPU's memory.total as nvidia-smi reports it
+    card: str  # how to name it in messages
+    geometry: Geometry
+    weight_bytes: int  # weights the model loads (on one GPU, or over tensor-parallel ones)
+    weight_source: str  # where weight_bytes and the geometry came from
+    card_assumed: bool = False  # no GPU seen: ASSUMED_CARD_BYTES stands in
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The pool vLLM will allocate and what it holds."""
+
+    layout: PoolLayout
+    pool_bytes: int
+
+    @property
+    def blocks(self) -> int:
+        """kv_cache_utils.py: get_num_blocks."""
+        return max(self.pool_bytes // self.layout.block_bytes, 0)
+
+    @property
+    def usable_blocks(self) -> int:
+        """Less block 0, the block pool's null block (block_pool.py: BlockPool)."""
+        return max(self.blocks - 1, 0)
+
+    def fits(self, max_len: int, slots: int) -> bool:
+        """`slots` requests of `max_len` tokens each, all at once."""
+        return slots * self.layout.blocks_per_request(max_len) <= self.usable_blocks
+
+    def max_len(self, slots: int) -> int:
+        """The longest request of which `slots` fit at once (0: none)."""
+        layout = self.layout
+        attention_blocks = (
+            self.usable_blocks // slots - layout.state_groups * layout.state_blocks_per_slot
+        ) // layout.attention_groups
+        return max(attention_blocks, 0) * layout.block_tokens
+
+    def slots(self, max_len: int) -> int:
+        """How many requests of `max_len` tokens fit at once."""
+        return self.usable_blocks // self.layout.blocks_per_request(max_len)
+
+    def vllm_concurrency(self, max_len: int) -> float:
+        """vLLM's "Maximum concurrency for max_len tokens per request"
+        (kv_cache_utils.py: get_max_concurrency_for_kv_cache_config)."""
+        return self.blocks / self.layout.blocks_per_request(max_len)
+
+    def vllm_tokens(self, max_len: int) -> int:
+        """vLLM's "GPU KV cache size: N tokens" (kv_cache_utils.py: get_kv_cache_capacity)."""
+        return int(self.vllm_concurrency(max_len) * max_len)
+
+
+def reserve_bytes(g: Geometry, batched_tokens: int, tp: int = 1) -> int:
+    """Non-KV memory besides the weights (estimates; see the constants above)."""
+    return NON_TORCH_BYTES + CUDA_GRAPH_BYTES + activation_bytes(g, batched_tokens, tp)
+
+
+def card_pool_bytes(
+    machine: Machine, gpu_util: float, batched_tokens: int, tp: int = 1
+) -> tuple[int, str]:
+    """The pool vLLM sizes from --gpu-memory-utilization (gpu_worker.py:
+    determine_available_memory: total x util - weights - activation - non-torch - graphs),
+    and the sum spelled out for messages. With tensor parallelism each GPU loads about
+    1/tp of the weights (the vocabulary-parallel embedding and head shard too)."""
+    requested = math.ceil((machine.card_bytes - CUDA_UNREPORTED_BYTES) * gpu_util)
+    weights = machine.weight_bytes // tp
+    reserve = reserve_bytes(machine.geometry, batched_tokens, tp)
+    how = (
+        f"{gib(requested)} GiB ({machine.card}, GPU_UTIL {gpu_util:g}) - {gib(weights)} GiB "
+        f"weights ({machine.weight_source}) - {gib(reserve)} GiB activations, CUDA graphs and "
+        "workspaces (estimated)"
+    )
+    return requested - weights - reserve, how
+
+
+def gib(size: int) -> str:
+    return f"{size / GiB:.2f}"
+
+
+# Derived lengths are rounded down to whole KiB-tokens; MAX_LEN's own lower bound is the least.
+LEN_STEP = 1024
+MIN_MAX_LEN = next(
+    bound.ge for bound in Settings.model_fields["MAX_LEN"].metadata if hasattr(bound, "ge")
+)
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    max_len: int
+    max_seqs: int
+    line: str  # the startup line: what this card holds
+
+
+def fit_to_card(
+    machine: Machine,
+    settings: Settings,
+    setup: CacheSetup,
+    profile: tuple[int, int],
+    batched_tokens: int,
+) -> ContextFit:
+    """MAX_LEN and MAX_SEQS for a CTX profile: the knobs the user set, else the profile's
+    (max_len, slots) where they fit, else what does: fewer slots first, then a shorter
+    length at one slot. Every slot can hold a full-length request at once, so no request is
+    ever preempted for cache space. CapacityRefusal when the knobs set cannot fit."""
+    if settings.KV_MEM:
+        pool, how = kv_mem_bytes(settings.KV_MEM), f"KV_MEM={settings.KV_MEM}"
+    else:
+        pool, how = card_pool_bytes(
+            machine, settings.GPU_UTIL, batched_tokens, setup.tensor_parallel
+        )
+    capacity = Capacity(pool_layout(machine.geometry, setup), pool)
+    room = (
+        f"{how} leaves {gib(max(pool, 0))} GiB for the KV cache ({setup.kv_cache_dtype}) and "
+        f"recurrent state ({setup.draft_tokens} draft tokens, prefix caching "
+        f"{'on' if setup.prefix_caching else 'off'})"
+    )
+    max_len, max_seqs = _choose(capacity, room, settings, profile)
+    line = (
+        f"this card holds {max_len:,} tokens at {max_seqs} slot{'s' * (max_seqs > 1)} "
+        f"(MAX_LEN {max_len}, MAX_SEQS {max_seqs}): {room}. vLLM should log 'GPU KV cache "
+        f"size: {capacity.vllm_tokens(max_len):,} tokens' and "
+        f"{capacity.vllm_concurrency(max_len):.2f}x concurrency."
+    )
+    return ContextFit(max_len, max_seqs, line)
+
+
+def _choose(
+    capacity: Capacity, room: str, settings: Settings, profile: tuple[int, int]
+) -> tuple[int, int]:
+    length, slots = settings.MAX_LEN, settings.MAX_SEQS
+    one_slot = capacity.max_len(1)
+    if length and slots:
+        if capacity.fits(length, slots):
+            return length, slots
+        raise CapacityRefusal(
+            f"MAX_LEN={length} with MAX_SEQS={slots} does not fit: {room}, which holds "
+            f"{capacity.max_len(slots):,} tokens at {slots} slots, or {capacity.slots(length)} "
+            f"slots of {length:,} tokens. Lower MAX_LEN or MAX_SEQS, or raise GPU_UTIL."
+        )
+    if length:
+        if capacity.fits(length, 1):
+            return length, min(profile[1], capacity.slots(length))
+        raise CapacityRefusal(
+            f"MAX_LEN={length} does not fit: {room}, which holds {one_slot:,} tokens at 1 slot. "
+            f"Set MAX_LEN={_rounded(one_slot)} or less (unset, CTX={settings.CTX} takes what "
+            "fits), or raise GPU_UTIL."
+        )
+    if slots:
+        fitted = _rounded(min(profile[0], capacity.max_len(slots)))
+        if fitted >= MIN_MAX_LEN:
+            return fitted, slots
+        raise CapacityRefusal(
+            f"MAX_SEQS={slots} does not fit: {room}, which holds {capacity.max_len(slots):,} "
+            f"tokens per slot at {slots} slots and {one_slot:,} at 1 slot. Lower MAX_SEQS (or "
+            f"unset it), or raise GPU_UTIL."
+        )
+    if capacity.fits(profile[0], 1):
+        return profile[0], min(profile[1], capacity.slots(profile[0]))
+    if _rounded(one_slot) >= MIN_MAX_LEN:
+        return _rounded(one_slot), 1
+    raise CapacityRefusal(
+        f"CTX={settings.CTX} does not fit: {room}, not even {MIN_MAX_LEN} tokens at 1 slot. "
+        "Raise GPU_UTIL, free the card of other processes, or serve on a larger card."
+    )
+
+
+def _rounded(length: int) -> int:
+    return length // LEN_STEP * LEN_STEP if length >= LEN_STEP else length

@@ -1,0 +1,334 @@
+"""capacity.py: the card budget's arithmetic, by hand, for real card sizes, and against vLLM.
+
+The last tests build vLLM 0.26's own KV-cache configuration for the 27B geometry (its real
+block-size alignment, grouping, block count and logged capacity) and compare.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from hyperqwen.capacity import (
+    CUDA_GRAPH_BYTES,
+    KV_CACHE_DTYPES,
+    NON_TORCH_BYTES,
+    PREPARED_27B_WEIGHT_BYTES,
+    CacheSetup,
+    Capacity,
+    GiB,
+    Machine,
+    MiB,
+    attention_token_bytes,
+    card_pool_bytes,
+    kv_mem_bytes,
+    pool_layout,
+    recurrent_state_bytes,
+    turboquant_slot_bytes,
+)
+from hyperqwen.checkpoint.geometry import PRESETS
+
+G27 = PRESETS["27b"]
+MTP = CacheSetup("fp8", "float32", draft_tokens=3, mtp_layers=1, prefix_caching=True)
+# memory.total as nvidia-smi lists it for a card of each class: RTX 3060 12GB, RTX 4080,
+# RTX 4090, RTX 5090, RTX A6000, H100 80GB, H200
+CARDS_MIB = {12: 12288, 16: 16376, 24: 24564, 32: 32607, 48: 49140, 80: 81559, 141: 143771}
+# CTX=huge's max_num_batched_tokens (launch.SINGLE_PROFILES)
+HUGE_BATCHED_TOKENS = 4096
+
+
+def card(gb: int) -> Machine:
+    return Machine(
+        CARDS_MIB[gb] * MiB, f"{gb} GB card", G27, PREPARED_27B_WEIGHT_BYTES, "prepared 27B"
+    )
+
+
+def setup_for(kv: str, mtp: bool, prefix_caching: bool = True) -> CacheSetup:
+    return CacheSetup(kv, "float32", 3 if mtp else 0, 1 if mtp else 0, prefix_caching)
+
+
+def test_a_4_gib_pool_by_hand():
+    """27B, fp8 KV, MTP with 3 drafts, prefix caching, float32 state, a 4 GiB pool."""
+    # One token of one attention layer: K and V x 4 KV heads x 256 dims x 1 byte.
+    assert attention_token_bytes("fp8", 4, 256) == 2 * 4 * 256 == 2048
+    # One GDN layer's state: the conv window holds 2 x 16 x 128 key + 48 x 128 value channels
+    # over kernel 4 - 1 + 3 drafts columns in bf16; the recurrent state 48 x 128 x 128 fp32.
+    conv = (2 * 16 * 128 + 48 * 128) * (4 - 1 + 3) * 2
+    recurrent = 48 * 128 * 128 * 4
+    assert (conv, recurrent) == (122_880, 3_145_728)
+    assert recurrent_state_bytes(G27, "float32", draft_tokens=3) == conv + recurrent == 3_268_608
+    layout = pool_layout(G27, MTP)
+    # The attention block grows in 16-token steps until its page holds one state:
+    # 3,268,608 / (16 x 2048) = 99.75 -> 100 steps = 1600 tokens, a 3,276,800-byte page.
+    assert layout.block_tokens == 16 * math.ceil(3_268_608 / (16 * 2048)) == 1600
+    assert layout.page_bytes == 1600 * 2048 == 3_276_800
+    # 16 attention layers + MTP's = 17, the smaller kind, so groups of 17 layers; the 48 GDN
+    # layers fill ceil(48 / 17) = 3 groups. A block is a page in each of 17 tensors.
+    assert (layout.group_layers, layout.attention_groups, layout.state_groups) == (17, 1, 3)
+    assert layout.block_bytes == 17 * 3_276_800 == 55_705_600
+    # Each request keeps, in each GDN group, the running state, the last cached one (align
+    # mode) and one per draft token: 3 groups x 5 = 15 blocks.
+    assert layout.state_blocks_per_slot == 5
+    capacity = Capacity(layout, 4 * GiB)
+    # 4 GiB / 55,705,600 = 77.1 -> 77 blocks, one of them vLLM's null block.
+    assert (capacity.blocks, capacity.usable_blocks) == (77, 76)
+    # One slot: 76 - 15 = 61 attention blocks x 1600 = 97,600 tokens.
+    assert capacity.max_len(1) == (76 - 15) * 1600 == 97_600
+    assert capacity.fits(97_600, 1) and not capacity.fits(97_601, 1)
+    # vLLM's log at that length: 77 blocks / (61 + 15) per request = 1.013x; x 97,600 tokens.
+    assert capacity.vllm_concurrency(97_600) == 77 / 76
+    assert capacity.vllm_tokens(97_600) == int(77 / 76 * 97_600) == 98_884
+    # Two slots: 76 // 2 = 38 blocks each, 38 - 15 = 23 for attention.
+    assert capacity.max_len(2) == 23 * 1600 == 36_800
+
+
+def test_a_24_gb_card_by_hand():
+    """CTX=huge on an RTX 4090 (24,564 MiB), GPU_UTIL 0.9, the prepared 27B's weights."""
+    pool, how = card_pool_bytes(card(24), 0.9, HUGE_BATCHED_TOKENS)
+    # vLLM asks for CUDA's total (nvidia-smi's less 640 MiB of driver reservation) x 0.9.
+    requested = math.ceil((24_564 - 640) * MiB * 0.9)
+    # Reserve: workspaces + CUDA graphs + 4096 batched tokens x 2 bytes x (3 x 17,408
+    # intermediate + 4 x 5,120 hidden) of activations.
+    reserve = NON_TORCH_BYTES + CUDA_GRAPH_BYTES + 4096 * 2 * (3 * 17_408 + 4 * 5_120)
+    assert reserve == 2_206_203_904
+    assert pool == requested - PREPARED_27B_WEIGHT_BYTES - reserve
+    assert "GPU_UTIL 0.9" in how and "15.31 GiB weights" in how
+    capacity = Capacity(pool_layout(G27, MTP), pool)
+    usable = pool // 55_705_600 - 1
+    assert capacity.max_len(1) == (usable - 15) * 1600
+    # 262,144 tokens (CTX=huge's old number) need 164 + 15 blocks: far beyond this card.
+    assert not capacity.fits(262_144, 1)
+
+
+@pytest.mark.parametrize(
+    ("kv", "token_bytes"),
+    [
+        ("auto", 4096),  # bf16
+        ("fp8", 2048),
+        ("int8_per_token_head", 2048 + 32),  # + a float32 scale per head for K and V
+        ("int4_per_token_head", 1024 + 32),
+        ("turboquant_k8v4", 4 * (256 + 128 + 4)),  # fp8 keys; 4-bit values + scale, zero
+        ("turboquant_4bit_nc", 4 * (128 + 2 + 128 + 4)),  # 4-bit keys + fp16 norm
+        ("turboquant_k3v4_nc", 4 * (96 + 2 + 128 + 4)),
+        ("turboquant_3bit_nc", 4 * (96 + 2 + 96 + 4)),
+    ],
+)
+def test_kv_token_bytes_per_choice(kv, token_bytes):
+    assert attention_token_bytes(kv, 4, 256) == token_bytes
+
+
+def test_turboquant_slots_round_up_to_even_bytes():
+    # 64-dim heads, 3-bit keys: 24 + 2; 3-bit values: 24 + 4 -> 54, already even
+    assert turboquant_slot_bytes("turboquant_3bit_nc", 64) == 54
+    # 72-dim heads, 3-bit: 27 + 2 and 27 + 4 = 60; 4-bit values: 36 + 4 -> 29 + 40 = 69 -> 70
+    assert turboquant_slot_bytes("turboquant_k3v4_nc", 72) == 70
+
+
+def test_unknown_kv_dtype_is_refused_by_name():
+    with pytest.raises(ValueError, match="'int2'"):
+        attention_token_bytes("int2", 4, 256)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("6G", 6 * GiB), ("6g", 6 * 10**9), ("6.5g", 6_500_000_000), ("1024", 1024), ("3K", 3072)],
+)
+def test_kv_mem_reads_like_vllm(text, size):
+    assert kv_mem_bytes(text) == size
+
+
+CARD_CASES = list(itertools.product(CARDS_MIB, KV_CACHE_DTYPES, (True, False)))
+
+
+@pytest.mark.parametrize(("gb", "kv", "mtp"), CARD_CASES)
+def test_card_sizes(gb, kv, mtp):
+    pool, _ = card_pool_bytes(card(gb), 0.9, HUGE_BATCHED_TOKENS)
+    capacity = Capacity(pool_layout(G27, setup_for(kv, mtp)), pool)
+    if gb <= 16:  # 15.3 GiB of weights leave a 12 or 16 GB card nothing
+        assert pool < 0 and capacity.max_len(1) == 0 and not capacity.fits(1, 1)
+        return
+    longest = capacity.max_len(1)
+    assert capacity.fits(longest, 1)
+    assert not capacity.fits(longest + 1, 1)
+    # vLLM counts the null block and amortizes the state over max_len: it logs a bit more
+    assert longest <= capacity.vllm_tokens(longest) < longest + capacity.layout.block_tokens * 2
+    for slots in (2, 4):
+        assert capacity.fits(capacity.max_len(slots), slots) or capacity.max_len(slots) == 0
+    bigger = [size for size in CARDS_MIB if size > gb]
+    if bigger:
+        pool_up, _ = card_pool_bytes(card(bigger[0]), 0.9, HUGE_BATCHED_TOKENS)
+        assert Capacity(capacity.layout, pool_up).max_len(1) > longest
+
+
+@pytest.mark.parametrize(
+    ("gb", "holds"),
+    # fp8 KV, MTP, prefix caching, CTX=huge's batch: tokens at one slot
+    [(24, 86_400), (32, 304_000), (48, 752_000), (80, 1_632_000), (141, 3_318_400)],
+)
+def test_fp8_mtp_tokens_at_one_slot(gb, holds):
+    pool, _ = card_pool_bytes(card(gb), 0.9, HUGE_BATCHED_TOKENS)
+    assert Capacity(pool_layout(G27, MTP), pool).max_len(1) == holds
+
+
+def test_smaller_kv_dtypes_hold_more_tokens():
+    pool, _ = card_pool_bytes(card(24), 0.9, HUGE_BATCHED_TOKENS)
+    order = ["auto", "fp8", "int4_per_token_head", "turboquant_3bit_nc"]
+    held = [Capacity(pool_layout(G27, setup_for(kv, True)), pool).max_len(1) for kv in order]
+    assert held == sorted(held) and len(set(held)) == len(held)
+
+
+def test_speculation_and_prefix_caching_cost_state_blocks():
+    def blocks(draft_tokens, prefix_caching):
+        setup = CacheSetup("fp8", "float32", draft_tokens, 1, prefix_caching)
+        layout = pool_layout(G27, setup)
+        return layout.state_groups * layout.state_blocks_per_slot
+
+    assert blocks(0, False) == 3 * 1
+    assert blocks(3, False) == 3 * 4
+    assert blocks(3, True) == 3 * 5
+
+
+def test_tensor_parallel_halves_heads_and_state():
+    split = pool_layout(G27, CacheSetup("fp8", "float32", 3, 1, True, tensor_parallel=2))
+    whole = pool_layout(G27, MTP)
+    assert split.state_bytes == recurrent_state_bytes(G27, "float32", 3, tp=2)
+    assert split.state_bytes * 2 == whole.state_bytes
+    # 2 KV heads a GPU: half the bytes a token, half the state: the same block length
+    assert split.block_tokens == whole.block_tokens
+
+
+# --- against vLLM 0.26 itself ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_27b(tmp_path_factory):
+    """A 27B config (no weights) and vLLM on its CPU platform; block_size 16 as on CUDA."""
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    from hyperqwen.checkpoint.synthesize import synthesize
+
+    platforms._current_platform = CpuPlatform()
+    directory = tmp_path_factory.mktemp("capacity") / "27b"
+    return synthesize(directory, G27, config_only=True, progress=False).directory
+
+
+def vllm_kv_cache(model_dir, setup: CacheSetup, max_len: int, pool: int):
+    """vLLM's own block-size alignment, layer specs, groups and KV-cache config."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        TQFullAttentionSpec,
+        get_kv_quant_mode,
+    )
+
+    draft = {"method": "mtp", "num_speculative_tokens": setup.draft_tokens}
+    config = EngineArgs(
+        model=str(model_dir),
+        language_model_only=True,
+        block_size=16,  # CUDA backends' block; vLLM's CPU platform would pick 128
+        max_model_len=max_len,
+        kv_cache_dtype=setup.kv_cache_dtype,
+        mamba_ssm_cache_dtype=setup.ssm_dtype,
+        enable_prefix_caching=setup.prefix_caching,
+        speculative_config=draft if setup.draft_tokens else None,
+    ).create_engine_config()
+    turboquant = setup.kv_cache_dtype.startswith("turboquant_")
+    backend = TurboQuantAttentionBackend if turboquant else TritonAttentionBackend
+    CpuPlatform._align_hybrid_block_size(config, backend)
+    cache = config.cache_config
+    # the specs Attention.get_kv_cache_spec and MambaBase.get_kv_cache_spec build
+    dtype = (
+        torch.bfloat16
+        if cache.cache_dtype == "auto" or turboquant
+        else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
+    )
+    if turboquant:
+        slot = TurboQuantConfig.from_cache_dtype(cache.cache_dtype, 256).slot_size_aligned
+        attention = TQFullAttentionSpec(
+            block_size=cache.block_size,
+            num_kv_heads=4,
+            head_size=256,
+            dtype=dtype,
+            tq_slot_size=slot,
+        )
+    else:
+        attention = FullAttentionSpec(
+            block_size=cache.block_size,
+            num_kv_heads=4,
+            head_size=256,
+            dtype=dtype,
+            kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
+        )
+    model_class, _ = ModelRegistry.resolve_model_cls(
+        config.model_config.architecture, model_config=config.model_config
+    )
+    state = MambaSpec(
+        shapes=model_class.get_mamba_state_shape_from_config(config),
+        dtypes=model_class.get_mamba_state_dtype_from_config(config),
+        block_size=cache.mamba_block_size,
+        page_size_padded=cache.mamba_page_size_padded,
+        mamba_cache_mode=cache.mamba_cache_mode,
+        num_speculative_blocks=setup.draft_tokens,
+    )
+    specs = {f"attention.{i}": attention for i in range(16 + setup.mtp_layers)}
+    specs |= {f"gdn.{i}": state for i in range(48)}
+    (kv_cache,) = get_kv_cache_configs(config, [specs], [pool])
+    return config, kv_cache
+
+
+VLLM_CASES = list(
+    itertools.product(
+        (
+            "auto",
+            "fp8",
+            "int8_per_token_head",
+            "int4_per_token_head",
+            "turboquant_k8v4",
+            "turboquant_3bit_nc",
+        ),
+        (True, False),  # MTP
+        (True, False),  # prefix caching
+    )
+)
+
+
+@pytest.mark.parametrize(("kv", "mtp", "prefix_caching"), VLLM_CASES)
+def test_vllm_sizes_the_pool_as_computed(vllm_27b, kv, mtp, prefix_caching):
+    from vllm.v1.core.kv_cache_utils import (
+        _estimate_max_model_len_from_groups,
+        get_kv_cache_capacity,
+    )
+
+    setup = setup_for(kv, mtp, prefix_caching)
+    capacity = Capacity(pool_layout(G27, setup), 3 * GiB + 12345)
+    max_len = capacity.max_len(1)
+    config, kv_cache = vllm_kv_cache(vllm_27b, setup, max_len, capacity.pool_bytes)
+    layout = capacity.layout
+    assert config.cache_config.block_size == layout.block_tokens
+    assert config.cache_config.mamba_page_size_padded in (layout.page_bytes, None)
+    assert layout.state_bytes <= layout.page_bytes
+    groups = kv_cache.kv_cache_groups
+    assert max(len(group.layer_names) for group in groups) == layout.group_layers  # padded
+    assert len(groups) == layout.attention_groups + layout.state_groups
+    assert kv_cache.num_blocks == capacity.blocks
+    tokens, concurrency = get_kv_cache_capacity(config, kv_cache)
+    assert (tokens, concurrency) == (
+        capacity.vllm_tokens(max_len),
+        capacity.vllm_concurrency(max_len),
+    )
+    # vLLM's own longest request can use the null block's room too: one block more than ours
+    config.model_config.max_model_len = G27.max_position_embeddings  # the search's upper end
+    longest = _estimate_max_model_len_from_groups(config, groups, capacity.pool_bytes)
+    assert longest == max_len + layout.block_tokens

@@ -1,0 +1,282 @@
+"""The card budget in the launch: CTX=long/huge sized to the card, refusals before vLLM starts,
+the machine probe (GPU memory, config.json, safetensors headers) and `hyperqwen serve`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_runner import hyperqwen
+
+from hyperqwen.capacity import (
+    ASSUMED_CARD_BYTES,
+    PREPARED_27B_WEIGHT_BYTES,
+    Capacity,
+    CapacityRefusal,
+    GiB,
+    Machine,
+    MiB,
+    card_pool_bytes,
+    kv_mem_bytes,
+    pool_layout,
+)
+from hyperqwen.capacity_probe import loaded_weight_bytes, probe_machine
+from hyperqwen.checkpoint.config_json import build_config
+from hyperqwen.checkpoint.geometry import PRESETS
+from hyperqwen.gpu import Gpu
+from hyperqwen.launch import SINGLE_PROFILES, build_launch
+from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
+from hyperqwen.settings import LoadedSettings, Settings
+
+G27 = PRESETS["27b"]
+RTX_4090 = Machine(24_564 * MiB, "RTX 4090", G27, PREPARED_27B_WEIGHT_BYTES, "prepared 27B")
+H200 = Machine(143_771 * MiB, "H200", G27, PREPARED_27B_WEIGHT_BYTES, "prepared 27B")
+ASSUMED = Machine(ASSUMED_CARD_BYTES, "assumed", G27, PREPARED_27B_WEIGHT_BYTES, "27B", True)
+
+
+def loaded(**values: str) -> LoadedSettings:
+    return LoadedSettings(Settings.model_validate(values), frozenset(values))
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def capacity_for(machine: Machine, ctx: str, **setup) -> Capacity:
+    """What the launch should size from: CTX's profile, MTP with 3 drafts, prefix caching."""
+    from hyperqwen.capacity import CacheSetup
+
+    profile = SINGLE_PROFILES[ctx]
+    cache = CacheSetup(profile.kv_cache_dtype, profile.ssm_cache_dtype, 3, 1, True, **setup)
+    pool, _ = card_pool_bytes(machine, 0.9, profile.max_batched_tokens)
+    return Capacity(pool_layout(G27, cache), pool)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [dict(CTX="fast"), dict(CTX="fast", MAX_LEN="200000", MAX_SEQS="9"), dict(KV="auto")],
+)
+@pytest.mark.parametrize("machine", [RTX_4090, ASSUMED])
+def test_fast_and_batch_keep_their_argv(values, machine):
+    mode = "batch" if "KV" in values else "single"
+    plain = build_launch(loaded(**values), mode, api_key=None)
+    sized = build_launch(loaded(**values), mode, api_key=None, machine=machine)
+    assert sized.argv == plain.argv
+    assert sized.notices == plain.notices and sized.warnings == plain.warnings
+
+
+@pytest.mark.parametrize("ctx", ["long", "huge"])
+def test_a_card_that_holds_the_profile_keeps_its_numbers(ctx):
+    plain = build_launch(loaded(CTX=ctx), "single", api_key=None)
+    sized = build_launch(loaded(CTX=ctx), "single", api_key=None, machine=H200)
+    assert sized.argv == plain.argv
+    profile = SINGLE_PROFILES[ctx]
+    (line,) = [notice for notice in sized.notices if "this card holds" in notice]
+    slots = "slots" if profile.max_seqs > 1 else "slot"
+    assert (
+        f"CTX={ctx}: this card holds {profile.max_len:,} tokens at {profile.max_seqs} {slots}"
+        in line
+    )
+    assert "H200, GPU_UTIL 0.9" in line and "GPU KV cache size: " in line
+
+
+def test_huge_on_a_24_gb_card_takes_what_fits():
+    argv = build_launch(loaded(CTX="huge"), "single", api_key=None, machine=RTX_4090).argv
+    fits = capacity_for(RTX_4090, "huge").max_len(1) // 1024 * 1024
+    assert 65_536 < fits < 131_072
+    assert flag(argv, "--max-model-len") == str(fits)
+    assert flag(argv, "--max-num-seqs") == "1"
+    # everything else is CTX=huge's
+    plain = build_launch(loaded(CTX="huge"), "single", api_key=None).argv
+    assert [t for t in argv if t != str(fits)] == [t for t in plain if t != "262144"]
+
+
+def test_long_trades_slots_before_length():
+    # 32 GB: 131,072 tokens fit at one or more slots, not at four
+    rtx_5090 = Machine(32_607 * MiB, "RTX 5090", G27, PREPARED_27B_WEIGHT_BYTES, "prepared 27B")
+    capacity = capacity_for(rtx_5090, "long")
+    slots = capacity.slots(131_072)
+    assert 1 <= slots < 4
+    argv = build_launch(loaded(CTX="long"), "single", api_key=None, machine=rtx_5090).argv
+    assert (flag(argv, "--max-model-len"), flag(argv, "--max-num-seqs")) == ("131072", str(slots))
+
+
+def test_max_len_set_alone_takes_the_slots_that_fit():
+    argv = build_launch(
+        loaded(CTX="long", MAX_LEN="20000"), "single", api_key=None, machine=RTX_4090
+    ).argv
+    assert flag(argv, "--max-model-len") == "20000"
+    assert flag(argv, "--max-num-seqs") == str(capacity_for(RTX_4090, "long").slots(20000)) == "2"
+
+
+def test_max_seqs_set_alone_takes_the_length_that_fits():
+    argv = build_launch(
+        loaded(CTX="huge", MAX_SEQS="2"), "single", api_key=None, machine=RTX_4090
+    ).argv
+    assert flag(argv, "--max-num-seqs") == "2"
+    fits = capacity_for(RTX_4090, "huge").max_len(2) // 1024 * 1024
+    assert flag(argv, "--max-model-len") == str(fits)
+
+
+def test_a_max_len_beyond_the_card_is_refused_naming_the_knob_and_the_fit():
+    with pytest.raises(CapacityRefusal) as refusal:
+        build_launch(loaded(CTX="huge", MAX_LEN="262144"), "single", None, machine=RTX_4090)
+    fits = capacity_for(RTX_4090, "huge").max_len(1)
+    message = str(refusal.value)
+    assert message.startswith("MAX_LEN=262144 does not fit: ")
+    assert f"holds {fits:,} tokens at 1 slot" in message
+    assert f"Set MAX_LEN={fits // 1024 * 1024} or less" in message and "GPU_UTIL" in message
+    assert "RTX 4090" in message and "15.31 GiB weights" in message
+
+
+def test_max_len_with_max_seqs_beyond_the_card_names_both():
+    with pytest.raises(CapacityRefusal, match=r"^MAX_LEN=65536 with MAX_SEQS=4 does not fit: "):
+        build_launch(
+            loaded(CTX="long", MAX_LEN="65536", MAX_SEQS="4"), "single", None, machine=RTX_4090
+        )
+
+
+def test_too_many_slots_are_refused():
+    with pytest.raises(CapacityRefusal, match=r"^MAX_SEQS=64 does not fit: .*Lower MAX_SEQS"):
+        build_launch(loaded(CTX="huge", MAX_SEQS="64"), "single", None, machine=RTX_4090)
+
+
+def test_a_card_without_room_for_the_weights_refuses_ctx():
+    card_16gb = Machine(16_376 * MiB, "RTX 4080", G27, PREPARED_27B_WEIGHT_BYTES, "prepared 27B")
+    with pytest.raises(CapacityRefusal, match=r"^CTX=huge does not fit: .* leaves 0\.00 GiB"):
+        build_launch(loaded(CTX="huge"), "single", None, machine=card_16gb)
+
+
+def test_an_assumed_card_warns_instead_of_refusing():
+    plan = build_launch(loaded(CTX="huge", MAX_LEN="262144"), "single", None, machine=ASSUMED)
+    assert flag(plan.argv, "--max-model-len") == "262144"
+    (warning,) = plan.warnings
+    assert warning.startswith("MAX_LEN=262144 does not fit")
+    assert warning.endswith("(the server checks its own card at start)")
+
+
+def test_kv_mem_sizes_exactly_and_refuses_even_on_an_assumed_card():
+    kv_mem = kv_mem_bytes("3G")
+    profile = SINGLE_PROFILES["huge"]
+    from hyperqwen.capacity import CacheSetup
+
+    cache = CacheSetup(profile.kv_cache_dtype, profile.ssm_cache_dtype, 3, 1, True)
+    fits = Capacity(pool_layout(G27, cache), kv_mem).max_len(1)
+    argv = build_launch(loaded(CTX="huge", KV_MEM="3G"), "single", None, machine=ASSUMED).argv
+    assert flag(argv, "--max-model-len") == str(fits // 1024 * 1024)
+    with pytest.raises(CapacityRefusal, match=r"^MAX_LEN=262144 does not fit: KV_MEM=3G leaves"):
+        build_launch(
+            loaded(CTX="huge", KV_MEM="3G", MAX_LEN="262144"), "single", None, machine=ASSUMED
+        )
+
+
+def test_tensor_parallel_sizes_each_gpu():
+    two = build_launch(loaded(CTX="huge", GPU_COUNT="2"), "single", None, machine=RTX_4090).argv
+    one = build_launch(loaded(CTX="huge"), "single", None, machine=RTX_4090).argv
+    assert int(flag(two, "--max-model-len")) > 2 * int(flag(one, "--max-model-len"))
+
+
+def test_a_model_the_budget_does_not_know_keeps_the_profile():
+    plan = build_launch(loaded(CTX="huge"), "single", None, machine="x/config.json is not Qwen")
+    assert flag(plan.argv, "--max-model-len") == "262144"
+    assert "CTX=huge: not sized to the card: x/config.json is not Qwen." in plan.notices
+
+
+# --- the probe -----------------------------------------------------------------------------
+
+
+def write_model(folder, tensors_by_file: dict[str, dict[str, int]]) -> None:
+    """A config.json and safetensors files of bf16 vectors of the given lengths."""
+    import torch
+
+    from hyperqwen.checkpoint.shards import write_shard
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(build_config(PRESETS["tiny"])))
+    for name, tensors in tensors_by_file.items():
+        write_shard(
+            folder / name, {key: torch.zeros(n, dtype=torch.bfloat16) for key, n in tensors.items()}
+        )
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    folder = tmp_path / "model"
+    write_model(
+        folder,
+        {
+            "model-00001-of-00002.safetensors": {"model.language_model.a": 100, "mtp.b": 10},
+            "model-00002-of-00002.safetensors": {"model.visual.c": 1000, "lm_head.weight": 50},
+            DRAFT_HEAD_FILE: {"weight": 7},
+        },
+    )
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("values", "elements"),
+    [
+        ({}, 100 + 10 + 50 + 7),  # text only, MTP and its draft head
+        ({"VISION": "1"}, 100 + 10 + 1000 + 50 + 7),
+        ({"DRAFT_VOCAB": "off"}, 100 + 10 + 50),
+        ({"SPEC": "ngram"}, 100 + 50),
+    ],
+)
+def test_weights_count_what_vllm_loads(model_dir, values, elements):
+    assert loaded_weight_bytes(model_dir, Settings.model_validate(values)) == 2 * elements
+
+
+def test_weights_count_the_shards_the_index_lists(model_dir):
+    (model_dir / "model-00002-of-00002.safetensors").rename(model_dir / "stale.safetensors")
+    shards = ["model-00001-of-00002.safetensors", "stale.safetensors"]
+    weight_map = {"model.language_model.a": shards[0], "model.visual.c": shards[1]}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (model_dir / "model-00003-of-00003.safetensors").write_bytes(b"left over, never read")
+    assert loaded_weight_bytes(model_dir, Settings()) == 2 * (100 + 10 + 50 + 7)
+
+
+def test_probe_reads_the_card_and_the_model(model_dir):
+    gpus = [
+        Gpu(0, "RTX 4090", (8, 9), 23.99, "575", "450 W"),
+        Gpu(1, "RTX 3090", (8, 6), 23.5, "575", "350 W"),
+    ]
+    one = probe_machine(Settings(), model_dir, gpus)
+    assert (one.card, one.card_bytes, one.card_assumed) == ("RTX 4090", int(23.99 * GiB), False)
+    assert one.geometry == PRESETS["tiny"] and one.weight_bytes == 2 * (100 + 10 + 50 + 7)
+    both = probe_machine(Settings(GPU_COUNT=2), model_dir, gpus)
+    assert both.card == "RTX 3090"  # the smallest of the GPUs it serves on
+
+
+def test_probe_without_gpu_or_model_states_what_it_assumes(tmp_path):
+    machine = probe_machine(Settings(), tmp_path / "absent", [])
+    assert machine.card_assumed and machine.card_bytes == ASSUMED_CARD_BYTES
+    assert "no GPU seen" in machine.card
+    assert machine.geometry == G27 and machine.weight_bytes == PREPARED_27B_WEIGHT_BYTES
+    assert machine.weight_source.startswith(f"no model at {tmp_path / 'absent'}")
+
+
+def test_probe_declines_other_models(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert probe_machine(Settings(), tmp_path, []) == (
+        f"{tmp_path / 'config.json'} is not a Qwen3.5 checkpoint"
+    )
+
+
+# --- `hyperqwen serve` ---------------------------------------------------------------------
+
+
+def test_serve_prints_what_the_card_holds(tmp_path):
+    result = hyperqwen("serve", "single", "--print-argv", env={"CTX": "huge"}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "note: CTX=huge: this card holds " in result.stderr
+    assert "no GPU seen: an assumed 24 GiB card" in result.stderr
+
+
+def test_serve_refuses_a_max_len_the_cache_cannot_hold(tmp_path):
+    env = {"CTX": "huge", "KV_MEM": "2G", "MAX_LEN": "262144"}
+    result = hyperqwen("serve", "single", "--print-argv", env=env, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "refusing to start: MAX_LEN=262144 does not fit: KV_MEM=2G leaves 2.00 GiB" in (
+        result.stderr
+    )
+    assert result.stdout == ""
