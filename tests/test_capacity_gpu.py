@@ -1,0 +1,148 @@
+"""On the GPU host: vLLM's own KV-cache sizing of the 27B geometry against capacity.py's
+(issue 25, item 1: "checked against what vLLM itself reports").
+
+1. With the pool pinned (KV_MEM), the token count vLLM logs must be the one capacity.py computes,
+   for every KV dtype the budget knows: the pool's layout (block size, groups, state blocks) is
+   then the only thing compared.
+2. With the pool left to GPU_UTIL on a card the size of a 24 GB one (GPU_UTIL scaled to the
+   H200), the pool vLLM finds must be at least the one capacity.py predicts: the launcher's
+   reserve for activations, CUDA graphs and workspaces is an estimate, and an estimate that
+   is too small would pick a length vLLM then refuses. The measured parts land in the report.
+
+Each server stops once vLLM has logged its cache size (before CUDA-graph capture). Reports:
+$HYPERQWEN_TEST_LOGS/capacity-*.json. Run: `pytest -m gpu tests/test_capacity_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from gpu_server import ROOT, TRITON_GDN, log_dir, require_gpu
+
+from hyperqwen.capacity import (
+    CacheSetup,
+    Capacity,
+    GiB,
+    card_pool_bytes,
+    pool_layout,
+)
+from hyperqwen.capacity_probe import probe_machine
+from hyperqwen.gpu import list_gpus
+from hyperqwen.launch import SINGLE_PROFILES
+from hyperqwen.settings import load_settings
+
+pytestmark = pytest.mark.gpu
+
+KV_CHOICES = ("fp8", "auto", "int8_per_token_head", "int4_per_token_head", "turboquant_4bit_nc")
+POOL_BYTES = 3_943_652_394  # what capacity.py leaves CTX=huge on a 24 GB card at GPU_UTIL 0.9
+MAX_LEN = 32768  # fits every KV choice in that pool at one slot
+CARD_24GB_BYTES = 24 * GiB
+LOGGED_TIMEOUT_S = 600
+SIZE_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+AVAILABLE_LINE = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
+
+
+@pytest.fixture(scope="module")
+def prepared_27b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The prepared 27B's config, tokenizer and draft head (served with dummy weights)."""
+    require_gpu()
+    models = tmp_path_factory.mktemp("models")
+    command = [sys.executable, "-m", "hyperqwen.cli", "synth", str(models / "q27p")]
+    command += ["--preset", "27b", "--config-only", "--prepared", "--draft-head"]
+    subprocess.run(command, check=True, timeout=300, capture_output=True)
+    return models
+
+
+def served_until_sized(env: dict[str, str], log: Path) -> str:
+    """`hyperqwen serve single` with these knobs until vLLM logs its KV-cache size (or exits);
+    its log."""
+    full_env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
+    command = [sys.executable, "-m", "hyperqwen.cli", "serve", "single"]
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            command,
+            env={**full_env, **env},
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + LOGGED_TIMEOUT_S
+            while time.monotonic() < deadline and process.poll() is None:
+                if SIZE_LINE.search(log.read_text()):
+                    break
+                time.sleep(2)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return log.read_text()
+
+
+def knobs(models: Path, **more: str) -> dict[str, str]:
+    return {
+        "MODELS_DIR": str(models),
+        "MODEL": "q27p",
+        "CTX": "huge",
+        "PORT": "18071",
+        "TOOLS": "0",
+        **more,
+    }
+
+
+def logged(pattern: re.Pattern, log: str, where: Path) -> str:
+    found = pattern.search(log)
+    assert found, f"vLLM did not log {pattern.pattern!r}; log: {where}\n{log[-3000:]}"
+    return found[1]
+
+
+@pytest.mark.parametrize("kv", KV_CHOICES)
+def test_vllm_holds_the_tokens_capacity_computes(prepared_27b, tmp_path, kv):
+    extra = f"--load-format dummy --kv-cache-dtype {kv} {TRITON_GDN}"
+    env = knobs(prepared_27b, KV_MEM=str(POOL_BYTES), MAX_LEN=str(MAX_LEN), EXTRA_ARGS=extra)
+    log_file = log_dir(tmp_path) / f"capacity-{kv}-server.log"
+    log = served_until_sized(env, log_file)
+    vllm_tokens = int(logged(SIZE_LINE, log, log_file).replace(",", ""))
+    settings = load_settings(env, env_file=tmp_path / "none.env").settings
+    machine = probe_machine(settings, prepared_27b / "q27p", list_gpus())
+    setup = CacheSetup(kv, SINGLE_PROFILES["huge"].ssm_cache_dtype, 3, 1, prefix_caching=True)
+    capacity = Capacity(pool_layout(machine.geometry, setup), POOL_BYTES)
+    report = {"kv": kv, "pool_bytes": POOL_BYTES, "max_len": MAX_LEN, "vllm_tokens": vllm_tokens}
+    report["computed_tokens"] = capacity.vllm_tokens(MAX_LEN)
+    report["block_tokens"] = capacity.layout.block_tokens
+    (log_dir(tmp_path) / f"capacity-{kv}.json").write_text(json.dumps(report, indent=1))
+    assert vllm_tokens == report["computed_tokens"], report
+
+
+def test_the_reserve_estimate_never_promises_more_than_vllm_finds(prepared_27b, tmp_path):
+    gpu = list_gpus()[0]
+    util = f"{0.9 * CARD_24GB_BYTES / (gpu.memory_gib * GiB):.4f}"
+    extra = f"--load-format dummy {TRITON_GDN}"
+    env = knobs(prepared_27b, GPU_UTIL=util, MAX_LEN=str(MAX_LEN), EXTRA_ARGS=extra)
+    log_file = log_dir(tmp_path) / "capacity-reserve-server.log"
+    log = served_until_sized(env, log_file)
+    available = float(logged(AVAILABLE_LINE, log, log_file)) * GiB
+    settings = load_settings(env, env_file=tmp_path / "none.env").settings
+    machine = probe_machine(settings, prepared_27b / "q27p", [gpu])
+    predicted, how = card_pool_bytes(
+        machine, settings.GPU_UTIL, SINGLE_PROFILES["huge"].max_batched_tokens
+    )
+    usage = re.search(r"Actual usage is .*? CUDAGraph memory", log)
+    report = {
+        "gpu_util": util,
+        "predicted_pool_bytes": predicted,
+        "vllm_available_bytes": int(available),
+        "how": how,
+        "vllm_usage": usage[0] if usage else None,
+    }
+    (log_dir(tmp_path) / "capacity-reserve.json").write_text(json.dumps(report, indent=1))
+    assert available >= predicted, report
