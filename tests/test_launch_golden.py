@@ -81,7 +81,12 @@ def test_every_case_is_in_the_golden_file(golden):
 
 @pytest.mark.parametrize(("case", "mode_values"), cases().items(), ids=list(cases()))
 def test_launch_matches_the_golden_file(golden, case, mode_values):
-    assert launched(*mode_values) == golden[case]
+    now, then = launched(*mode_values), golden[case]
+    assert now["argv"] == then["argv"]
+    assert now["env"] == then["env"]
+    # "X is a single-mode knob" warnings come in knob declaration order, which the engine
+    # features' own knobs changed (they follow the others); the warnings themselves may not
+    assert sorted(now["warnings"]) == sorted(then["warnings"])
 
 
 if __name__ == "__main__":
