@@ -15,9 +15,10 @@ from hyperqwen import docs
 from hyperqwen.doctor import check_engine_features
 from hyperqwen.engine.features import (
     FEATURES,
-    GDN_BA,
+    OFF,
     ON,
     OUR_LINEAR_BACKEND,
+    SPLIT_QKV,
     FeatureSwitchError,
     enabled,
     env_value,
@@ -77,6 +78,12 @@ def test_the_default_launch_runs_each_feature_as_its_knob_default_says():
                 assert feature.state(env.get(feature.env)) == feature.owned_knob.default
 
 
+@pytest.mark.parametrize("mode", ["single", "batch"])
+def test_split_qkv_is_on_unless_its_knob_turns_it_off(mode):
+    assert SPLIT_QKV.env not in build_launch(loaded(), mode, None).env  # unset means on
+    assert build_launch(loaded(GDN_SPLIT_QKV="0"), mode, None).env[SPLIT_QKV.env] == OFF
+
+
 def test_no_profile_defaults_to_our_linear_backend():
     """w4a16_linear's launch reads LINEAR_BACKEND as set, not the profile's default."""
     profiles = [*SINGLE_PROFILES.values(), BATCH_PROFILE]
@@ -122,12 +129,12 @@ def test_engine_readme_table_is_generated():
 
 
 def test_doctor_reports_each_features_state_per_mode_and_stray_variables():
-    checks = check_engine_features(loaded(GDN_BA="1", DRAFT_VOCAB="off"), {})
+    checks = check_engine_features(loaded(GDN_BA="1", GDN_SPLIT_QKV="0"), {})
     single, batch = (check.detail for check in checks)
     assert single.startswith("single: ") and batch.startswith("batch: ")
     assert "gdn_ba on" in single and "gdn_ba on" in batch
-    assert "draft_vocab off" in single and "w4a16_linear off" in batch
+    assert "split_qkv off" in batch and "draft_vocab auto" in single
     assert "lookup" not in batch  # a single-mode feature
     assert all(check.status == "OK" for check in checks)
-    stray = check_engine_features(loaded(), {GDN_BA.env: "1"})[-1]
-    assert stray.status == "WARN" and GDN_BA.knob in stray.fix
+    stray = check_engine_features(loaded(), {SPLIT_QKV.env: "0"})[-1]
+    assert stray.status == "WARN" and SPLIT_QKV.knob in stray.fix

@@ -35,6 +35,7 @@ SWITCH_VARIANTS: dict[str, dict[str, str]] = {
     "prefix-cache-off": {"PREFIX_CACHE": "0"},
     "prefix-cache-off-overlap-asked": {"PREFIX_CACHE": "0", "PREFIX_CACHE_OVERLAP": "1"},
     "draft-vocab-off": {"DRAFT_VOCAB": "off"},
+    "split-qkv-off": {"GDN_SPLIT_QKV": "0"},
     "all-switches": {
         "GDN_RECURRENT": "1",
         "GDN_BA": "1",

@@ -178,6 +178,28 @@ GDN_BA = Feature(
     "against float64, op against vLLM's path, `torch.library.opcheck`); not run on a GPU yet",
 )
 
+SPLIT_QKV = Feature(
+    name="split_qkv",
+    seam="`gdn-split-qkv.patch` (the GDN layer's `rearrange_mixed_qkv`)",
+    env="HYPERQWEN_GDN_SPLIT_QKV",
+    knob="GDN_SPLIT_QKV",
+    unset=ON,
+    owned_knob=Knob(
+        "1",
+        "Build the Gated DeltaNet layers' contiguous q, k and v buffer with HyperQwen's kernel "
+        "(src/hyperqwen/kernels/split_qkv.py) in one launch instead of vLLM's three reshape "
+        "copies and a cat, on CUDA tensors with contiguous columns. Bit for bit the same buffer "
+        "(CPU tests, and compiled on the H200); not timed. 0 keeps vLLM's path (an ablation).",
+    ),
+    # unset is on, so the default launch sets nothing
+    launch=lambda settings, mode: None if settings.GDN_SPLIT_QKV == ON else OFF,
+    # it runs inside vLLM's GDN attention op, opaque to torch.compile: no traced graph sees it
+    changes_compiled_graph=False,
+    status="on by default; the q|k|v buffer from `../kernels/split_qkv.py` in one launch, "
+    "vLLM's copies and cat where it cannot take the tensor; exact against vLLM's cat (CPU "
+    "interpreter, and compiled on the H200); not timed",
+)
+
 W4A16_LINEAR = Feature(
     name="w4a16_linear",
     seam="`w4a16-linear.patch` (vLLM's choice of mixed-precision linear kernel)",
@@ -276,6 +298,7 @@ LOOKUP = Feature(
 FEATURES: tuple[Feature, ...] = (
     GDN_RECURRENT,
     GDN_BA,
+    SPLIT_QKV,
     W4A16_LINEAR,
     DRAFT_VOCAB,
     ALIGN_OVERLAP,
