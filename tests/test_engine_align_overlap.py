@@ -77,9 +77,13 @@ def test_the_runner_hunks_take_vllms_path_unless_the_step_applies(patched_vllm):
 
 
 def test_off_unless_the_env_says_1(monkeypatch):
-    from hyperqwen.engine import ALIGN_OVERLAP_ENV
+    """Unset, no step applies and vLLM's runner is not even looked at; set to 1, it is."""
+    from types import SimpleNamespace
 
-    monkeypatch.delenv(ALIGN_OVERLAP_ENV, raising=False)
-    assert not align_overlap.enabled()
-    monkeypatch.setenv(ALIGN_OVERLAP_ENV, "1")
-    assert align_overlap.enabled()
+    from hyperqwen.engine.features import ALIGN_OVERLAP
+
+    monkeypatch.delenv(ALIGN_OVERLAP.env, raising=False)
+    assert not align_overlap.applies(SimpleNamespace(), None)
+    monkeypatch.setenv(ALIGN_OVERLAP.env, "1")
+    with pytest.raises(AttributeError, match="cache_config"):
+        align_overlap.applies(SimpleNamespace(), None)

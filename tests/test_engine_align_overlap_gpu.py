@@ -21,7 +21,7 @@ from test_prepare_gpu import PROMPTS, tiny_server
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
-from hyperqwen.engine import ALIGN_OVERLAP_ENV
+from hyperqwen.engine.features import ALIGN_OVERLAP
 
 pytestmark = pytest.mark.gpu
 
@@ -64,7 +64,7 @@ def test_overlap_changes_no_token(tmp_path, tmp_path_factory):
         port = free_port()
         log = logs / f"align-overlap-{overlap}-server.log"
         command = [*tiny_server(model, port, SPECULATION), "--enable-prefix-caching"]
-        env = {**base_env, ALIGN_OVERLAP_ENV: overlap}
+        env = {**base_env, ALIGN_OVERLAP.env: overlap}
         with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
             results[overlap] = continuations(url)
         server_logs[overlap] = log.read_text()

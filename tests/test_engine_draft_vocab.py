@@ -14,6 +14,7 @@ from test_prepare_common import GEOMETRY, prepare_copy, tiny_base_dir
 from hyperqwen.checkpoint import shards
 from hyperqwen.checkpoint import w4a16 as checkpoint_format
 from hyperqwen.engine import draft_vocab
+from hyperqwen.engine.features import DRAFT_VOCAB, FeatureSwitchError, env_value
 from hyperqwen.prepare import folder
 
 
@@ -89,13 +90,13 @@ def test_refuses_a_head_without_rows(tmp_path):
 
 
 def test_knob_reads_auto_by_default_and_refuses_other_words(monkeypatch):
-    monkeypatch.delenv(draft_vocab.ENV, raising=False)
-    assert draft_vocab.choice() == "auto"
-    monkeypatch.setenv(draft_vocab.ENV, "off")
-    assert draft_vocab.choice() == "off"
-    monkeypatch.setenv(draft_vocab.ENV, "on")
-    with pytest.raises(draft_vocab.DraftVocabError, match="expected one of auto, off"):
-        draft_vocab.choice()
+    monkeypatch.delenv(DRAFT_VOCAB.env, raising=False)
+    assert env_value(DRAFT_VOCAB) == "auto"
+    monkeypatch.setenv(DRAFT_VOCAB.env, "off")
+    assert env_value(DRAFT_VOCAB) == "off"
+    monkeypatch.setenv(DRAFT_VOCAB.env, "on")
+    with pytest.raises(FeatureSwitchError, match="expected one of auto, off"):
+        env_value(DRAFT_VOCAB)
 
 
 @pytest.mark.parametrize(

@@ -24,16 +24,16 @@ from test_prepare_gpu import PROMPTS, agreeing_prefix, observe, tiny_server
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
-from hyperqwen.engine import DRAFT_VOCAB_ENV, LOOKUP_ENV
+from hyperqwen.engine.features import DRAFT_VOCAB, LOOKUP
 
 pytestmark = pytest.mark.gpu
 
 MTP3 = {"method": "mtp", "num_speculative_tokens": 3}
 SIDES = {  # name: (speculative config, engine environment)
     "no-speculation": (None, {}),
-    "mtp-draft-vocab": (MTP3, {DRAFT_VOCAB_ENV: "auto"}),
-    "mtp-full-head": (MTP3, {DRAFT_VOCAB_ENV: "off"}),
-    "mtp-lookup": (MTP3, {LOOKUP_ENV: "1"}),  # copies fused into MTP's drafts
+    "mtp-draft-vocab": (MTP3, {DRAFT_VOCAB.env: "auto"}),
+    "mtp-full-head": (MTP3, {DRAFT_VOCAB.env: "off"}),
+    "mtp-lookup": (MTP3, {LOOKUP.env: "1"}),  # copies fused into MTP's drafts
 }
 
 

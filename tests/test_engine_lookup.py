@@ -15,8 +15,8 @@ import pytest
 import torch
 from test_kernel_lookup import reference_drafts, reference_match
 
-from hyperqwen.engine import LOOKUP_ENV
 from hyperqwen.engine import lookup as engine_lookup
+from hyperqwen.engine.features import LOOKUP
 from hyperqwen.launch import LOOKUP_MATCH
 
 DRAFTS = 4
@@ -58,9 +58,9 @@ def propose(proposer, contexts, sampled_rows, lookup_on: bool, drafts: int = DRA
     sampled = [[context[-1]] if row in sampled_rows else [] for row, context in enumerate(contexts)]
     with pytest.MonkeyPatch.context() as patch:
         if lookup_on:
-            patch.setenv(LOOKUP_ENV, "1")
+            patch.setenv(LOOKUP.env, "1")
         else:
-            patch.delenv(LOOKUP_ENV, raising=False)
+            patch.delenv(LOOKUP.env, raising=False)
         return proposer.propose(drafts, sampled, lengths, tokens)
 
 
@@ -90,9 +90,9 @@ def test_unset_the_proposer_is_vllms(tiny_checkpoint):
 
 
 def test_lookup_is_on_only_with_the_env(monkeypatch):
-    monkeypatch.delenv(LOOKUP_ENV, raising=False)
+    monkeypatch.delenv(LOOKUP.env, raising=False)
     assert not engine_lookup.enabled()
-    monkeypatch.setenv(LOOKUP_ENV, "1")
+    monkeypatch.setenv(LOOKUP.env, "1")
     assert engine_lookup.enabled()
 
 
@@ -125,7 +125,7 @@ def test_fused_with_mtp_the_accepted_tokens_land_and_copies_fill_the_slots():
 
 
 def test_fusion_needs_mtp_with_greedy_drafts(monkeypatch):
-    monkeypatch.setenv(LOOKUP_ENV, "1")
+    monkeypatch.setenv(LOOKUP.env, "1")
     greedy = types.SimpleNamespace(method="mtp", draft_sample_method="greedy")
     assert engine_lookup.fused(greedy)
     assert not engine_lookup.fused(
@@ -134,7 +134,7 @@ def test_fusion_needs_mtp_with_greedy_drafts(monkeypatch):
     assert not engine_lookup.fused(
         types.SimpleNamespace(method="ngram_gpu", draft_sample_method="greedy")
     )
-    monkeypatch.delenv(LOOKUP_ENV)
+    monkeypatch.delenv(LOOKUP.env)
     assert not engine_lookup.fused(greedy)
 
 

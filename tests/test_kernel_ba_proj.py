@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hyperqwen.bench.kernels import relative_error
-from hyperqwen.engine import GDN_BA_ENV, gdn_ba
+from hyperqwen.engine import gdn_ba
+from hyperqwen.engine.features import GDN_BA
 from hyperqwen.kernels import ba_proj
 
 HIDDEN_27B, HEADS_27B = 5120, 48
@@ -87,9 +88,9 @@ def test_it_takes_a_plain_bf16_layer_only_when_asked(monkeypatch):
     projection = torch.nn.Linear(256, 12, bias=False, dtype=torch.bfloat16)
     projection.quant_method = UnquantizedLinearMethod()
     layer = SimpleNamespace(gqa_interleaved_layout=False, tp_size=1, in_proj_ba=projection)
-    monkeypatch.delenv(GDN_BA_ENV, raising=False)
+    monkeypatch.delenv(GDN_BA.env, raising=False)
     assert not gdn_ba.takes(layer)
-    monkeypatch.setenv(GDN_BA_ENV, "1")
+    monkeypatch.setenv(GDN_BA.env, "1")
     assert gdn_ba.takes(layer)
     for other in [{"gqa_interleaved_layout": True}, {"tp_size": 2}, {"in_proj_qkv": object()}]:
         assert not gdn_ba.takes(SimpleNamespace(**{**vars(layer), **other}))

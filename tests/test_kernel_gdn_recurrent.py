@@ -220,13 +220,13 @@ def test_block_choice_keeps_the_card_busy_and_bad_shapes_are_refused() -> None:
 
 
 def test_the_engine_choice_runs_ours_where_it_can_and_vllms_otherwise(monkeypatch) -> None:
-    from hyperqwen.engine import GDN_RECURRENT_ENV
+    from hyperqwen.engine.features import GDN_RECURRENT
     from hyperqwen.engine.gdn_recurrent import chosen, tokens_per_pass
 
     vllms = vllms_kernel()
-    monkeypatch.delenv(GDN_RECURRENT_ENV, raising=False)
+    monkeypatch.delenv(GDN_RECURRENT.env, raising=False)
     assert chosen(vllms) is vllms
-    monkeypatch.setenv(GDN_RECURRENT_ENV, "1")
+    monkeypatch.setenv(GDN_RECURRENT.env, "1")
     update = chosen(vllms)
     assert update is not vllms
     assert (tokens_per_pass(12, 3), tokens_per_pass(5, 5), tokens_per_pass(9, 3)) == (4, 1, 4)
@@ -256,7 +256,7 @@ def test_the_engine_choice_runs_ours_where_it_can_and_vllms_otherwise(monkeypatc
 def test_the_engine_choice_leaves_batches_and_plain_decode_to_vllm(monkeypatch) -> None:
     """Where the kernel was not timed faster (more than MAX_SEQUENCES sequences, decode steps
     without drafts), vLLM's kernel runs."""
-    from hyperqwen.engine import GDN_RECURRENT_ENV
+    from hyperqwen.engine.features import GDN_RECURRENT
     from hyperqwen.engine.gdn_recurrent import MAX_SEQUENCES, chosen
 
     vllms, calls = vllms_kernel(), []
@@ -265,7 +265,7 @@ def test_the_engine_choice_leaves_batches_and_plain_decode_to_vllm(monkeypatch) 
         calls.append(kwargs["cu_seqlens"].numel() - 1)
         return vllms(**kwargs)
 
-    monkeypatch.setenv(GDN_RECURRENT_ENV, "1")
+    monkeypatch.setenv(GDN_RECURRENT.env, "1")
     update = chosen(counted)
     cases = (([4] * MAX_SEQUENCES, True), ([4] * (MAX_SEQUENCES + 1), True), ([1, 1], False))
     for lengths, verify in cases:

@@ -54,12 +54,20 @@ def test_without_out_it_allocates_and_refuses_wrong_inputs() -> None:
     assert split_qkv(mixed[:0], 8, 8, 24).numel() == 0
 
 
-def test_vllms_patched_layer_takes_its_views_from_the_kernels_buffer(monkeypatch) -> None:
+@pytest.mark.parametrize("switch", [None, "1", "0"], ids=["unset", "on", "off"])
+def test_vllms_patched_layer_takes_its_views_from_the_kernels_buffer(monkeypatch, switch) -> None:
     """The installed vLLM's GatedDeltaNet.rearrange_mixed_qkv (patches/gdn-split-qkv.patch)
-    calls the kernel and returns the same (1, T, heads, dim) tensors as vLLM's own cat."""
+    calls the kernel, unless GDN_SPLIT_QKV=0 keeps vLLM's cat, and returns the same
+    (1, T, heads, dim) tensors as vLLM's own cat either way."""
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
 
+    from hyperqwen.engine.features import SPLIT_QKV
     from hyperqwen.kernels import split_qkv as module
+
+    if switch is None:
+        monkeypatch.delenv(SPLIT_QKV.env, raising=False)
+    else:
+        monkeypatch.setenv(SPLIT_QKV.env, switch)
 
     calls = []
     monkeypatch.setattr(module, "split_qkv", lambda *a, **k: calls.append(1) or split_qkv(*a, **k))
@@ -72,7 +80,7 @@ def test_vllms_patched_layer_takes_its_views_from_the_kernels_buffer(monkeypatch
     )
     mixed = torch.randn(4, 6144, device=DEVICE).to(torch.bfloat16)[:, :5120]
     query, key, value = rearrange(layer, mixed)
-    assert calls == [1]
+    assert calls == ([] if switch == "0" else [1])
     flat = vllm_reference(mixed, 1024, 1024, 3072)
     assert query.shape == (1, 4, 8, 128) and value.shape == (1, 4, 24, 128)
     assert torch.equal(query.reshape(-1).cpu(), flat[: 4 * 1024].cpu())

@@ -8,18 +8,17 @@ from typing import get_args
 
 import pytest
 
-from hyperqwen.engine import (
-    ALIGN_OVERLAP_ENV,
-    DRAFT_VOCAB_CHOICES,
-    DRAFT_VOCAB_ENV,
-    GDN_BA_ENV,
-    GDN_RECURRENT_ENV,
-    LOOKUP_ENV,
-    W4A16_ENV,
+from hyperqwen.engine.features import (
+    ALIGN_OVERLAP,
+    DRAFT_VOCAB,
+    GDN_BA,
+    GDN_RECURRENT,
+    LOOKUP,
+    W4A16_LINEAR,
 )
 from hyperqwen.launch import FLAG_ALIASES, LOOKUP_MATCH, build_launch, redact_argv
 from hyperqwen.patches import series_status
-from hyperqwen.settings import DraftVocab, LinearBackend, LoadedSettings, Settings
+from hyperqwen.settings import LinearBackend, LoadedSettings, Settings
 
 
 def loaded(**values: str) -> LoadedSettings:
@@ -294,11 +293,7 @@ def test_overlap_asked_for_without_prefix_caching_warns():
 )
 def test_draft_vocab_reaches_the_patched_vllm_through_its_env(mode, values, expected):
     plan = build_launch(loaded(**values), mode, None)
-    assert plan.env.get(DRAFT_VOCAB_ENV) == expected
-
-
-def test_the_engine_reads_the_values_the_knob_takes():
-    assert get_args(DraftVocab) == DRAFT_VOCAB_CHOICES
+    assert plan.env.get(DRAFT_VOCAB.env) == expected
 
 
 @pytest.mark.parametrize(
@@ -318,7 +313,7 @@ def test_linear_backend_defaults_per_mode_and_reaches_vllm(vllm_serve, mode, val
     args = vllm_serve(plan.argv)
     assert args.linear_backend == expected
     ours = values.get("LINEAR_BACKEND") == "hyperqwen"
-    assert (plan.env.get(W4A16_ENV) == "1") == ours
+    assert (plan.env.get(W4A16_LINEAR.env) == "1") == ours
 
 
 def test_linear_backend_values_are_vllms_but_ours():
@@ -339,7 +334,7 @@ def test_linear_backend_values_are_vllms_but_ours():
     ],
 )
 def test_lookup_search_is_switched_on_through_the_engine_env(mode, values, expected):
-    assert build_launch(loaded(**values), mode, None).env.get(LOOKUP_ENV) == expected
+    assert build_launch(loaded(**values), mode, None).env.get(LOOKUP.env) == expected
 
 
 @pytest.mark.parametrize("mode", ["single", "batch"])
@@ -366,12 +361,12 @@ def test_every_split_parses_and_shards_as_asked(vllm_serve, mode, split, count):
     ],
 )
 def test_prefix_cache_overlap_reaches_the_engine_env(mode, values, expected):
-    assert build_launch(loaded(**values), mode, None).env.get(ALIGN_OVERLAP_ENV) == expected
+    assert build_launch(loaded(**values), mode, None).env.get(ALIGN_OVERLAP.env) == expected
 
 
 @pytest.mark.parametrize("mode", ["single", "batch"])
 @pytest.mark.parametrize(
-    ("knob", "variable"), [("GDN_RECURRENT", GDN_RECURRENT_ENV), ("GDN_BA", GDN_BA_ENV)]
+    ("knob", "variable"), [("GDN_RECURRENT", GDN_RECURRENT.env), ("GDN_BA", GDN_BA.env)]
 )
 def test_gdn_kernel_knobs_reach_the_engine_env_in_both_modes(mode, knob, variable):
     assert variable not in build_launch(loaded(), mode, None).env  # off by default

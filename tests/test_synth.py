@@ -339,6 +339,7 @@ def test_draft_vocabulary_installs_into_vllms_own_mtp_drafter(
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     from hyperqwen.engine import draft_vocab
+    from hyperqwen.engine.features import DRAFT_VOCAB
     from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
     from hyperqwen.synth import write_synthetic_draft_head
 
@@ -355,10 +356,10 @@ def test_draft_vocabulary_installs_into_vllms_own_mtp_drafter(
         proposer = SimpleNamespace(
             model=draft, vllm_config=vllm_config, use_local_argmax_reduction=False
         )
-        monkeypatch.setenv(draft_vocab.ENV, "off")
+        monkeypatch.setenv(DRAFT_VOCAB.env, "off")
         assert not draft_vocab.install(proposer)
         full_head = draft.lm_head
-        monkeypatch.setenv(draft_vocab.ENV, "auto")
+        monkeypatch.setenv(DRAFT_VOCAB.env, "auto")
         assert draft_vocab.install(proposer)
         hidden = torch.randn((5, PRESETS["tiny"].hidden_size), dtype=torch.bfloat16)
         greedy = draft.get_top_tokens(hidden)

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Literal
 
+from hyperqwen.engine.features import FEATURES, OFF, ON
 from hyperqwen.gpu import MIN_COMPUTE_CAPABILITY, MIN_MEMORY_GIB_27B, REQUIREMENT, NoGpu, list_gpus
 from hyperqwen.launch import choose_host, model_path
 from hyperqwen.settings import (
+    MODES,
     PINNED_VLLM,
     LoadedSettings,
     SettingsError,
@@ -193,6 +195,31 @@ def check_toolkit(environ: dict[str, str]) -> Check:
     )
 
 
+def check_engine_features(loaded: LoadedSettings, environ: dict[str, str]) -> list[Check]:
+    """What each engine feature runs with in `hyperqwen serve MODE` for these settings, and any
+    of their variables set by hand, which reach vLLM wherever the launcher leaves them unset."""
+    checks = []
+    for mode in MODES:
+        states = []
+        for feature in FEATURES:
+            if mode in feature.modes:
+                state = feature.state(feature.env_for(loaded.settings, mode))
+                states.append(f"{feature.name} {({ON: 'on', OFF: 'off'}).get(state, state)}")
+        checks.append(Check("OK", "engine", f"{mode}: {', '.join(states)}"))
+    for feature in FEATURES:
+        if feature.env in environ:
+            checks.append(
+                Check(
+                    "WARN",
+                    "engine",
+                    f"{feature.env}={environ[feature.env]} is set in this environment: it reaches "
+                    f"vLLM wherever {feature.knob} leaves it unset",
+                    f"unset {feature.env} and set the {feature.knob} knob instead",
+                )
+            )
+    return checks
+
+
 def run_doctor(environ: dict[str, str], in_container: bool) -> tuple[list[Check], int]:
     checks = [
         check_python(),
@@ -208,6 +235,7 @@ def run_doctor(environ: dict[str, str], in_container: bool) -> tuple[list[Check]
         checks.append(Check("FAIL", "settings", str(error)))
     else:
         checks.append(Check("OK", "settings", "all knobs valid"))
+        checks += check_engine_features(loaded, environ)
         checks += check_model(loaded)
         checks.append(check_exposure(loaded, in_container))
     failed = any(check.status == "FAIL" for check in checks)

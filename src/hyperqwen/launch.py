@@ -14,17 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hyperqwen.capacity import CacheSetup, CapacityRefusal, Machine, fit_to_card
-from hyperqwen.engine import (
-    ALIGN_OVERLAP_ENV,
-    DRAFT_VOCAB_ENV,
-    GDN_BA_ENV,
-    GDN_RECURRENT_ENV,
-    LOOKUP_ENV,
-    W4A16_ENV,
-)
+from hyperqwen.engine.features import FEATURES, OUR_LINEAR_BACKEND, launch_env
 from hyperqwen.settings import (
     NO_REASONING_PARSER,
-    OUR_LINEAR_BACKEND,
     LoadedSettings,
     Mode,
     Settings,
@@ -122,7 +114,7 @@ def speculative_config(settings: Settings) -> dict | None:
         # Match 2-5 token n-grams of the prompt: long enough to avoid spurious copies.
         config.update(prompt_lookup_min=2, prompt_lookup_max=5)
     elif settings.SPEC == "lookup":
-        # vLLM's CPU n-gram proposer, searching with HyperQwen's match (LOOKUP_ENV)
+        # vLLM's CPU n-gram proposer, searching with HyperQwen's match (engine/lookup.py)
         config.update(
             method="ngram", prompt_lookup_min=LOOKUP_MATCH[0], prompt_lookup_max=LOOKUP_MATCH[1]
         )
@@ -310,21 +302,8 @@ def build_launch(
 
     warnings += _ignored_knob_warnings(settings, mode, loaded.explicit)
 
-    env: dict[str, str] = {}
-    if api_key:
-        env["VLLM_API_KEY"] = api_key
-    if settings.GDN_RECURRENT == "1":
-        env[GDN_RECURRENT_ENV] = "1"
-    if settings.GDN_BA == "1":
-        env[GDN_BA_ENV] = "1"
-    if linear_backend == OUR_LINEAR_BACKEND:
-        env[W4A16_ENV] = "1"
-    if mode == "single":
-        env[DRAFT_VOCAB_ENV] = settings.DRAFT_VOCAB
-        if settings.SPEC == "lookup" or (settings.SPEC == "mtp" and settings.LOOKUP == "1"):
-            env[LOOKUP_ENV] = "1"
-        if settings.PREFIX_CACHE_OVERLAP == "1" and settings.PREFIX_CACHE == "1":
-            env[ALIGN_OVERLAP_ENV] = "1"
+    env = {"VLLM_API_KEY": api_key} if api_key else {}
+    env.update(launch_env(settings, mode))
     return LaunchPlan(argv, env, warnings, notices, host, path, served_name, tensor_parallel)
 
 
@@ -398,16 +377,9 @@ def _ignored_knob_warnings(settings: Settings, mode: Mode, explicit: frozenset[s
         warnings.append(
             f"DRAFT_SAMPLE is ignored with SPEC={settings.SPEC} (copied drafts are not sampled)."
         )
-    if mode == "single" and "PREFIX_CACHE_OVERLAP" in explicit and settings.PREFIX_CACHE == "0":
-        warnings.append("PREFIX_CACHE_OVERLAP is ignored with PREFIX_CACHE=0 (nothing to overlap).")
-    if mode == "single" and settings.LOOKUP == "1":
-        if settings.SPEC != "mtp":
-            warnings.append(f"LOOKUP is ignored with SPEC={settings.SPEC} (it fills MTP's drafts).")
-        elif settings.DRAFT_SAMPLE != "greedy":
-            warnings.append(
-                "LOOKUP is ignored with DRAFT_SAMPLE=probabilistic (a copied draft has no MTP "
-                "probability to verify against)."
-            )
+    for feature in FEATURES:
+        if feature.knob in explicit and (why := feature.ignored(settings, mode)):
+            warnings.append(why)
     if settings.TOOLS == "0" and "TOOL_PARSER" in explicit:
         warnings.append("TOOL_PARSER is ignored with TOOLS=0.")
     return warnings

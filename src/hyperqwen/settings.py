@@ -1,8 +1,10 @@
 """Every serving knob in one place: default, allowed values, help text and what it becomes.
 
-The pydantic model below is the single source of truth. The launcher (`launch.py`), the
-generated `.env.example`, the knob tables in `single-user/README.md` and `batch/README.md` and
-the redacted startup print all read it; a test fails when the generated files drift.
+The pydantic model below is the single source of truth (the knobs that switch an engine feature
+are declared with the feature, in engine/features.py, and added to it from there). The launcher
+(`launch.py`), the generated `.env.example`, the knob tables in `single-user/README.md` and
+`batch/README.md` and the redacted startup print all read it; a test fails when the generated
+files drift.
 
 Knobs are read from the process environment and from a `.env` file (python-dotenv); the
 environment wins. A knob left unset takes its profile default, which depends on the mode
@@ -18,7 +20,9 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from dotenv import dotenv_values
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+
+from hyperqwen.engine.features import FEATURES, W4A16_LINEAR, Knob
 
 Mode = Literal["single", "batch"]
 MODES: tuple[Mode, ...] = ("single", "batch")
@@ -30,13 +34,9 @@ SpecMethod = Literal["mtp", "ngram", "lookup", "off"]
 ContextProfile = Literal["fast", "long", "huge"]
 KvCacheDtype = Literal["auto", "fp8"]
 DraftSample = Literal["greedy", "probabilistic"]
-DraftVocab = Literal[
-    "auto", "off"
-]  # hyperqwen.engine.DRAFT_VOCAB_CHOICES (a test keeps them equal)
 Switch = Literal["0", "1"]
+# hyperqwen: engine.features.OUR_LINEAR_BACKEND (vLLM gets marlin)
 LinearBackend = Literal["auto", "marlin", "machete", "hyperqwen"]
-# LINEAR_BACKEND's one value vLLM does not know: vLLM gets marlin, the engine HYPERQWEN_W4A16=1
-OUR_LINEAR_BACKEND = "hyperqwen"
 GpuSplit = Literal["tp", "dp"]
 
 PINNED_VLLM = "0.26.0"
@@ -64,8 +64,9 @@ def knob(
 NO_REASONING_PARSER = "none"
 
 
-class Settings(BaseModel):
-    """The effective configuration of one server. Field names are the environment variable names."""
+class ServingKnobs(BaseModel):
+    """The knobs Settings declares itself; the engine features' own knobs follow them, added
+    from their declarations (engine/features.py) below."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
@@ -201,38 +202,7 @@ class Settings(BaseModel):
         "tiles.json; not measured in a server yet). Default: single "
         "marlin (faster at 1-16 tokens per step: 1.14x stock vLLM's MTP at C1 on the H200, "
         "against 1.01x with Machete), batch auto (Machete wins at 64).",
-        "--linear-backend (hyperqwen: marlin, and env HYPERQWEN_W4A16 for the patched vLLM)",
-    )
-    PREFIX_CACHE_OVERLAP: Switch = knob(
-        "1",
-        "Single mode, with PREFIX_CACHE=1 and speculative decoding: prepare each step while the "
-        "previous one still runs, as without prefix caching; vLLM 0.26 waits for the previous "
-        "step's accepted tokens first. H200 27B, C1 TPOT: 3.60 ms with it, 4.23 ms with "
-        "vLLM's wait, 3.57 ms without prefix caching. Same tokens as the wait (GPU test, H200; "
-        "src/hyperqwen/engine/align_overlap.py).",
-        "env HYPERQWEN_ALIGN_OVERLAP (patched vLLM)",
-        modes=SINGLE,
-    )
-    GDN_RECURRENT: Switch = knob(
-        "0",
-        "Run the Gated DeltaNet layers' verify-step recurrent update at one or two sequences "
-        "through HyperQwen's kernel (src/hyperqwen/kernels/gdn_recurrent.py: inputs loaded "
-        "before the token walk, more programs) instead of vLLM's (0.56 ms of a 9.8 ms 27B MTP "
-        "step on the H200). Same results to fp32 rounding (CPU tests, and compiled on the "
-        "H200). The kernel alone took 0.62x vLLM's time at one sequence and 0.81x at two "
-        "(`hyperqwen bench gdn`, H200); the whole step is not measured yet, so it is off by "
-        "default.",
-        "env HYPERQWEN_GDN_RECURRENT (patched vLLM)",
-    )
-    GDN_BA: Switch = knob(
-        "0",
-        "Compute the Gated DeltaNet layers' b and a projections of decode and verify steps "
-        "(at most 16 tokens) with HyperQwen's skinny kernel (src/hyperqwen/kernels/ba_proj.py), "
-        "written contiguous in one launch, instead of vLLM's bf16 GEMM (4.9 us per layer in "
-        "the H200 profile of docs/results/2026-12-01-h200-27b-single-overlap.json), split and "
-        "two copies; prefill keeps vLLM's. Same results "
-        "to bf16 rounding (CPU tests); not timed yet, so off by default.",
-        "env HYPERQWEN_GDN_BA (patched vLLM)",
+        f"--linear-backend (hyperqwen: marlin, and env {W4A16_LINEAR.env} for the patched vLLM)",
     )
     VISION: Switch = knob(
         "0",
@@ -294,27 +264,6 @@ class Settings(BaseModel):
         modes=SINGLE,
     )
 
-    LOOKUP: Switch = knob(
-        "0",
-        "With SPEC=mtp and DRAFT_SAMPLE=greedy: also copy drafts from the request's own context "
-        "(the tokens that followed the longest, latest earlier occurrence of its last 2-12 "
-        "tokens) into MTP's draft slots, where the match is 6 tokens or more or MTP's first "
-        "draft agrees. Meant for answers that quote the prompt (edits, rewrites); acceptance "
-        "not measured yet, and it keeps its tokens with vLLM's ngram_gpu bookkeeping, which "
-        "lost acceptance under async scheduling on the H200: leave it off until measured.",
-        "env HYPERQWEN_LOOKUP (patched vLLM)",
-        modes=SINGLE,
-    )
-    DRAFT_VOCAB: DraftVocab = knob(
-        "auto",
-        "With SPEC=mtp: the drafter scores only the draft vocabulary prepare cut (40,960 ids, "
-        "hyperqwen-draft-head.safetensors in the model folder) instead of all 248,320, and each "
-        "draft token reads a sixth of the head. Output is unchanged (the model verifies every "
-        "draft against the full vocabulary). auto: on when the file exists; off: full head.",
-        "env HYPERQWEN_DRAFT_VOCAB (patched vLLM)",
-        modes=SINGLE,
-    )
-
     # --- batch mode ----------------------------------------------------------------------
     KV: KvCacheDtype = knob(
         "fp8",
@@ -331,6 +280,23 @@ class Settings(BaseModel):
         if value is not None and not value.strip():
             raise ValueError("must be an address such as 127.0.0.1 or 0.0.0.0, or unset")
         return value
+
+
+def _owned_knob_field(declared: Knob, env: str) -> tuple[Any, Any]:
+    """An engine feature's own knob as a Settings field; it becomes the feature's variable."""
+    becomes = f"env {env} (patched vLLM)"
+    return Literal[declared.values], knob(declared.default, declared.help, becomes, declared.modes)
+
+
+# The engine features' own knobs follow the ones above, in engine/features.py's order.
+Settings = create_model(
+    "Settings",
+    __base__=ServingKnobs,
+    __module__=__name__,
+    __doc__="The effective configuration of one server. Field names are the environment "
+    "variable names.",
+    **{f.knob: _owned_knob_field(f.owned_knob, f.env) for f in FEATURES if f.owned_knob},
+)
 
 
 @dataclass(frozen=True)

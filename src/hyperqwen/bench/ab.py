@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -81,6 +82,7 @@ from hyperqwen.bench.workload import (
     load_sharegpt_prompts,
     served_token_ids,
 )
+from hyperqwen.engine.features import FEATURES
 from hyperqwen.launch import LaunchPlan, build_launch
 from hyperqwen.patches import (
     PatchSeriesError,
@@ -195,8 +197,8 @@ def profile_serve_argv(model: Path, port: int, mode: str, env_file: str | None) 
 
 def side_environment(side: str, args: argparse.Namespace, port: int, parent: Path) -> dict:
     """The server's environment: this one's (less the key), with the side's vllm/ first on
-    PYTHONPATH; the patched side adds the launcher's variables (the engine's knobs, e.g.
-    HYPERQWEN_DRAFT_VOCAB, travel there as in `hyperqwen serve`)."""
+    PYTHONPATH; the patched side adds the launcher's variables (the engine features' switches,
+    engine/features.py, travel there as in `hyperqwen serve`)."""
     env = {key: value for key, value in os.environ.items() if key != "VLLM_API_KEY"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(parent), env.get("PYTHONPATH")]))
     if side == "patched":
@@ -1062,12 +1064,22 @@ Examples:
 Exit codes: 0 done, 1 a server failed while measured, 2 bad options, trees or start."""
 
 
+def ablations_text() -> str:
+    """The ablation of each engine feature, from its declaration (engine/features.py)."""
+    flips = ", ".join(f"{feature.ablation} ({feature.name})" for feature in FEATURES)
+    return textwrap.fill(
+        "Ablations: a patched run (variant) with one engine feature switched from its default "
+        f"by its knob in that run's environment: {flips}.",
+        95,
+    )
+
+
 def add_ab_subcommand(actions) -> None:
     """Add `ab`, `publish` and `docs` to the `hyperqwen bench` actions (its subparsers)."""
     ab = actions.add_parser(
         "ab",
         help="stock vLLM vs the HyperQwen build on this GPU: ratios of every row",
-        description=AB_DESCRIPTION,
+        description=AB_DESCRIPTION + "\n\n" + ablations_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ab.add_argument("model", metavar="MODEL_DIR", help="model folder (config.json at least)")

@@ -18,18 +18,13 @@ before that kernel, in stream order). Any other step runs vLLM's own path.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from hyperqwen.engine import ALIGN_OVERLAP_ENV
+from hyperqwen.engine.features import ALIGN_OVERLAP, enabled
 
 log = logging.getLogger("vllm.hyperqwen.align_overlap")
 _announced = False
-
-
-def enabled() -> bool:
-    return os.environ.get(ALIGN_OVERLAP_ENV) == "1"
 
 
 def block_index(num_tokens: int, block_size: int) -> int:
@@ -66,7 +61,7 @@ def step_is_safe(
 
 def applies(runner, scheduler_output) -> bool:
     """Whether this step of vLLM's GPU model runner skips the wait."""
-    if not enabled() or runner.cache_config.mamba_cache_mode != "align":
+    if not enabled(ALIGN_OVERLAP) or runner.cache_config.mamba_cache_mode != "align":
         return False
     if not runner.use_async_scheduling or runner.speculative_config is None:
         return False

@@ -22,7 +22,6 @@ the file exists, "off" leaves vLLM's full head.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +30,7 @@ from safetensors import safe_open
 
 from hyperqwen.checkpoint import w4a16 as checkpoint_format
 from hyperqwen.drafter.head import PREFIX
-from hyperqwen.engine import DRAFT_VOCAB_CHOICES as CHOICES
-from hyperqwen.engine import DRAFT_VOCAB_ENV as ENV
+from hyperqwen.engine.features import DRAFT_VOCAB, env_value
 from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
 
 log = logging.getLogger("vllm.hyperqwen.draft_vocab")
@@ -57,7 +55,10 @@ class DraftHead:
 
 def load_draft_head(path: Path, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> DraftHead:
     """Read and check a draft head file; the int8 rows of a prepared head come back in `dtype`."""
-    fix = f"rerun `hyperqwen prepare` to rewrite it, or set DRAFT_VOCAB=off ({ENV}=off)"
+    fix = (
+        f"rerun `hyperqwen prepare` to rewrite it, or set {DRAFT_VOCAB.knob}=off "
+        f"({DRAFT_VOCAB.env}=off)"
+    )
     with safe_open(path, framework="pt") as handle:
         names = set(handle.keys())
         if f"{PREFIX}.token_ids" not in names:
@@ -103,13 +104,6 @@ def full_vocab_logits(draft_logits: torch.Tensor, token_ids: torch.Tensor, vocab
     return full
 
 
-def choice() -> str:
-    value = os.environ.get(ENV, "auto")
-    if value not in CHOICES:
-        raise DraftVocabError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)}")
-    return value
-
-
 def install(proposer) -> bool:
     """Give a loaded vLLM MTP proposer the draft head (vLLM's seam: after load_model shared the
     target's lm_head). Returns whether it was installed; logs why not."""
@@ -118,7 +112,7 @@ def install(proposer) -> bool:
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     config = proposer.vllm_config
-    if choice() == "off" or config.speculative_config.method != "mtp":
+    if env_value(DRAFT_VOCAB) == "off" or config.speculative_config.method != "mtp":
         return False
     path = Path(config.model_config.model) / DRAFT_HEAD_FILE
     if not path.is_file():

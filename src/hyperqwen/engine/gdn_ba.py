@@ -11,22 +11,16 @@ vLLM's path is that plain: the bf16 weight of an unquantized in_proj_ba, b's row
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from hyperqwen.engine import GDN_BA_ENV
+from hyperqwen.engine.features import GDN_BA, enabled
 from hyperqwen.kernels import ba_proj
-
-
-def enabled() -> bool:
-    return os.environ.get(GDN_BA_ENV) == "1"
 
 
 def takes(layer) -> bool:
     """Whether b and a of this GatedDeltaNet layer come from the op: from its structure only,
     when it is built, so torch.compile sees a constant."""
-    if not enabled() or layer.gqa_interleaved_layout or layer.tp_size != 1:
+    if not enabled(GDN_BA) or layer.gqa_interleaved_layout or layer.tp_size != 1:
         return False
     if hasattr(layer, "in_proj_qkv"):  # LoRA splits the projections
         return False

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from hyperqwen.engine import GDN_RECURRENT_ENV
+from hyperqwen.engine.features import GDN_RECURRENT, enabled
 
 MAX_TOKENS_PER_PASS = 16
 MAX_SEQUENCES = 2  # more go to vLLM's kernel: at four it was no faster (see above)
@@ -30,7 +30,7 @@ def tokens_per_pass(total_tokens: int, sequences: int) -> int:
 
 def chosen(vllms: Callable) -> Callable:
     """vLLM's function, or with GDN_RECURRENT=1 one that runs HyperQwen's kernel where it can."""
-    if os.environ.get(GDN_RECURRENT_ENV) != "1":
+    if not enabled(GDN_RECURRENT):
         return vllms
 
     from hyperqwen.kernels.gdn_recurrent import gdn_recurrent_update, unsupported

@@ -24,12 +24,10 @@ Verification is vLLM's, so the output is the model's either way; only which draf
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
-from hyperqwen.engine import LOOKUP_ENV
+from hyperqwen.engine import features
 from hyperqwen.kernels.lookup import find_suffix_match, fuse_with_mtp, suffix_match_on_host
 
 # Fused with MTP: matches of 2-12 tokens are found; one of LONG_MATCH or more is copied alone,
@@ -41,7 +39,8 @@ SHORT_MATCH_DRAFTS = 4
 
 
 def enabled() -> bool:
-    return os.environ.get(LOOKUP_ENV) == "1"
+    """Whether HyperQwen's search drafts (lookup-search.patch asks it) and fuses with MTP."""
+    return features.enabled(features.LOOKUP)
 
 
 def propose(

@@ -18,11 +18,10 @@ the tiles for prefill's M are not timed yet.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from hyperqwen.engine import W4A16_ENV
+from hyperqwen.engine.features import W4A16_LINEAR, enabled
 from hyperqwen.kernels import w4a16
 
 GROUP = w4a16.PAIR_GROUP
@@ -31,10 +30,6 @@ GROUP = w4a16.PAIR_GROUP
 SMALL_M_PROGRAMS = 896
 SMALL_M = 64  # up to here: 64-row weight tiles, split-K; beyond: prefill's tiles
 REPACK_ROWS = 2048  # rows repacked at a time, so a full-vocabulary layer needs no big scratch
-
-
-def enabled() -> bool:
-    return os.environ.get(W4A16_ENV) == "1"
 
 
 def tile_for(m: int, n: int, k: int, capability: int = 90) -> w4a16.TileConfig:
@@ -156,6 +151,6 @@ def linear_kernel_class():
 def candidates(kernels: list, on_cuda: bool) -> list:
     """vLLM's mixed-precision kernels in the order it tries them; with HYPERQWEN_W4A16=1 on
     CUDA, HyperQwen's first."""
-    if not (enabled() and on_cuda):
+    if not (enabled(W4A16_LINEAR) and on_cuda):
         return kernels
     return [linear_kernel_class(), *kernels]

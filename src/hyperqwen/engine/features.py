@@ -1,0 +1,317 @@
+"""HyperQwen's engine features, each declared once.
+
+A feature is code HyperQwen runs inside vLLM's processes (a module here, over a kernel in
+../kernels), called from one seam in vLLM (a hook in patches/), switched by one knob that the
+launcher turns into one environment variable. Its declaration below is all the rest of the
+project knows of it: Settings builds the knob from it, the launcher sets the variable with it,
+vLLM's compile cache key, `hyperqwen doctor`, the generated knob tables and engine/README.md's
+table read it, and the module asks `enabled(FEATURE)` or `env_value(FEATURE)` in vLLM's process.
+
+Adding a kernel or drafter: its module, one `Feature` in FEATURES, its hook and its tests.
+
+This module runs inside vLLM: it imports the standard library only (no settings, no pydantic).
+A `launch` or `ignored` function gets the Settings object and reads its knobs by attribute.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+ON, OFF = "1", "0"
+SWITCH = (OFF, ON)
+BOTH_MODES = ("single", "batch")
+SINGLE_MODE = ("single",)
+# LINEAR_BACKEND's one value vLLM does not know: vLLM gets marlin, the engine HYPERQWEN_W4A16=1
+OUR_LINEAR_BACKEND = "hyperqwen"
+
+
+class FeatureSwitchError(ValueError):
+    """An engine variable holds a value its feature does not take (never read as "off")."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    """The Settings knob a feature owns (Settings adds it as a field; its 'becomes' is the
+    feature's variable)."""
+
+    default: str
+    help: str
+    values: tuple[str, ...] = SWITCH
+    modes: tuple[str, ...] = BOTH_MODES
+
+
+def _never(settings: Any, mode: str) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    """Its module's name: engine/NAME.py."""
+    seam: str
+    """The hook in vLLM that calls it: the patch and where."""
+    env: str
+    """The environment variable the launcher sets and the engine reads."""
+    knob: str
+    """The Settings knob that switches it."""
+    status: str
+    """What it does and how far it is proven: engine/README.md's table."""
+    launch: Callable[[Any, str], str | None] | None = None
+    """(Settings, mode) -> the variable's value in `hyperqwen serve`'s environment, None: unset.
+    None: an own on/off knob, the variable set to 1 when the knob is."""
+    unset: str = OFF
+    """What the engine runs with the variable unset."""
+    owned_knob: Knob | None = None
+    """The knob's declaration, where the feature owns it; None: a knob Settings declares."""
+    changes_compiled_graph: bool = True
+    """Whether it may change what a torch.compile graph holds, so vLLM's compile cache key
+    includes the variable (patches/compile-cache-key.patch) and a graph cached with the switch
+    off is not loaded with it on. True unless shown otherwise: w4a16_linear and gdn_ba decide
+    at layer construction which ops the graph calls; the runtime switches stay in the key as
+    they always were, none being shown to leave every compiled graph alone."""
+    ignored: Callable[[Any, str], str | None] = _never
+    """(Settings, mode) -> why the knob, set explicitly, has no effect there (a launch warning)."""
+    turned_on_by: str = ""
+    """KNOB=VALUE that turns it on, where the knob is not its own."""
+
+    def env_for(self, settings: Any, mode: str) -> str | None:
+        """The variable's value in `hyperqwen serve MODE`'s environment; None: unset."""
+        if self.launch is None:
+            return ON if getattr(settings, self.knob) == ON else None
+        return self.launch(settings, mode)
+
+    @property
+    def module(self) -> str:
+        """Where its code is, relative to src/hyperqwen."""
+        return f"engine/{self.name}.py"
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes whose servers may run it: its own knob's, else both."""
+        return self.owned_knob.modes if self.owned_knob else BOTH_MODES
+
+    @property
+    def ablation(self) -> str:
+        """KNOB=VALUE that runs it the other way from the shipped default (a `bench ab` variant)."""
+        if self.owned_knob is None:
+            return self.turned_on_by
+        flipped = next(v for v in self.owned_knob.values if v != self.owned_knob.default)
+        return f"{self.knob}={flipped}"
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        """The values the variable may hold: the owned knob's, else a switch's 0 and 1."""
+        return self.owned_knob.values if self.owned_knob else SWITCH
+
+    def state(self, value: str | None) -> str:
+        """What the engine runs with the variable at `value` (None: unset); a value it does not
+        take is refused by name."""
+        value = self.unset if value is None else value
+        if value not in self.values:
+            raise FeatureSwitchError(
+                f"{self.env}={value!r}: expected one of {', '.join(self.values)} (the launcher "
+                f"sets it from the {self.knob} knob; unset means {self.unset})"
+            )
+        return value
+
+
+def env_value(feature: Feature) -> str:
+    """The feature's variable in this (vLLM's) process, unset read as the feature's default."""
+    return feature.state(os.environ.get(feature.env))
+
+
+def enabled(feature: Feature) -> bool:
+    return env_value(feature) == ON
+
+
+def _lookup_ignored(settings: Any, mode: str) -> str | None:
+    if mode != "single" or settings.LOOKUP != ON:
+        return None
+    if settings.SPEC != "mtp":
+        return f"LOOKUP is ignored with SPEC={settings.SPEC} (it fills MTP's drafts)."
+    if settings.DRAFT_SAMPLE != "greedy":
+        return (
+            "LOOKUP is ignored with DRAFT_SAMPLE=probabilistic (a copied draft has no MTP "
+            "probability to verify against)."
+        )
+    return None
+
+
+GDN_RECURRENT = Feature(
+    name="gdn_recurrent",
+    seam="`gdn-recurrent.patch` (the GDN layer module, when it loads)",
+    env="HYPERQWEN_GDN_RECURRENT",
+    knob="GDN_RECURRENT",
+    owned_knob=Knob(
+        "0",
+        "Run the Gated DeltaNet layers' verify-step recurrent update at one or two sequences "
+        "through HyperQwen's kernel (src/hyperqwen/kernels/gdn_recurrent.py: inputs loaded "
+        "before the token walk, more programs) instead of vLLM's (0.56 ms of a 9.8 ms 27B MTP "
+        "step on the H200). Same results to fp32 rounding (CPU tests, and compiled on the "
+        "H200). The kernel alone took 0.62x vLLM's time at one sequence and 0.81x at two "
+        "(`hyperqwen bench gdn`, H200); the whole step is not measured yet, so it is off by "
+        "default.",
+    ),
+    status="off; routes decode and verify recurrent updates to `../kernels/gdn_recurrent.py`; "
+    "CPU-tested (the patched module binds it, results match vLLM's kernel); speed not measured",
+)
+
+GDN_BA = Feature(
+    name="gdn_ba",
+    seam="`gdn-ba.patch` (the GDN layer: decided when built, used in its CUDA forward)",
+    env="HYPERQWEN_GDN_BA",
+    knob="GDN_BA",
+    owned_knob=Knob(
+        "0",
+        "Compute the Gated DeltaNet layers' b and a projections of decode and verify steps "
+        "(at most 16 tokens) with HyperQwen's skinny kernel (src/hyperqwen/kernels/ba_proj.py), "
+        "written contiguous in one launch, instead of vLLM's bf16 GEMM (4.9 us per layer in "
+        "the H200 profile of docs/results/2026-12-01-h200-27b-single-overlap.json), split and "
+        "two copies; prefill keeps vLLM's. Same results "
+        "to bf16 rounding (CPU tests); not timed yet, so off by default.",
+    ),
+    status="off; b and a of decode and verify steps from `../kernels/ba_proj.py` in one launch, "
+    "vLLM's GEMM, split and copies beyond 16 rows (a torch custom op); CPU-tested (kernel "
+    "against float64, op against vLLM's path, `torch.library.opcheck`); not run on a GPU yet",
+)
+
+SPLIT_QKV = Feature(
+    name="split_qkv",
+    seam="`gdn-split-qkv.patch` (the GDN layer's `rearrange_mixed_qkv`)",
+    env="HYPERQWEN_GDN_SPLIT_QKV",
+    knob="GDN_SPLIT_QKV",
+    unset=ON,
+    owned_knob=Knob(
+        "1",
+        "Build the Gated DeltaNet layers' contiguous q, k and v buffer with HyperQwen's kernel "
+        "(src/hyperqwen/kernels/split_qkv.py) in one launch instead of vLLM's three reshape "
+        "copies and a cat, on CUDA tensors with contiguous columns. Bit for bit the same buffer "
+        "(CPU tests, and compiled on the H200); not timed. 0 keeps vLLM's path (an ablation).",
+    ),
+    # unset is on, so the default launch sets nothing
+    launch=lambda settings, mode: None if settings.GDN_SPLIT_QKV == ON else OFF,
+    # it runs inside vLLM's GDN attention op, opaque to torch.compile: no traced graph sees it
+    changes_compiled_graph=False,
+    status="on by default; the q|k|v buffer from `../kernels/split_qkv.py` in one launch, "
+    "vLLM's copies and cat where it cannot take the tensor; exact against vLLM's cat (CPU "
+    "interpreter, and compiled on the H200); not timed",
+)
+
+W4A16_LINEAR = Feature(
+    name="w4a16_linear",
+    seam="`w4a16-linear.patch` (vLLM's choice of mixed-precision linear kernel)",
+    env="HYPERQWEN_W4A16",
+    knob="LINEAR_BACKEND",
+    turned_on_by=f"LINEAR_BACKEND={OUR_LINEAR_BACKEND}",
+    launch=lambda settings, mode: ON if settings.LINEAR_BACKEND == OUR_LINEAR_BACKEND else None,
+    status="off (on with LINEAR_BACKEND=hyperqwen); vLLM's compressed-tensors W4A16 layers run "
+    "`../kernels/w4a16.py` from one copy of their weights in its tiles, at every M (a torch "
+    "custom op, opaque to torch.compile), Marlin where it cannot serve (the int8 heads); "
+    "CPU-tested with vLLM's own parameter classes (`tests/test_engine_w4a16_linear.py`); not run "
+    "in a server yet",
+)
+
+DRAFT_VOCAB = Feature(
+    name="draft_vocab",
+    seam="`mtp-draft-vocab.patch` (MTP proposer after load, V1 and V2 runners)",
+    env="HYPERQWEN_DRAFT_VOCAB",
+    knob="DRAFT_VOCAB",
+    unset="auto",
+    owned_knob=Knob(
+        "auto",
+        "With SPEC=mtp: the drafter scores only the draft vocabulary prepare cut (40,960 ids, "
+        "hyperqwen-draft-head.safetensors in the model folder) instead of all 248,320, and each "
+        "draft token reads a sixth of the head. Output is unchanged (the model verifies every "
+        "draft against the full vocabulary). auto: on when the file exists; off: full head.",
+        values=("auto", "off"),
+        modes=SINGLE_MODE,
+    ),
+    launch=lambda settings, mode: settings.DRAFT_VOCAB if mode == "single" else None,
+    status="on by default; alone it is worth 1.42x against 1.34x stock-MTP at C1 (H200, "
+    "DRAFT_VOCAB=off ablation, 2026-12-01)",
+)
+
+ALIGN_OVERLAP = Feature(
+    name="align_overlap",
+    seam="`align-overlap.patch` (V1 runner, prefix caching)",
+    env="HYPERQWEN_ALIGN_OVERLAP",
+    knob="PREFIX_CACHE_OVERLAP",
+    owned_knob=Knob(
+        "1",
+        "Single mode, with PREFIX_CACHE=1 and speculative decoding: prepare each step while the "
+        "previous one still runs, as without prefix caching; vLLM 0.26 waits for the previous "
+        "step's accepted tokens first. H200 27B, C1 TPOT: 3.60 ms with it, 4.23 ms with "
+        "vLLM's wait, 3.57 ms without prefix caching. Same tokens as the wait (GPU test, H200; "
+        "src/hyperqwen/engine/align_overlap.py).",
+        modes=SINGLE_MODE,
+    ),
+    launch=lambda settings, mode: (
+        ON
+        if mode == "single" and settings.PREFIX_CACHE_OVERLAP == ON and settings.PREFIX_CACHE == ON
+        else None
+    ),
+    ignored=lambda settings, mode: (
+        "PREFIX_CACHE_OVERLAP is ignored with PREFIX_CACHE=0 (nothing to overlap)."
+        if mode == "single" and settings.PREFIX_CACHE == OFF
+        else None
+    ),
+    status="on by default in single mode (with PREFIX_CACHE=1); CPU-tested; GPU exactness test "
+    "passed (H200, 2026-12-01: same greedy tokens with and without, overlapped steps logged); C1 "
+    "TPOT 3.60 ms against 4.23 with vLLM's wait and 3.57 without prefix caching (H200, 78e5dfa)",
+)
+
+LOOKUP = Feature(
+    name="lookup",
+    seam="`lookup-search.patch` (vLLM's CPU n-gram proposer), `lookup-mtp.patch` (V1 runner)",
+    env="HYPERQWEN_LOOKUP",
+    knob="LOOKUP",
+    owned_knob=Knob(
+        "0",
+        "With SPEC=mtp and DRAFT_SAMPLE=greedy: also copy drafts from the request's own context "
+        "(the tokens that followed the longest, latest earlier occurrence of its last 2-12 "
+        "tokens) into MTP's draft slots, where the match is 6 tokens or more or MTP's first "
+        "draft agrees. Meant for answers that quote the prompt (edits, rewrites); acceptance "
+        "not measured yet, and it keeps its tokens with vLLM's ngram_gpu bookkeeping, which "
+        "lost acceptance under async scheduling on the H200: leave it off until measured.",
+        modes=SINGLE_MODE,
+    ),
+    # SPEC=lookup: vLLM's CPU n-gram proposer searches with HyperQwen's match; SPEC=mtp LOOKUP=1:
+    # the same search fused with MTP's drafts
+    launch=lambda settings, mode: (
+        ON
+        if mode == "single"
+        and (settings.SPEC == "lookup" or (settings.SPEC == "mtp" and settings.LOOKUP == ON))
+        else None
+    ),
+    ignored=_lookup_ignored,
+    status="off (on with SPEC=lookup, or LOOKUP=1 with SPEC=mtp); CPU-tested; on its first "
+    "home, vLLM's async `ngram_gpu` proposer, SPEC=lookup drafted at 0.47x stock CPU n-gram's "
+    "tokens/s on copy prompts (H200, SmolLM2-135M, 2026-12-01), so it moved to the CPU proposer "
+    "(measured there with 3 requests per C1 row, too few to decide: single-user/README.md); "
+    "LOOKUP=1 still keeps the `ngram_gpu` buffer, acceptance not measured",
+)
+
+# In this order: Settings adds the owned knobs, the launcher sets the variables and warns.
+FEATURES: tuple[Feature, ...] = (
+    GDN_RECURRENT,
+    GDN_BA,
+    SPLIT_QKV,
+    W4A16_LINEAR,
+    DRAFT_VOCAB,
+    ALIGN_OVERLAP,
+    LOOKUP,
+)
+
+
+def launch_env(settings: Any, mode: str) -> dict[str, str]:
+    """The variables `hyperqwen serve MODE` sets for these settings."""
+    values = {feature.env: feature.env_for(settings, mode) for feature in FEATURES}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def compile_factors() -> dict[str, str | None]:
+    """The graph-changing switches' values, for vLLM's compile cache key (unset is None)."""
+    return {f.env: os.environ.get(f.env) for f in FEATURES if f.changes_compiled_graph}

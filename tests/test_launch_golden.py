@@ -1,0 +1,98 @@
+"""The launcher's argv, environment and warnings for every profile, mode and engine switch,
+against a committed golden file: a refactor of how knobs become flags and variables must leave
+each one byte-identical.
+
+The golden file is generated from the launcher, so it holds what the code did when it was
+written; after a deliberate change, regenerate it and review its diff:
+
+    PYTHONPATH=src python tests/test_launch_golden.py --write
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hyperqwen.launch import build_launch
+from hyperqwen.settings import LoadedSettings, Settings
+
+GOLDEN = Path(__file__).with_name("data") / "launch_golden.json"
+
+# Each engine switch flipped from its default alone, the warning paths they have, and all at once.
+SWITCH_VARIANTS: dict[str, dict[str, str]] = {
+    "defaults": {},
+    "gdn-recurrent": {"GDN_RECURRENT": "1"},
+    "gdn-ba": {"GDN_BA": "1"},
+    "linear-hyperqwen": {"LINEAR_BACKEND": "hyperqwen"},
+    "linear-machete": {"LINEAR_BACKEND": "machete"},
+    "lookup": {"LOOKUP": "1"},
+    "lookup-probabilistic": {"LOOKUP": "1", "DRAFT_SAMPLE": "probabilistic"},
+    "overlap-off": {"PREFIX_CACHE_OVERLAP": "0"},
+    "prefix-cache-off": {"PREFIX_CACHE": "0"},
+    "prefix-cache-off-overlap-asked": {"PREFIX_CACHE": "0", "PREFIX_CACHE_OVERLAP": "1"},
+    "draft-vocab-off": {"DRAFT_VOCAB": "off"},
+    "split-qkv-off": {"GDN_SPLIT_QKV": "0"},
+    "all-switches": {
+        "GDN_RECURRENT": "1",
+        "GDN_BA": "1",
+        "LINEAR_BACKEND": "hyperqwen",
+        "LOOKUP": "1",
+        "DRAFT_VOCAB": "off",
+        "PREFIX_CACHE_OVERLAP": "0",
+    },
+}
+SPECS = ("mtp", "ngram", "lookup", "off")
+
+
+def cases() -> dict[str, tuple[str, dict[str, str]]]:
+    """case id -> (mode, knob values): single mode at every CTX x SPEC, batch at every SPEC (a
+    single-mode knob there only warns), each with every switch variant."""
+    found = {}
+    profiles = [("single", {"CTX": ctx}) for ctx in ("fast", "long", "huge")] + [("batch", {})]
+    for (mode, profile), spec, (variant, switches) in itertools.product(
+        profiles, SPECS, SWITCH_VARIANTS.items()
+    ):
+        values = {**profile, "SPEC": spec, **switches}
+        found["-".join([mode, *profile.values(), spec, variant])] = (mode, values)
+    return found
+
+
+def launched(mode: str, values: dict[str, str]) -> dict:
+    loaded = LoadedSettings(Settings.model_validate(values), frozenset(values))
+    plan = build_launch(loaded, mode, api_key=None)  # type: ignore[arg-type]
+    return {"argv": plan.argv, "env": plan.env, "warnings": plan.warnings}
+
+
+def generate() -> dict[str, dict]:
+    return {case: launched(mode, values) for case, (mode, values) in cases().items()}
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict[str, dict]:
+    return json.loads(GOLDEN.read_text())
+
+
+def test_every_case_is_in_the_golden_file(golden):
+    assert set(golden) == set(cases()), "regenerate: python tests/test_launch_golden.py --write"
+
+
+@pytest.mark.parametrize(("case", "mode_values"), cases().items(), ids=list(cases()))
+def test_launch_matches_the_golden_file(golden, case, mode_values):
+    now, then = launched(*mode_values), golden[case]
+    assert now["argv"] == then["argv"]
+    assert now["env"] == then["env"]
+    # "X is a single-mode knob" warnings come in knob declaration order, which the engine
+    # features' own knobs changed (they follow the others); the warnings themselves may not
+    assert sorted(now["warnings"]) == sorted(then["warnings"])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: PYTHONPATH=src python tests/test_launch_golden.py --write")
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps(generate(), indent=1) + "\n")
+    print(f"wrote {len(cases())} cases to {GOLDEN}")
