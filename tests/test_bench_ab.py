@@ -15,21 +15,19 @@ from pathlib import Path
 import pytest
 from cli_runner import run_in_process
 
-from hyperqwen.bench.ab import (
-    SIDES,
-    SideResult,
+from hyperqwen.bench.ab_argv import (
     baseline_note,
-    equivalent_command,
-    model_fact,
-    plan_of,
     profile_serve_argv,
+    queue_notes,
     serve_argv,
-    settle_stock_spec,
-    side_figures,
+    settled_cohorts,
+    settled_stock_spec,
     spec_config,
     spec_fields,
     with_synthetic_acceptance,
 )
+from hyperqwen.bench.ab_compare import equivalent_command, model_fact, side_figures
+from hyperqwen.bench.ab_plan import SIDES, ABPlan, SideResult
 from hyperqwen.bench.results import (
     BENCHMARKS_DOC,
     HEADLINE_BEGIN,
@@ -253,17 +251,20 @@ def test_spec_fields_are_the_keys_vllms_speculative_config_takes() -> None:
     assert {"method", "num_speculative_tokens", "synthetic_acceptance_rates"} <= taken
 
 
-def parsed(argv: list[str]):
-    """`hyperqwen bench ARGV` as the real parser reads it, --stock-spec settled."""
+def planned(argv: list[str]) -> ABPlan:
+    """The plan of `hyperqwen bench ARGV` as the real parser reads it."""
     from hyperqwen.cli import build_parser
 
-    args = build_parser().parse_args(["bench", *argv])
-    settle_stock_spec(args)
-    return args
+    return ABPlan.from_args(build_parser().parse_args(["bench", *argv]))
 
 
-def sides_argv(args) -> dict[str, list[str]]:
-    return {side: serve_argv(side, args, 8000) for side in SIDES}
+def parsed(argv: list[str]) -> ABPlan:
+    """planned(argv) with --stock-spec settled."""
+    return settled_stock_spec(planned(argv))
+
+
+def sides_argv(plan: ABPlan) -> dict[str, list[str]]:
+    return {side: serve_argv(side, plan, 8000) for side in SIDES}
 
 
 @pytest.mark.parametrize("knobs", ["", "SPEC=mtp\nDRAFT_SAMPLE=probabilistic\n", "SPEC=ngram\n"])
@@ -272,9 +273,9 @@ def test_stock_side_speculates_as_the_patched_side_by_default(comparison, tmp_pa
     single = [*comparison, "--mode", "single"]
     drafts = spec_config(sides_argv(parsed(single))["patched"])["num_speculative_tokens"]
     rates = ",".join(["0.77", "0.55", "0.40", "0.2"][:drafts])  # mtp drafts 3 tokens, ngram 4
-    args = parsed([*single, "--synthetic-acceptance", rates])
-    assert args.stock_spec == "same"
-    commands = sides_argv(args)
+    plan = parsed([*single, "--synthetic-acceptance", rates])
+    assert plan.stock_spec == "same"
+    commands = sides_argv(plan)
     # The stock tree (the pinned wheel's) takes every key of the profile's config as it is.
     stock, patched = spec_config(commands["stock"]), spec_config(commands["patched"])
     assert stock == patched and stock["method"] == ("ngram" if "ngram" in knobs else "mtp")
@@ -309,6 +310,34 @@ def test_stock_spec_none_and_stock_args(comparison, capsys) -> None:
     assert run_in_process("bench", *single, "--stock-args=--seed '7") == 2
     error = capsys.readouterr().err
     assert "--stock-args" in error and "cannot be read: No closing quotation" in error
+
+
+@pytest.mark.parametrize("spelling", ["--speculative_config ", "-sc ", "--speculative_config="])
+def test_the_stock_sides_flags_count_in_every_spelling_vllm_takes(comparison, spelling) -> None:
+    config = '{"method":"ngram","num_speculative_tokens":3}'
+    single = [*comparison, "--mode", "single", "--stock-spec", "none"]
+    single += [
+        "--synthetic-acceptance",
+        RATES,
+        f"--stock-args={spelling}'{config}' --max_num_seqs 2",
+    ]
+    commands = sides_argv(parsed(single))
+    stock = spec_config(commands["stock"])
+    assert stock["method"] == "ngram" and stock["synthetic_acceptance_rates"] == [0.77, 0.55, 0.4]
+    assert baseline_note(commands).startswith("The stock side speculates with its own")
+    assert queue_notes([1, 4], commands) == [
+        "The stock side serves at most 2 streams (--max-num-seqs 2): at C4 the other streams "
+        "wait for a slot, so those rows' TTFT and total tok/s include the queue."
+    ]
+
+
+def test_one_key_of_the_speculative_config_alone_is_refused(comparison, capsys) -> None:
+    single = [*comparison, "--mode", "single", "--stock-args=--speculative_config.method ngram"]
+    assert run_in_process("bench", *single) == 2
+    assert "--speculative_config.method: give the speculative config as one JSON value" in (
+        capsys.readouterr().err
+    )
+    assert not (Path(comparison[comparison.index("--workdir") + 1])).exists()  # no server
 
 
 def test_keys_the_stock_tree_lacks_are_left_out_and_noted(comparison, tmp_path) -> None:
@@ -516,18 +545,12 @@ def test_both_phases_in_one_run_without_speculation(
 
 
 def test_cohorts_beyond_max_num_seqs_are_noted_as_queued(comparison, tmp_path, capsys) -> None:
-    from hyperqwen.bench.ab import settle_cohorts
-    from hyperqwen.cli import build_parser
-
     # The single profile serves 4 streams: its default cohorts stop there (1,2,4, not 8) ...
-    args = build_parser().parse_args(["bench", *comparison, "--mode", "single"])
-    settle_cohorts(args)
-    assert args.cohorts == (1, 2, 4)
-    # ... a user's limit for both sides moves the bound ...
-    raised = [*comparison, "--mode", "single", "--vllm-args=--max-num-seqs 8"]
-    args = build_parser().parse_args(["bench", *raised])
-    settle_cohorts(args)
-    assert args.cohorts == (1, 2, 4, 8)
+    assert settled_cohorts(planned([*comparison, "--mode", "single"])).cohorts == (1, 2, 4)
+    # ... a user's limit for both sides moves the bound, in any spelling vLLM takes ...
+    for limit in ("--max-num-seqs 8", "--max_num_seqs 8", "--max-num-seqs=8"):
+        raised = [*comparison, "--mode", "single", f"--vllm-args={limit}"]
+        assert settled_cohorts(planned(raised)).cohorts == (1, 2, 4, 8)
     # ... and C64 given against 4 slots is measured, queue and all (on the H200: TTFT 52.9 s
     # against stock's 0.72 s), with a note on screen and in the result.
     # Stock without speculation here: the old baseline, named as such in the notes.
@@ -626,6 +649,8 @@ def test_help_teaches_with_examples(capsys) -> None:
     [
         (["serve", "m", "--speculative-config", "{}"], ["serve", "m", "--speculative-config={}"],
          "same speculation"),
+        (["serve", "m", "--speculative_config", "{}"], ["serve", "m", "-sc", "{}"],
+         "same speculation"),
         (["serve", "m"], ["serve", "m", "--speculative-config", "{}"], "**without** speculation"),
         (["serve", "m"], ["serve", "m"], "neither speculates"),
         (None, None, "-"),
@@ -645,13 +670,13 @@ def test_stock_model_serves_the_base_on_the_stock_side_only(comparison, tmp_path
     base = tmp_path / "synth-27b-base"
     base.mkdir()
     (base / "config.json").write_text(json.dumps(config))  # the same model, its base format
-    args = parsed([*comparison, "--stock-model", str(base)])
-    commands = sides_argv(args)
+    plan = parsed([*comparison, "--stock-model", str(base)])
+    commands = sides_argv(plan)
     assert commands["stock"][:2] == ["serve", str(base)]
     assert commands["stock"][commands["stock"].index("--served-model-name") + 1] == base.name
     assert commands["patched"][:2] == ["serve", str(model)]
-    plan = {**plan_of(args), "cohorts": [1]}
-    assert f"--stock-model {base}" in equivalent_command(plan, "S", "P", {})
+    recorded = {**plan.recorded(), "cohorts": [1]}
+    assert f"--stock-model {base}" in equivalent_command(recorded, "S", "P", {})
     assert model_fact(model, "", str(base)).endswith(f"; the stock side served {base.name}")
 
     (base / "config.json").write_text(json.dumps({**config, "hidden_size": 256}))
@@ -698,7 +723,7 @@ def test_copy_rows_get_their_own_names_and_the_repeat_command_keeps_copy(compari
     assert figures["c1_decode"] == ("tok/s", 100.0)
     assert figures["copy_c1_decode"] == ("tok/s", 250.0)
     assert figures["copy_c1_tokens_per_step"] == ("tokens", 3.1)
-    plan = {**plan_of(parsed([*comparison, "--copy"])), "cohorts": [1]}
+    plan = {**parsed([*comparison, "--copy"]).recorded(), "cohorts": [1]}
     assert "--copy" in shlex.split(equivalent_command(plan, "S", "P", {}))
     assert "--copy" not in shlex.split(equivalent_command({**plan, "copy": False}, "S", "P", {}))
 
@@ -718,7 +743,7 @@ def test_sharegpt_rows_are_named_chat_and_a_missing_dataset_stops_before_any_ser
     assert figures["chat_c4_decode"] == ("tok/s", 120.0)
     assert figures["chat_c4_tokens_per_step"] == ("tokens", 1.4)
     assert figures["copy_c4_decode"] == ("tok/s", 250.0)
-    plan = {**plan_of(parsed([*comparison, "--sharegpt"])), "cohorts": [1]}
+    plan = {**parsed([*comparison, "--sharegpt"]).recorded(), "cohorts": [1]}
     assert "--sharegpt" in shlex.split(equivalent_command(plan, "S", "P", {}))
     assert "--sharegpt" not in shlex.split(
         equivalent_command({**plan, "sharegpt": False}, "S", "P", {})

@@ -210,7 +210,7 @@ def start_one_rank() -> None:
     it."""
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    from hyperqwen.bench.ab import free_port
+    from hyperqwen.bench.server_process import free_port
 
     init_distributed_environment(
         world_size=1,
