@@ -7,16 +7,15 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
 
+from hyperqwen.bench import server_process
 from hyperqwen.patches import (
     PatchState,
     apply_series,
@@ -100,33 +99,8 @@ def started_server(
     command: list[str], base: str, log: Path, env: dict[str, str] | None = None
 ) -> Iterator[subprocess.Popen]:
     """running_server, yielding the server process (for tests that kill parts of it)."""
-    with log.open("w") as sink:
-        process = subprocess.Popen(
-            command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while time.monotonic() < deadline:
-                if process.poll() is not None:
-                    raise AssertionError(
-                        f"server exited {process.returncode}; log: {log}\n"
-                        + log.read_text()[-4000:]
-                    )
-                with contextlib.suppress(requests.ConnectionError):
-                    if requests.get(f"{base}/health", timeout=5).status_code == 200:
-                        break
-                time.sleep(2)
-            else:
-                raise AssertionError(f"not healthy after {STARTUP_TIMEOUT_S} s; log: {log}")
-            yield process
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGINT)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    with server_process.running_server(command, env, log, base, STARTUP_TIMEOUT_S) as server:
+        yield server.process
 
 
 def hyperqwen_server(mode: str, env: dict[str, str], log: Path, server=None):

@@ -18,17 +18,26 @@ stop writes a Chrome trace to torch_profiler_dir as vLLM's worker does: one
 step range (execute_context_0(0)_generation_1(N), and its GPU copy) per step streamed while
 profiling (at most max_iterations)
 and per step the GPU kernels of the side's "kernels_us" ({kernel name: microseconds}).
+
+Run as a process, it logs what it did and when, on CLOCK_MONOTONIC (one clock for every process
+of the machine, so a test compares these times with its own and with other processes'): lines
+`STAND-IN {"event": ...}` for its start, its first healthy /health, each streamed completion
+(when it arrived, when its first token and its [DONE] were sent, how many tokens it made) and
+the start of its shutdown.
+With $FAKE_START_GATE set it does not listen before that file exists: a test decides when
+each of several servers becomes healthy.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gzip
 import json
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import prometheus_client
@@ -38,6 +47,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 VOCAB_SIZE = 256
 UNKNOWN_ID = 0
+RECORD_PREFIX = "STAND-IN "
+GATE_POLL_S = 0.05
+
+
+def record(event: str, **facts: float) -> None:
+    """One line of the log: what happened, and when on CLOCK_MONOTONIC."""
+    print(RECORD_PREFIX + json.dumps({"event": event, **facts}), flush=True)
+
+
+def not_recorded(event: str, **facts: float) -> None:
+    """build_app's default: an app served inside another program logs nothing."""
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
@@ -58,7 +78,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     return args, behaviour
 
 
-def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
+def build_app(
+    args: argparse.Namespace, behaviour: dict, record: Callable[..., None] = not_recorded
+) -> FastAPI:
     spec = json.loads(args.speculative_config) if args.speculative_config else None
     drafts = spec["num_speculative_tokens"] if spec else 0
     accepted_per_step = sum(spec.get("synthetic_acceptance_rates") or []) if spec else 0.0
@@ -72,11 +94,21 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
         name: prometheus_client.Histogram(f"vllm:{name}_seconds", name, registry=registry)
         for name in ("e2e_request_latency", "request_time_per_output_token")
     }
-    app = FastAPI()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        record("stopping", at=time.monotonic())
+
+    app = FastAPI(lifespan=lifespan)
     profiling = {"active": False, "steps": 0}
+    healthy = []
 
     @app.get("/health")
     async def health() -> PlainTextResponse:
+        if not healthy:
+            healthy.append(time.monotonic())
+            record("healthy", at=healthy[0])
         return PlainTextResponse("")
 
     @app.get("/version")
@@ -168,6 +200,10 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
                 histograms["request_time_per_output_token"].observe(decode_s / (made - 1))
             usage = {"prompt_tokens": len(prompt), "completion_tokens": made}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            done = time.monotonic()
+            record(
+                "completion", arrived=arrived, first_sent=first_token, done_sent=done, tokens=made
+            )
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -176,17 +212,21 @@ def build_app(args: argparse.Namespace, behaviour: dict) -> FastAPI:
 
 
 def main() -> None:
+    record("started", at=time.monotonic())
     args, behaviour = parse_args()
     # vLLM loads weights and compiles before it listens; /health is unreachable meanwhile.
-    # FAKE_EXTRA_STARTUP_S: one of several servers started together takes longer.
-    time.sleep(behaviour["startup_s"] + float(os.environ.get("FAKE_EXTRA_STARTUP_S", "0")))
+    time.sleep(behaviour["startup_s"])
+    if gate := os.environ.get("FAKE_START_GATE"):
+        while not os.path.exists(gate):
+            time.sleep(GATE_POLL_S)
     for name in sorted(os.environ):  # the engine knobs the launcher hands the patched vLLM
         if name.startswith("HYPERQWEN_"):
             print(f"env {name}={os.environ[name]}", flush=True)
     print(
         f"Model loading took {behaviour['weight_gib']:.2f} GiB memory and 0.5 seconds", flush=True
     )
-    uvicorn.run(build_app(args, behaviour), host=args.host, port=args.port, log_level="warning")
+    app = build_app(args, behaviour, record)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

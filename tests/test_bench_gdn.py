@@ -8,7 +8,7 @@ import torch
 from cli_runner import run_in_process
 
 from hyperqwen.bench.gdn import configs_for, make_case, result_rows, state_bytes
-from hyperqwen.bench.kernels import L2_ROTATION_BYTES
+from hyperqwen.bench.timing import L2_ROTATION_BYTES
 from hyperqwen.checkpoint.geometry import PRESETS
 
 

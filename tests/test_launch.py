@@ -16,9 +16,10 @@ from hyperqwen.engine.features import (
     LOOKUP,
     W4A16_LINEAR,
 )
-from hyperqwen.launch import FLAG_ALIASES, LOOKUP_MATCH, build_launch, redact_argv
+from hyperqwen.launch import LOOKUP_MATCH, build_launch, redact_argv
 from hyperqwen.patches import series_status
 from hyperqwen.settings import LinearBackend, LoadedSettings, Settings
+from hyperqwen.vllm_flags import FLAG_ALIASES, FlagToken, flag_keys, flag_value, read_flag
 
 
 def loaded(**values: str) -> LoadedSettings:
@@ -189,6 +190,39 @@ def test_flag_aliases_match_vllm(vllm_serve):
     actions = vllm_serve.parser._subparsers._group_actions[0].choices["serve"]
     for short, long in FLAG_ALIASES.items():
         assert actions._option_string_actions[short] is actions._option_string_actions[long]
+
+
+SPEC = '{"method":"ngram","num_speculative_tokens":2}'
+
+
+@pytest.mark.parametrize(
+    ("tokens", "flag"),
+    [
+        (["--max_num_seqs", "8"], "--max-num-seqs"),
+        (["--max-num-seqs=8"], "--max-num-seqs"),
+        (["--max-num-seqs", "4", "--max_num_seqs=8"], "--max-num-seqs"),
+        (["-tp", "2"], "--tensor-parallel-size"),
+        (["-sc", SPEC], "--speculative-config"),
+        ([f"--speculative_config={SPEC}"], "--speculative-config"),
+    ],
+)
+def test_the_flag_reader_reads_the_value_vllm_parses(vllm_serve, tokens, flag):
+    parsed = vllm_serve.parser.parse_args(["serve", "model", *tokens])
+    dest = flag.removeprefix("--").replace("-", "_")
+    assert json.loads(flag_value(tokens, flag)) == getattr(parsed, dest)
+
+
+def test_the_flag_reader_reads_no_flags_and_json_keys_as_vllm_does(vllm_serve):
+    parsed = vllm_serve.parser.parse_args(["serve", "model", "--no-enable-prefix-caching"])
+    assert parsed.enable_prefix_caching is False
+    assert read_flag("--no-enable-prefix-caching") == FlagToken(
+        "--enable-prefix-caching", negated=True, key=None, inline=False
+    )
+    keys = ["--speculative_config.method=ngram", "--speculative-config.num_speculative_tokens", "2"]
+    parsed = vllm_serve.parser.parse_args(["serve", "model", *keys])
+    assert parsed.speculative_config == json.loads(SPEC)
+    assert flag_keys(keys, "--speculative-config") == keys[:2]
+    assert flag_value(keys, "--speculative-config") is None  # no whole value given
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ from gpu_server import (
 from local_server import free_port
 from test_prepare_common import run_prepare
 
-from hyperqwen.bench.ab import weight_gib
+from hyperqwen.bench.server_process import weight_gib
 from hyperqwen.checkpoint import layout
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize

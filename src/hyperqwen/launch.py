@@ -22,6 +22,7 @@ from hyperqwen.settings import (
     Settings,
     knobs,
 )
+from hyperqwen.vllm_flags import flag_name
 
 
 @dataclass(frozen=True)
@@ -63,15 +64,6 @@ def profile_for(settings: Settings, mode: Mode) -> Profile:
     if mode == "single":
         return SINGLE_PROFILES[settings.CTX]
     return BATCH_PROFILE
-
-
-# Short spellings vLLM's parser accepts for flags the launcher sets; a test checks each
-# against vLLM's own parser, so this list cannot go stale silently.
-FLAG_ALIASES = {
-    "-tp": "--tensor-parallel-size",
-    "-sc": "--speculative-config",
-    "-cc": "--compilation-config",
-}
 
 
 @dataclass(frozen=True)
@@ -137,27 +129,6 @@ def compilation_config(max_graph_tokens: int) -> dict:
         "cudagraph_mode": "FULL_AND_PIECEWISE",
         "max_cudagraph_capture_size": max_graph_tokens,
     }
-
-
-def _flag_name(token: str) -> str | None:
-    """The canonical long flag a token sets, or None for values."""
-    if not token.startswith("-") or token == "-" or _is_number(token):
-        return None
-    name = token.split("=", 1)[0]
-    name = FLAG_ALIASES.get(name, name)
-    # vLLM accepts --max_model_len, --no-enable-x and --compilation-config.key=value too.
-    name = name.split(".", 1)[0].replace("_", "-")
-    if name.startswith("--no-"):
-        name = "--" + name[len("--no-") :]
-    return name
-
-
-def _is_number(token: str) -> bool:
-    try:
-        float(token)
-    except ValueError:
-        return False
-    return True
 
 
 def vllm_linear_backend(backend: str) -> str:
@@ -345,10 +316,10 @@ def choose_host(
 
 
 def _shadow_warnings(extra: list[str], flags: list[tuple[str, str | None, str]]) -> list[str]:
-    set_by = {_flag_name(flag): knob for flag, _, knob in flags}
+    set_by = {flag_name(flag): knob for flag, _, knob in flags}
     warnings = []
     for token in extra:
-        name = _flag_name(token)
+        name = flag_name(token)
         if name == "--api-key":
             warnings.append(
                 "EXTRA_ARGS passes --api-key: the key then shows in process lists and logs. "
@@ -395,7 +366,7 @@ def redact_argv(argv: list[str]) -> list[str]:
         if hide_next:
             shown.append(REDACTED)
             hide_next = False
-        elif _flag_name(token) == "--api-key":
+        elif flag_name(token) == "--api-key":
             hide_next = "=" not in token
             shown.append(token.split("=", 1)[0] + ("=" + REDACTED if "=" in token else ""))
         else:

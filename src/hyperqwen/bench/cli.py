@@ -15,12 +15,9 @@ from hyperqwen.bench.gdn import add_subcommand as add_gdn_subcommand
 from hyperqwen.bench.header import collect_header, format_header
 from hyperqwen.bench.kernels import add_subcommand as add_kernels_subcommand
 from hyperqwen.bench.options import (
-    COPY_HELP,
     DATE_FORMAT,
-    DEFAULT_PREFILL,
-    _int_list,
     _json_object,
-    _positive,
+    add_workload_options,
     build_plan,
     local_server,
 )
@@ -173,71 +170,17 @@ def add_subcommand(subparsers) -> None:
         metavar="FILE",
         help="read knobs (PORT, VLLM_API_KEY, API_KEY_FILE) from this file",
     )
-    run.add_argument(
-        "--cohorts",
-        metavar="LIST",
-        type=_int_list,
-        help="concurrent streams per row, comma separated (default by mode)",
-    )
-    run.add_argument(
-        "--rounds",
-        metavar="N",
-        type=_positive,
-        default=3,
-        help="measured requests per stream (default 3: C=8 measures 24 requests)",
-    )
-    run.add_argument(
-        "--input-len",
-        metavar="TOKENS",
-        type=_positive,
-        default=128,
-        help="prompt tokens of random rows (default 128)",
-    )
-    run.add_argument(
-        "--output-len",
-        metavar="TOKENS",
-        type=_positive,
-        default=512,
-        help="output tokens per request: exact for random rows, the cap for ShareGPT "
-        "rows (default 512)",
-    )
+    add_workload_options(run, cohorts_default="by mode")
     run.add_argument(
         "--shared",
         action="store_true",
         help="all prompts of a row share one prefix (salt at the end): measures the prefix "
         "cache instead of defeating it",
     )
-    run.add_argument("--copy", action="store_true", help=COPY_HELP)
     run.add_argument(
         "--random-tokens",
         action="store_true",
         help="only random-token rows (no ShareGPT rows, no dataset needed)",
-    )
-    run.add_argument(
-        "--prefill",
-        metavar="LIST",
-        type=_int_list,
-        default=_int_list(DEFAULT_PREFILL),
-        help=f"prompt lengths of the prefill (TTFT) rows, or none (default {DEFAULT_PREFILL}; "
-        "lengths the server's max_model_len cannot hold are skipped)",
-    )
-    run.add_argument(
-        "--prefill-requests",
-        metavar="N",
-        type=_positive,
-        default=3,
-        help="measured requests per prefill row (default 3)",
-    )
-    run.add_argument(
-        "--temperature",
-        metavar="T",
-        type=float,
-        default=0.0,
-        help="sampling temperature (default 0: greedy, the usual benchmark setting; "
-        "speculative decoding accepts fewer drafts at higher temperatures)",
-    )
-    run.add_argument(
-        "--seed", metavar="N", type=int, default=0, help="seed of the prompt choice (default 0)"
     )
     run.add_argument(
         "--extra-body",
@@ -246,13 +189,6 @@ def add_subcommand(subparsers) -> None:
         default={},
         help="more request fields for every request, as `vllm bench serve --extra-body`, "
         """e.g. '{"top_k": 20}' or '{"chat_template_kwargs": {"enable_thinking": false}}'""",
-    )
-    run.add_argument(
-        "--timeout",
-        metavar="SECONDS",
-        type=float,
-        default=600.0,
-        help="seconds to wait for the next bytes of an answer before giving up (default 600)",
     )
     run.add_argument(
         "--out",

@@ -24,10 +24,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from hyperqwen.bench.kernels import (
+from hyperqwen.bench.timing import (
     L2_ROTATION_BYTES,
     add_timing_parser,
     copy_bandwidth_gbps,
+    gpu_label,
     graph_time_us,
 )
 from hyperqwen.checkpoint.geometry import PRESETS
@@ -218,9 +219,8 @@ def cmd_gdn(args: argparse.Namespace) -> int:
     import vllm
 
     geometry = PRESETS[args.preset]
-    props = torch.cuda.get_device_properties(0)
     raw = {
-        "gpu": f"{props.name} (sm{props.major}{props.minor}, {props.multi_processor_count} SMs)",
+        "gpu": gpu_label(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "v_heads": geometry.linear_num_value_heads,
         "head_dim": geometry.linear_value_head_dim,

@@ -18,13 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hyperqwen.bench.timing import (
+    L2_ROTATION_BYTES,
+    add_timing_parser,
+    copy_bandwidth_gbps,
+    gpu_label,
+    gpu_name,
+    graph_time_us,
+)
 from hyperqwen.checkpoint.geometry import PRESETS, Geometry
 
 GROUP_SIZE = 128
@@ -35,7 +41,6 @@ VLLM_BACKENDS = ("machete", "marlin", "exllama", "triton")
 # its own launch shapes, through the custom op), against the sweep's best launch of it
 LAYER_BACKEND = "hyperqwen_layer"
 OPTIONAL_BACKENDS = ("humming", LAYER_BACKEND)
-L2_ROTATION_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -121,58 +126,6 @@ def skip_config(config, m: int, k: int) -> bool:
     return bool(config.block_m) and config.block_m > 2 * max(m, 16)
 
 
-def graph_time_us(launches: list[Callable[[], object]], replays: int = 15) -> float:
-    """Median time of one launch, replaying a CUDA graph of all `launches` (one per copy)."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for launch in launches:  # warm up: compile, allocate workspaces
-            launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for launch in launches:
-            launch()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(launches))
-    return statistics.median(times)
-
-
-def copy_bandwidth_gbps() -> float:
-    """Device-to-device copy of 4 GiB, bytes read plus written per second, median of 10.
-
-    Timed eagerly with events: captured in a CUDA graph the same copy_ becomes a memcpy node
-    that ran at 2.77 TB/s on the H200 where the eager copy kernel reads 4.19 (2026-12-01). Copies
-    for about a second first: an idle H200 sits at 345 MHz.
-    """
-    import torch
-
-    src = torch.empty(2**32, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    warm_until = time.monotonic() + 1.0
-    while time.monotonic() < warm_until:
-        dst.copy_(src)
-        torch.cuda.synchronize()
-    times_ms = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times_ms.append(start.elapsed_time(end))
-    return 2 * src.numel() / (statistics.median(times_ms) * 1e-3) / 1e9
-
-
 class Weights:
     """Random WnA16 weights of one shape in the checkpoint layout, plus their float reference."""
 
@@ -210,7 +163,7 @@ def start_one_rank() -> None:
     it."""
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    from hyperqwen.bench.ab import free_port
+    from hyperqwen.bench.server_process import free_port
 
     init_distributed_environment(
         world_size=1,
@@ -540,10 +493,9 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         vllm_version = f"vLLM {vllm.__version__}"
         init_vllm_single_rank()
     copy = copy_bandwidth_gbps()
-    props = torch.cuda.get_device_properties(0)
-    print(f"bench kernels: {props.name}, copy bandwidth {copy:.0f} GB/s", flush=True)
+    print(f"bench kernels: {gpu_name()}, copy bandwidth {copy:.0f} GB/s", flush=True)
     raw = {
-        "gpu": f"{props.name} (sm{props.major}{props.minor}, {props.multi_processor_count} SMs)",
+        "gpu": gpu_label(),
         "date": started,
         "preset": args.preset,
         "copy_gbps": copy,
@@ -562,20 +514,6 @@ def cmd_kernels(args: argparse.Namespace) -> int:
             print(f"{row['name']}: stock {row['stock']} patched {row['patched']}")
     print(f"bench kernels: wrote {out} (publish: hyperqwen bench publish {out} --name NAME)")
     return 0
-
-
-def add_timing_parser(actions, name: str, help: str, description: str, default_out: str):
-    """A GPU kernel-timing subcommand with the options every one takes: --preset, --out and
-    --commit."""
-    formatter = argparse.RawDescriptionHelpFormatter
-    parser = actions.add_parser(name, help=help, description=description, formatter_class=formatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="27b")
-    parser.add_argument("--out", default=default_out, help="result JSON (default %(default)s)")
-    parser.add_argument(
-        "--commit",
-        help="the checkout's commit, when running from a copy without .git (default: git describe)",
-    )
-    return parser
 
 
 def add_subcommand(actions) -> None:

@@ -1,15 +1,16 @@
 """Option parsing and run planning shared by the bench commands (`run`, `ab`, `quality`,
-`soak`)."""
+`soak`): the workload options `run` and `ab` both take are declared here once."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Protocol
 
 from hyperqwen.bench.client import BenchError
 from hyperqwen.bench.run import BenchPlan
-from hyperqwen.settings import LoadedSettings, resolve_api_key
+from hyperqwen.settings import LoadedSettings, Mode, resolve_api_key
 
 DATE_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
 DEFAULT_COHORTS = {"single": "1,2,4,8", "batch": "1,64"}
@@ -64,7 +65,89 @@ def _positive(text: str) -> int:
     return value
 
 
-def build_plan(args: argparse.Namespace, max_model_len: int | None) -> BenchPlan:
+def add_workload_options(parser: argparse.ArgumentParser, cohorts_default: str) -> None:
+    """The options of what a run measures, as `bench run` and `bench ab` take them;
+    `cohorts_default` says what --cohorts defaults to there."""
+    parser.add_argument(
+        "--cohorts",
+        metavar="LIST",
+        type=_int_list,
+        help=f"concurrent streams per row, comma separated (default: {cohorts_default})",
+    )
+    parser.add_argument(
+        "--rounds",
+        metavar="N",
+        type=_positive,
+        default=3,
+        help="measured requests per stream (default 3: C=8 measures 24 requests)",
+    )
+    parser.add_argument(
+        "--input-len",
+        metavar="TOKENS",
+        type=_positive,
+        default=128,
+        help="prompt tokens of random rows (default 128)",
+    )
+    parser.add_argument(
+        "--output-len",
+        metavar="TOKENS",
+        type=_positive,
+        default=512,
+        help="output tokens per request: exact for random rows, the cap for ShareGPT "
+        "rows (default 512)",
+    )
+    parser.add_argument(
+        "--prefill",
+        metavar="LIST",
+        type=_int_list,
+        default=_int_list(DEFAULT_PREFILL),
+        help=f"prompt lengths of the prefill (TTFT) rows, or none (default {DEFAULT_PREFILL}; "
+        "lengths the server's max_model_len cannot hold are skipped)",
+    )
+    parser.add_argument(
+        "--prefill-requests",
+        metavar="N",
+        type=_positive,
+        default=3,
+        help="measured requests per prefill row (default 3)",
+    )
+    parser.add_argument("--copy", action="store_true", help=COPY_HELP)
+    parser.add_argument(
+        "--temperature",
+        metavar="T",
+        type=float,
+        default=0.0,
+        help="sampling temperature (default 0: greedy, the usual benchmark setting; "
+        "speculative decoding accepts fewer drafts at higher temperatures)",
+    )
+    parser.add_argument(
+        "--seed", metavar="N", type=int, default=0, help="seed of the prompt choice (default 0)"
+    )
+    parser.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the next bytes of an answer before giving up (default 600)",
+    )
+
+
+class WorkloadOptions(Protocol):
+    """What build_plan reads: `bench run`'s parsed options, or `bench ab`'s plan."""
+
+    mode: Mode
+    cohorts: tuple[int, ...] | None
+    rounds: int
+    input_len: int
+    output_len: int
+    prefill: tuple[int, ...]
+    prefill_requests: int
+    copy: bool
+    random_tokens: bool
+    shared: bool
+
+
+def build_plan(args: WorkloadOptions, max_model_len: int | None) -> BenchPlan:
     """The rows to run; prefill lengths the server cannot hold are dropped with a note."""
     prefill = args.prefill
     if max_model_len:

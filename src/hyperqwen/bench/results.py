@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hyperqwen.bench.plot import load_pyplot
+from hyperqwen.vllm_flags import speculates
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 RESULTS_DIR = REPO_ROOT / "docs" / "results"
@@ -244,8 +245,6 @@ def stock_baseline(document: dict) -> str:
     commands = [document.get(side, {}).get("command") for side in ("stock", "patched")]
     if not all(isinstance(command, list) for command in commands):
         return "-"
-    from hyperqwen.bench.ab import speculates  # ab imports this module: import at call time
-
     stock, patched = (speculates(command) for command in commands)
     if patched:
         return "same speculation" if stock else "**without** speculation"

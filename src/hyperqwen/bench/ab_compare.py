@@ -1,0 +1,146 @@
+"""`bench ab`'s comparison: the two sides' figures as ratio rows, and the result document with
+the facts and the one command that repeats it."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from hyperqwen.bench.ab_argv import baseline_note, queue_notes
+from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND, SideResult
+from hyperqwen.bench.header import git_commit, gpu_facts
+from hyperqwen.bench.profile import profile_rows
+from hyperqwen.bench.quality import IFBENCH_ACCURACIES
+from hyperqwen.bench.results import ComparisonRow, comparison_row, result_document
+
+Figures = dict[str, tuple[str, float | None]]
+
+
+def side_figures(side: SideResult) -> Figures:
+    """Row name -> (unit, value): per cohort, per prefill length, startup and weights."""
+    figures: Figures = {}
+    for row in side.rows:
+        if row.data == "prefill":
+            figures[f"prefill{row.in_tok}_ttft_p50"] = ("ms", row.ttft_p50_ms)
+            continue
+        prefix = {"copy": "copy_", "sharegpt": "chat_"}.get(row.data, "") + f"c{row.C}"
+        figures[f"{prefix}_decode"] = ("tok/s", row.decode_tok_s_per_stream)
+        figures[f"{prefix}_decode_total"] = ("tok/s", row.decode_tok_s_total)
+        figures[f"{prefix}_ttft_p50"] = ("ms", row.ttft_p50_ms)
+        figures[f"{prefix}_tpot"] = ("ms", row.tpot_ms)
+        figures[f"{prefix}_tokens_per_step"] = ("tokens", row.tokens_per_step)
+    figures["startup_to_healthy"] = ("s", side.startup_s)
+    figures["weight_memory"] = ("GiB", side.weight_gib)
+    if side.quality:
+        figures.update(quality_figures(side.quality))
+    if side.profile:
+        figures.update(profile_rows(side.profile))
+        figures["step_host_gap_ms"] = ("ms", step_host_gap(figures))
+    return figures
+
+
+def step_host_gap(figures: Figures) -> float | None:
+    """A C1 step's wall time (TPOT x tokens per step, from the unprofiled C1 row) less its
+    profiled kernel time: what no kernel accounts for, i.e. the GPU waiting on the host
+    (a synchronization, preparation that does not overlap) or on launch gaps. None without a
+    C1 row."""
+    tpot = figures.get("c1_tpot", ("ms", None))[1]
+    if tpot is None:
+        return None
+    per_step = figures.get("c1_tokens_per_step", ("tokens", None))[1] or 1.0  # none: 1 token
+    return round(tpot * per_step - figures["step_gpu_ms"][1], 3)
+
+
+def quality_figures(document: dict) -> Figures:
+    """Row name -> (unit, value) of a `bench quality` document: perplexity per source and
+    overall, IFBench accuracies, GSM8K accuracy, where measured."""
+    figures: Figures = {}
+    if perplexity := document.get("perplexity"):
+        for name, score in [*perplexity["sources"].items(), ("overall", perplexity["overall"])]:
+            figures[f"ppl_{name}"] = ("ppl", score["ppl"])
+    if ifbench := document.get("ifbench"):
+        for key in IFBENCH_ACCURACIES:
+            figures[f"ifbench_{key}"] = ("acc", ifbench[key])
+    if "accuracy" in (gsm8k := document.get("gsm8k", {})):
+        figures["gsm8k_accuracy"] = ("acc", gsm8k["accuracy"])
+    return figures
+
+
+def compare(stock: SideResult, patched: SideResult) -> list[ComparisonRow]:
+    """One row per figure either side measured, in the order they were measured."""
+    stock_figures, patched_figures = side_figures(stock), side_figures(patched)
+    rows = []
+    for name in dict.fromkeys([*stock_figures, *patched_figures]):
+        unit, stock_value = stock_figures.get(name, (patched_figures[name][0], None))
+        patched_value = patched_figures.get(name, (unit, None))[1]
+        if stock_value is not None or patched_value is not None:
+            rows.append(comparison_row(name, unit, stock_value, patched_value))
+    return rows
+
+
+def model_fact(model: Path, vllm_args: str, stock_model: str | None = None) -> str:
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    architectures = ", ".join(config.get("architectures") or ["architecture not given"])
+    dummy = " with dummy weights" if "dummy" in shlex.split(vllm_args) else ""
+    stock = f"; the stock side served {Path(stock_model).name}" if stock_model else ""
+    return f"{model.name} ({architectures}){dummy}{stock}"
+
+
+def equivalent_command(
+    plan: dict, stock_parent: str, patched_parent: str, knob_values: dict[str, str]
+) -> str:
+    """The one command that repeats the whole comparison (`plan`: ABPlan.recorded()), knobs
+    from the environment first."""
+    command = ["hyperqwen", "bench", "ab", plan["model"], "--mode", plan["mode"]]
+    if plan["stock_model"]:
+        command += ["--stock-model", plan["stock_model"]]
+    command += ["--stock-vllm", stock_parent, "--patched-vllm", patched_parent]
+    command += ["--input-len", str(plan["input_len"]), "--output-len", str(plan["output_len"])]
+    command += ["--cohorts", ",".join(map(str, plan["cohorts"])), "--rounds", str(plan["rounds"])]
+    command += ["--prefill", ",".join(map(str, plan["prefill"])) or "none"]
+    command += ["--prefill-requests", str(plan["prefill_requests"])]
+    command += ["--copy"] * bool(plan.get("copy"))
+    command += ["--sharegpt"] * bool(plan.get("sharegpt"))
+    command += ["--temperature", f"{plan['temperature']:g}", "--seed", str(plan["seed"])]
+    if plan["synthetic_acceptance"]:
+        rates = ",".join(f"{rate:g}" for rate in plan["synthetic_acceptance"])
+        command += ["--synthetic-acceptance", rates]
+    if plan["vllm_args"]:
+        command.append(f"--vllm-args={plan['vllm_args']}")
+    command += ["--stock-spec", plan["stock_spec"]]
+    if plan["stock_args"]:
+        command.append(f"--stock-args={plan['stock_args']}")
+    if plan["env_file"]:
+        command += ["--env-file", plan["env_file"]]
+    if plan["server_command"] != DEFAULT_SERVER_COMMAND:
+        command += ["--server-command", plan["server_command"]]
+    if plan["quality"]:
+        command.append(f"--quality={plan['quality']}")
+    if plan["profile_steps"]:
+        command += ["--profile-steps", str(plan["profile_steps"])]
+    # NAME='a b' (not 'NAME=a b', which the shell would take for the command's name).
+    assignments = [f"{name}={shlex.quote(value)}" for name, value in knob_values.items()]
+    return " ".join([*assignments, shlex.join(command)])
+
+
+def build_result(state: dict) -> tuple[dict, list[ComparisonRow]]:
+    """The result document of a state holding both halves, and its rows."""
+    stock = SideResult.from_json(state["stock"])
+    patched = SideResult.from_json(state["patched"])
+    plan = state["plan"]
+    rows = compare(stock, patched)
+    facts = {
+        "gpu": gpu_facts()["gpu"],
+        "vllm": f"stock {stock.version} ({stock.patches}); "
+        f"patched {patched.version} ({patched.patches})",
+        "commit": git_commit(),
+        "date": state["date"],
+        "command": equivalent_command(plan, stock.vllm_parent, patched.vllm_parent, patched.knobs),
+        "model": model_fact(Path(plan["model"]), plan["vllm_args"], plan["stock_model"]),
+    }
+    details = {"plan": plan, "stock": state["stock"], "patched": state["patched"]}
+    commands = {"stock": stock.command, "patched": patched.command}
+    details["notes"] = [baseline_note(commands), *queue_notes(plan["cohorts"], commands)]
+    document = result_document(facts, rows, **details)
+    return document, rows

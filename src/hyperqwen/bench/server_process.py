@@ -1,0 +1,115 @@
+"""A server process's lifetime: start it in its own process group, wait for a healthy /health,
+stop the whole group (vLLM's engine-core workers with it), and what its log says it loaded.
+
+`bench ab` runs each side's server through it; anything else that must start a `vllm serve`
+(or a stand-in) and be sure it is gone afterwards can too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+from tqdm import tqdm
+
+SERVER_HOST = "127.0.0.1"
+STOP_GRACE_S = 60
+HEALTH_POLL_S = 0.5
+WEIGHTS_LINE = re.compile(r"Model loading took ([0-9.]+) GiB")
+
+
+class ServerStartError(Exception):
+    """The server exited or stayed unhealthy before it answered; the message ends with its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((SERVER_HOST, 0))
+        return probe.getsockname()[1]
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """SIGINT the server's process group (vLLM shuts down cleanly), SIGKILL what lingers."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGINT)
+    deadline = time.monotonic() + STOP_GRACE_S
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=STOP_GRACE_S)
+    # Engine-core workers share the group and hold GPU memory until they exit too.
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+@dataclass(frozen=True)
+class HealthyServer:
+    process: subprocess.Popen
+    startup_s: float
+    """From just before the start to the first 200 of /health."""
+
+
+@contextlib.contextmanager
+def running_server(
+    command: list[str],
+    env: dict[str, str] | None,
+    log: Path,
+    base: str,
+    timeout_s: float,
+    timeout_option: str = "",
+) -> Iterator[HealthyServer]:
+    """Start `command` (env None: this one's), its output into `log`; yield it once `base`/health
+    answers 200; stop its process group.
+
+    ServerStartError when it exits first or is not healthy within timeout_s (the message names
+    `timeout_option`, the option that sets it, where given)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as sink:
+        start = time.monotonic()
+        process = subprocess.Popen(
+            command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            with tqdm(
+                total=round(timeout_s), desc=f"waiting for {base}/health", unit="s", leave=False
+            ) as bar:
+                while True:
+                    waited = time.monotonic() - start
+                    bar.update(round(waited) - bar.n)
+                    if process.poll() is not None:
+                        raise ServerStartError(
+                            f"the server exited with {process.returncode} before it was "
+                            f"healthy; its log ({log}) ends:\n{log.read_text()[-3000:]}"
+                        )
+                    if waited > timeout_s:
+                        hint = f" ({timeout_option})" if timeout_option else ""
+                        raise ServerStartError(
+                            f"not healthy after {timeout_s:g} s{hint}; log: {log}"
+                        )
+                    with contextlib.suppress(requests.RequestException):
+                        if requests.get(f"{base}/health", timeout=5).status_code == 200:
+                            break
+                    time.sleep(HEALTH_POLL_S)
+            yield HealthyServer(process, time.monotonic() - start)
+        finally:
+            stop_group(process)
+
+
+def weight_gib(log_text: str) -> float | None:
+    """The largest "Model loading took X GiB" of a vLLM log (one per tensor-parallel rank)."""
+    found = [float(value) for value in WEIGHTS_LINE.findall(log_text)]
+    return max(found) if found else None
