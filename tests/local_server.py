@@ -24,8 +24,11 @@ def serving(app, log_level: str = "warning", start_timeout_s: float = 60) -> Ite
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     # No lifespan: the test apps need no startup hooks, and vLLM's only schedules engine stats
-    # logging, with no engine here.
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+    # logging, with no engine here. The stdlib loop, not uvicorn's default uvloop: uvloop's
+    # timers count whole milliseconds, so its asyncio.sleep(0.01) can end after 9 ms, shorter
+    # than the app asked for.
+    config = uvicorn.Config(app, log_level=log_level, lifespan="off", loop="asyncio")
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s
