@@ -44,7 +44,11 @@ def vllm_wheel() -> Path:
         cache.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "pip", "download", f"vllm=={PINNED_VLLM}"]
         done = subprocess.run(
-            [*command, "--no-deps", "-d", str(cache)], capture_output=True, text=True, check=False
+            [*command, "--no-deps", "-d", str(cache)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=900,  # a 0.5 GB wheel
         )
         if done.returncode != 0:
             pytest.fail(
