@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 if not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
@@ -33,6 +34,19 @@ def interpreted() -> None:
     the interpreter on only without one; the *_gpu.py tests run there)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU test: this machine has a GPU (the *_gpu.py tests run there)")
+
+
+@pytest.fixture(scope="module")
+def vllm_cpu_platform() -> Iterator[None]:
+    """vLLM's CPU platform as its current one for a test module (vLLM's argument defaults and
+    configs ask for a device; with no GPU it would pick none), the one before restored after.
+    vLLM modules first imported meanwhile keep the CPU platform they imported."""
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(platforms, "_current_platform", CpuPlatform())
+        yield
 
 
 @pytest.fixture(scope="session")
