@@ -28,6 +28,15 @@ def wheel_cache_dir() -> Path:
     return Path(os.environ.get("HYPERQWEN_CACHE", "~/.cache/hyperqwen")).expanduser() / "wheels"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """GPU tests start real servers and run benchmarks and soaks for as long as they are told
+    (HYPERQWEN_SOAK_MINUTES); each wait in them has its own limit, so the CPU suite's per-test
+    timeout (pyproject.toml) is lifted for them."""
+    for item in items:
+        if item.get_closest_marker("gpu") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(0))
+
+
 @pytest.fixture(scope="session")
 def interpreted() -> None:
     """For CPU kernel tests: skips them where Triton compiles for a GPU instead (this file turns
