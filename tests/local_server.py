@@ -31,14 +31,14 @@ def serving(app, log_level: str = "warning", start_timeout_s: float = 60) -> Ite
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + start_timeout_s
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError(f"uvicorn did not start within {start_timeout_s:g} s")
-        time.sleep(0.02)
     try:
+        deadline = time.monotonic() + start_timeout_s
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError(f"uvicorn did not start within {start_timeout_s:g} s")
+            time.sleep(0.02)
         yield sock.getsockname()[1]
-    finally:
+    finally:  # also when it did not start in time: told to stop, its socket closed
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
