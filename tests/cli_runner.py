@@ -11,8 +11,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def hyperqwen(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
-    """Only PATH, PYTHONPATH and what the test sets reach the child: no stray knobs."""
-    base = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT / "src")}
+    """Only PATH, PYTHONPATH and what the test sets reach the child: no stray knobs. Its HOME
+    is `cwd` (unless the test sets one), so nothing it writes under ~ lands outside the test's
+    folder."""
+    base = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT / "src"), "HOME": str(cwd)}
     return subprocess.run(
         [sys.executable, "-m", "hyperqwen.cli", *args],
         env={**base, **env},

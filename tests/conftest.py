@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 if not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
@@ -27,12 +28,34 @@ def wheel_cache_dir() -> Path:
     return Path(os.environ.get("HYPERQWEN_CACHE", "~/.cache/hyperqwen")).expanduser() / "wheels"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """GPU tests start real servers and run benchmarks and soaks for as long as they are told
+    (HYPERQWEN_SOAK_MINUTES); each wait in them has its own limit, so the CPU suite's per-test
+    timeout (pyproject.toml) is lifted for them."""
+    for item in items:
+        if item.get_closest_marker("gpu") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(0))
+
+
 @pytest.fixture(scope="session")
 def interpreted() -> None:
     """For CPU kernel tests: skips them where Triton compiles for a GPU instead (this file turns
     the interpreter on only without one; the *_gpu.py tests run there)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU test: this machine has a GPU (the *_gpu.py tests run there)")
+
+
+@pytest.fixture(scope="module")
+def vllm_cpu_platform() -> Iterator[None]:
+    """vLLM's CPU platform as its current one for a test module (vLLM's argument defaults and
+    configs ask for a device; with no GPU it would pick none), the one before restored after.
+    vLLM modules first imported meanwhile keep the CPU platform they imported."""
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(platforms, "_current_platform", CpuPlatform())
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +67,11 @@ def vllm_wheel() -> Path:
         cache.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "pip", "download", f"vllm=={PINNED_VLLM}"]
         done = subprocess.run(
-            [*command, "--no-deps", "-d", str(cache)], capture_output=True, text=True, check=False
+            [*command, "--no-deps", "-d", str(cache)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=900,  # a 0.5 GB wheel
         )
         if done.returncode != 0:
             pytest.fail(

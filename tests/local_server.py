@@ -24,18 +24,21 @@ def serving(app, log_level: str = "warning", start_timeout_s: float = 60) -> Ite
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     # No lifespan: the test apps need no startup hooks, and vLLM's only schedules engine stats
-    # logging, with no engine here.
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+    # logging, with no engine here. The stdlib loop, not uvicorn's default uvloop: uvloop's
+    # timers count whole milliseconds, so its asyncio.sleep(0.01) can end after 9 ms, shorter
+    # than the app asked for.
+    config = uvicorn.Config(app, log_level=log_level, lifespan="off", loop="asyncio")
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + start_timeout_s
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError(f"uvicorn did not start within {start_timeout_s:g} s")
-        time.sleep(0.02)
     try:
+        deadline = time.monotonic() + start_timeout_s
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError(f"uvicorn did not start within {start_timeout_s:g} s")
+            time.sleep(0.02)
         yield sock.getsockname()[1]
-    finally:
+    finally:  # also when it did not start in time: told to stop, its socket closed
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()

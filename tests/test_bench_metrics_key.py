@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import process_group
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +168,7 @@ def report(
         "PYTHONPATH": str(ROOT / "src"),  # vllm comes from argv[1]
     }
     trees_and_files = (patched_vllm.parent, pristine_vllm_dir.parent, tiny_checkpoint, workdir)
-    done = subprocess.run(
+    done = process_group.run(  # the driver runs `vllm bench serve` as its own child
         [sys.executable, __file__, *map(str, trees_and_files)],
         capture_output=True,
         text=True,

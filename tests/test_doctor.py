@@ -3,23 +3,35 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
-from cli_runner import hyperqwen
+from cli_runner import ROOT, hyperqwen
 
 from hyperqwen import doctor
 from hyperqwen.gpu import NoGpu, parse_smi_line, visible_to_cuda
 from hyperqwen.settings import LoadedSettings, Settings
 
 
-def test_doctor_explains_a_cpu_only_machine(tmp_path):
-    result = hyperqwen("doctor", env={"MODELS_DIR": str(tmp_path / "models")}, cwd=tmp_path)
+def doctor_with_vllm(vllm_dir: Path, tmp_path: Path):
+    """`hyperqwen doctor` in a Python that imports vLLM from `vllm_dir` (first on its path)."""
+    env = {
+        "MODELS_DIR": str(tmp_path / "models"),
+        "PYTHONPATH": os.pathsep.join([str(vllm_dir.parent), str(ROOT / "src")]),
+    }
+    return hyperqwen("doctor", env=env, cwd=tmp_path)
+
+
+def test_doctor_explains_a_cpu_only_machine(tmp_path, patched_vllm):
+    result = doctor_with_vllm(patched_vllm, tmp_path)
     assert result.returncode == 1
     lines = result.stdout.splitlines()
     assert any(line.startswith("OK    python") for line in lines)
     assert any(line.startswith("OK    vllm       0.26.0") for line in lines)
-    # Applied after install.sh; on a pristine vLLM the fix names the command.
-    patches = next(i for i, line in enumerate(lines) if line[6:13] == "patches")
-    assert lines[patches].startswith("OK") or "fix: hyperqwen patches apply" in lines[patches + 1]
+    assert any(
+        line.startswith("OK    patches") and line.endswith("patches of the series applied")
+        for line in lines
+    )
     gpu = next(i for i, line in enumerate(lines) if line.startswith("FAIL  gpu"))
     assert "nvidia-smi not found" in lines[gpu]
     assert "fix: serving needs an NVIDIA GPU" in lines[gpu + 1]
@@ -27,6 +39,13 @@ def test_doctor_explains_a_cpu_only_machine(tmp_path):
     assert any("hyperqwen prepare" in line for line in lines)
     assert any(line.startswith("OK    access     bind 127.0.0.1, no key") for line in lines)
     assert lines[-1] == "FAIL above: fix those before serving"
+
+
+def test_doctor_names_the_command_that_patches_a_pristine_vllm(tmp_path, pristine_vllm_dir):
+    lines = doctor_with_vllm(pristine_vllm_dir, tmp_path).stdout.splitlines()
+    patches = next(i for i, line in enumerate(lines) if line[6:13] == "patches")
+    assert lines[patches].startswith("FAIL  patches") and "not applied" in lines[patches]
+    assert "fix: hyperqwen patches apply" in lines[patches + 1]
 
 
 def test_doctor_reports_bad_settings(tmp_path):

@@ -24,11 +24,8 @@ WIDTH = 2048  # max_model_len
 
 
 def ngram_proposer(checkpoint, drafts: int):
-    """The installed NgramProposer; it reads HYPERQWEN_LOOKUP per call (see `propose`)."""
-    import vllm.platforms as platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    platforms._current_platform = CpuPlatform()  # before vLLM's config modules read it
+    """The installed NgramProposer; it reads HYPERQWEN_LOOKUP per call (see `propose`). Needs
+    the vllm_cpu_platform fixture."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.spec_decode.ngram_proposer import NgramProposer
@@ -64,7 +61,7 @@ def propose(proposer, contexts, sampled_rows, lookup_on: bool, drafts: int = DRA
         return proposer.propose(drafts, sampled, lengths, tokens)
 
 
-def test_patched_proposer_drafts_the_longest_latest_match(tiny_checkpoint):
+def test_patched_proposer_drafts_the_longest_latest_match(tiny_checkpoint, vllm_cpu_platform):
     proposer = ngram_proposer(tiny_checkpoint, DRAFTS)
     text = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     contexts = [
@@ -82,7 +79,7 @@ def test_patched_proposer_drafts_the_longest_latest_match(tiny_checkpoint):
         assert drafts[row] == reference_drafts(contexts[row], n, j, DRAFTS)
 
 
-def test_unset_the_proposer_is_vllms(tiny_checkpoint):
+def test_unset_the_proposer_is_vllms(tiny_checkpoint, vllm_cpu_platform):
     """Without the env the hook is inert: vLLM's numba search, the earliest longest match."""
     proposer = ngram_proposer(tiny_checkpoint, DRAFTS)
     contexts = [[1, 2, 3, 4, 9, 1, 2, 3, 4, 8, 1, 2, 3]]

@@ -25,17 +25,13 @@ GROUP = 128
 
 
 @pytest.fixture(scope="module")
-def one_rank():
+def one_rank(vllm_cpu_platform):
     """A one-process gloo world on vLLM's CPU platform: vLLM's weight parameters ask for their
     tensor-parallel rank."""
-    import vllm.platforms as platforms
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.platforms.cpu import CpuPlatform
 
     from hyperqwen.bench.kernels import start_one_rank
 
-    before = platforms._current_platform
-    platforms._current_platform = CpuPlatform()
     with set_current_vllm_config(VllmConfig()):
         start_one_rank()
     yield
@@ -43,7 +39,6 @@ def one_rank():
 
     destroy_model_parallel()
     destroy_distributed_environment()
-    platforms._current_platform = before
 
 
 def loaded_layer(weight: torch.Tensor):

@@ -285,5 +285,5 @@ def test_the_patched_layer_module_binds_the_choice_when_it_loads() -> None:
     for value, module in (("1", "hyperqwen.engine.gdn_recurrent"), ("0", "fused_sigmoid_gating")):
         env = {**os.environ, "HYPERQWEN_GDN_RECURRENT": value}
         done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
-                              text=True, check=True)  # fmt: skip
+                              text=True, check=True, timeout=300)  # fmt: skip
         assert done.stdout.strip().endswith(module), done.stdout

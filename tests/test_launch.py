@@ -26,8 +26,8 @@ def loaded(**values: str) -> LoadedSettings:
     return LoadedSettings(Settings.model_validate(values), frozenset(values))
 
 
-@pytest.fixture(scope="session")
-def vllm_serve():
+@pytest.fixture(scope="module")
+def vllm_serve(vllm_cpu_platform):
     """vLLM's real `vllm serve` parser and validator, built on the CPU platform.
 
     The launcher targets the patched vLLM (e.g. --sse-keep-alive-interval comes from the
@@ -39,10 +39,6 @@ def vllm_serve():
             f"the vLLM this Python imports is not patched ({detail}): "
             "run `hyperqwen patches apply` (install.sh does)"
         )
-    import vllm.platforms as platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    platforms._current_platform = CpuPlatform()
     from vllm.entrypoints.cli import serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
+import process_group
 from cli_runner import ROOT
+
+# A checkout's local state, never part of a build (.gitignore and .dockerignore list it too).
+LOCAL_STATE = {".git", ".venv", "build", "dist", "models", "bench-results", ".gpu-kit", ".whl",
+               ".pytest_cache", ".ruff_cache"}  # fmt: skip
+
+
+def _not_sources(folder: str, names: list[str]) -> list[str]:
+    top = Path(folder) == ROOT
+    return [
+        name
+        for name in names
+        if (top and name in LOCAL_STATE) or name == "__pycache__" or name.endswith(".egg-info")
+    ]
 
 
 def test_wheel_carries_the_patch_series(tmp_path):
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+    # Built from a copy: setuptools writes build/ and an .egg-info beside what it builds.
+    source = shutil.copytree(ROOT, tmp_path / "source", ignore=_not_sources, symlinks=True)
+    process_group.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), source],
         check=True,
         capture_output=True,
         timeout=300,

@@ -19,7 +19,7 @@ from hyperqwen.parallel import tensor_parallel_problems, tensor_parallel_refusal
 def config_27b(tmp_path_factory) -> dict:
     directory = tmp_path_factory.mktemp("synth") / "27b"
     command = [sys.executable, "-m", "hyperqwen.cli", "synth", str(directory), "--preset", "27b"]
-    subprocess.run([*command, "--config-only"], check=True, capture_output=True)
+    subprocess.run([*command, "--config-only"], check=True, capture_output=True, timeout=300)
     return directory
 
 

@@ -100,12 +100,8 @@ class Reply:
 
 
 @pytest.fixture(scope="module")
-def vllm_side(tiny_checkpoint):
+def vllm_side(tiny_checkpoint, vllm_cpu_platform):
     """The tokenizer as vLLM loads it, the serving parser class and the stream/parse runners."""
-    import vllm.platforms as platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    platforms._current_platform = CpuPlatform()
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.parser.parser_manager import ParserManager
     from vllm.sampling_params import SamplingParams

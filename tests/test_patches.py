@@ -377,6 +377,7 @@ def test_default_dir_is_this_pythons_vllm_found_without_importing_it():
         text=True,
         check=True,
         env={"PYTHONPATH": str(ROOT / "src")},
+        timeout=120,
     )
     assert done.stdout.splitlines() == [
         str(Path(sysconfig.get_paths()["purelib"]) / "vllm"),

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import process_group
+
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
 from hyperqwen.prepare.cli import add_subcommand
@@ -90,18 +92,20 @@ sys.exit(done.returncode)
 
 
 def prepare_process(
-    *argv: str, env: dict[str, str] | None = None, measure_memory: bool = False
+    *argv: str, env: dict[str, str] | None = None, measure_memory: bool = False, prelude: str = ""
 ) -> subprocess.CompletedProcess:
     """`hyperqwen prepare ARGV` in a fresh interpreter (for kills, locks and memory); with
-    `measure_memory` its peak RSS in KiB is the last line of stdout."""
+    `measure_memory` its peak RSS in KiB is the last line of stdout. `prelude` is Python run
+    in that interpreter first."""
     environment = {
         "PATH": os.environ["PATH"],
         "PYTHONPATH": str(ROOT / "src"),
         "HOME": os.environ.get("HOME", "/tmp"),
         **(env or {}),
     }
-    launcher = ["-c", MEASURE_SCRIPT, PREPARE_SCRIPT] if measure_memory else ["-c", PREPARE_SCRIPT]
-    return subprocess.run(
+    script = prelude + PREPARE_SCRIPT
+    launcher = ["-c", MEASURE_SCRIPT, script] if measure_memory else ["-c", script]
+    return process_group.run(
         [sys.executable, *launcher, *argv],
         env=environment,
         capture_output=True,

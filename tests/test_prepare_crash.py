@@ -55,11 +55,17 @@ def _run_all(jobs: list[tuple[Path, dict[str, str]]]) -> list[int | None]:
             CONTEXT.Process(target=_prepare_child, args=(str(model), environment))
             for model, environment in jobs[start : start + PARALLEL]
         ]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join(timeout=240)
-            codes.append(process.exitcode)
+        try:
+            for process in processes:
+                process.start()
+            for process in processes:
+                process.join(timeout=240)
+                codes.append(process.exitcode)  # None: still running at the deadline
+        finally:  # none outlives its batch, whatever stopped the test
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join()
     return codes
 
 

@@ -109,12 +109,8 @@ def test_a_template_that_cannot_render_object_arguments_is_refused():
 
 
 def test_vllm_serves_array_arguments_and_every_effort_through_the_prepared_template(
-    tmp_path_factory,
+    tmp_path_factory, vllm_cpu_platform
 ):
-    import vllm.platforms as platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    platforms._current_platform = CpuPlatform()
     from transformers import AutoTokenizer
     from vllm.entrypoints.chat_utils import _postprocess_messages
     from vllm.renderers.hf import resolve_chat_template_kwargs

@@ -13,6 +13,7 @@ is tests/test_prepare_gpu.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import process_group
 import pytest
 from test_prepare_common import prepare_copy, tiny_base_dir
 
@@ -193,6 +195,7 @@ if __name__ == "__main__" and len(sys.argv) == 5:
 
 
 def _start_driver(vllm_parent: Path, checkpoint: Path, base: Path, report: Path):
+    """The driver in a process group of its own, killed on leaving the context unless done."""
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT / "src"),
@@ -200,7 +203,7 @@ def _start_driver(vllm_parent: Path, checkpoint: Path, base: Path, report: Path)
         "CUDA_VISIBLE_DEVICES": "",
         "TRITON_INTERPRET": "1",
     }
-    return subprocess.Popen(
+    return process_group.started(
         [sys.executable, __file__, str(vllm_parent), str(checkpoint), str(base), str(report)],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -230,6 +233,7 @@ def patched_parent(pristine_vllm_dir, tmp_path_factory) -> Path:
         cwd=parent / "vllm",
         check=True,
         capture_output=True,
+        timeout=120,
     )
     return parent
 
@@ -239,16 +243,19 @@ def reports(patched_parent, pristine_vllm_dir, prepared, tiny_base, tmp_path_fac
     """Both trees' drivers, run side by side (one core each)."""
     folder = tmp_path_factory.mktemp("vllm-reports")
     trees = {"patched": patched_parent, "stock": pristine_vllm_dir.parent}
-    running = {
-        name: _start_driver(parent, prepared, tiny_base, folder / f"{name}.json")
-        for name, parent in trees.items()
-    }
     results = {}
-    for name, process in running.items():
-        _, stderr = process.communicate(timeout=600)
-        assert process.returncode == 0, stderr[-4000:]
-        results[name] = json.loads((folder / f"{name}.json").read_text())
-        assert results[name]["vllm_file"].startswith(str(trees[name]))
+    with contextlib.ExitStack() as drivers:
+        running = {
+            name: drivers.enter_context(
+                _start_driver(parent, prepared, tiny_base, folder / f"{name}.json")
+            )
+            for name, parent in trees.items()
+        }
+        for name, process in running.items():
+            _, stderr = process.communicate(timeout=600)
+            assert process.returncode == 0, stderr[-4000:]
+            results[name] = json.loads((folder / f"{name}.json").read_text())
+            assert results[name]["vllm_file"].startswith(str(trees[name]))
     return results
 
 

@@ -235,12 +235,8 @@ def test_cli_reports_bad_overrides(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def vllm_cpu(tiny):
+def vllm_cpu(tiny, vllm_cpu_platform):
     """vLLM on its CPU platform with a one-process gloo 'cluster' for the model classes."""
-    import vllm.platforms as platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    platforms._current_platform = CpuPlatform()
     if not hasattr(torch.ops._C, "silu_and_mul"):
         library = torch.library.Library("_C", "FRAGMENT")
         library.define("silu_and_mul(Tensor! result, Tensor input) -> ()")

@@ -23,7 +23,7 @@ def venv_root() -> Path:
 
 def test_the_venv_toolkit_compiles(venv_root, tmp_path):
     shown = subprocess.run(
-        [str(venv_root / "bin" / "nvcc"), "--version"], capture_output=True, text=True
+        [str(venv_root / "bin" / "nvcc"), "--version"], capture_output=True, text=True, timeout=60
     )
     assert shown.returncode == 0 and "release 13." in shown.stdout
     assert (venv_root / "include" / "cuda_runtime.h").is_file()
@@ -60,6 +60,7 @@ def test_used_only_without_a_usable_system_toolkit(venv_root, tmp_path, monkeypa
     elsewhere = {
         "PATH": str(tmp_path / "empty"),
         toolkit.SYSTEM_TOOLKIT_ENV: str(tmp_path / "cuda"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
     }
     assert toolkit.toolkit_env(elsewhere) == ({}, "")
 
@@ -69,7 +70,11 @@ def test_a_system_toolkit_of_another_release_gives_way(venv_root, tmp_path):
     why; a CUDA_HOME the user set is kept, and doctor warns."""
     fake_nvcc(tmp_path / "bin", "12.4")
     ours = toolkit.nvcc_release(venv_root / "bin" / "nvcc")
-    on_path = {"PATH": str(tmp_path / "bin"), toolkit.SYSTEM_TOOLKIT_ENV: str(tmp_path / "none")}
+    on_path = {
+        "PATH": str(tmp_path / "bin"),
+        toolkit.SYSTEM_TOOLKIT_ENV: str(tmp_path / "none"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),  # the link folder goes there, not to ~
+    }
     env, why = toolkit.toolkit_env(on_path)
     assert env["CUDA_HOME"] == str(venv_root)
     assert why == f"nvcc on PATH ({tmp_path / 'bin' / 'nvcc'}) is CUDA 12.4, this torch and the " \
@@ -103,7 +108,7 @@ def link_probe(tmp_path: Path, root: Path, env: dict[str, str]) -> subprocess.Co
     return subprocess.run(
         [str(root / "bin" / "nvcc"), "-shared", "-Xcompiler", "-fPIC", str(tmp_path / "probe.cu"),
          f"-L{root}/lib64", f"-L{root}/lib64/stubs", "-lcudart", "-o", str(tmp_path / "probe.so")],
-        capture_output=True, text=True, env=env,
+        capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
 
 
