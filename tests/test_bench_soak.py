@@ -85,7 +85,7 @@ def test_a_sound_server_loses_nothing_and_every_kind_is_sent(serve) -> None:
     url = serve(fake_server())
     target = Target(url, None, "tiny", MAX_MODEL_LEN, timeout_s=10)
     report = soak(target, 6, concurrency=6, slots=2, warmup_s=1, api_pid=os.getpid(),
-                  burst_every_s=2)  # fmt: skip
+                  burst_every_s=2, sample_every_s=1)  # fmt: skip
     outcomes = report["outcomes"]
     assert set(outcomes) == {*MIX, "burst"}
     assert report["totals"]["lost"] == 0 and report["unexpected"] == {}
@@ -101,6 +101,13 @@ def test_a_sound_server_loses_nothing_and_every_kind_is_sent(serve) -> None:
     assert counted == sum(report["totals"].values())
     assert set(report["totals"]) == set(OUTCOMES)
     assert report["memory_after_warmup"]["api_rss_mib"] > 0  # this process, sampled
+    # The warm-up (1 s) lasts until the first burst, sent after 2 s, has been answered.
+    assert report["memory_after_warmup"]["at_s"] >= 2
+    samples = report["memory_samples"]
+    assert samples[0] == report["memory_after_warmup"]
+    assert samples[-1] == report["memory_at_end"]
+    assert [sample["at_s"] for sample in samples] == sorted(sample["at_s"] for sample in samples)
+    assert all(sample["api_rss_mib"] > 0 for sample in samples)
 
 
 def test_cut_streams_and_hangs_are_lost_and_fail_the_command(serve, tmp_path, capsys) -> None:

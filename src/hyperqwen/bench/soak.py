@@ -286,9 +286,11 @@ def soak(
     api_pid: int | None,
     seed: int = 0,
     burst_every_s: float = BURST_EVERY_S,
+    sample_every_s: float = PROGRESS_EVERY_S,
 ) -> dict:
     """Run the traffic; the report (see the module docstring)."""
     tally = Tally()
+    first_burst_answered = threading.Event()
     start = time.monotonic()
     deadline = start + duration_s
     kinds, weights = zip(*MIX.items(), strict=True)
@@ -314,20 +316,37 @@ def soak(
                 thread.start()
             for thread in burst:
                 thread.join()
+            first_burst_answered.set()
+        first_burst_answered.set()  # none (more) fits before the deadline
+
+    def memory(at: float) -> dict:
+        return {
+            "at_s": round(at - start, 1),
+            "api_rss_mib": rss_mib(api_pid),
+            **gpu_memory(api_pid),
+        }
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
     threads.append(threading.Thread(target=bursts, daemon=True))
     for thread in threads:
         thread.start()
     time.sleep(min(warmup_s, duration_s))
-    memory_start = {"api_rss_mib": rss_mib(api_pid), **gpu_memory(api_pid)}
+    first_burst_answered.wait(max(deadline - time.monotonic(), 0))
+    memory_start = memory(time.monotonic())
+    samples = [memory_start]
     next_progress = time.monotonic() + PROGRESS_EVERY_S
+    next_sample = time.monotonic() + sample_every_s
     while any(thread.is_alive() for thread in threads):
         time.sleep(0.5)
-        if time.monotonic() >= next_progress:
-            print(f"  {time.monotonic() - start:.0f} s: {tally.line()}", flush=True)
+        now = time.monotonic()
+        if now >= next_progress:
+            print(f"  {now - start:.0f} s: {tally.line()}", flush=True)
             next_progress += PROGRESS_EVERY_S
-    memory_end = {"api_rss_mib": rss_mib(api_pid), **gpu_memory(api_pid)}
+        if now >= next_sample:
+            samples.append(memory(now))
+            next_sample += sample_every_s
+    memory_end = memory(time.monotonic())
+    samples.append(memory_end)
     return {
         "duration_s": round(time.monotonic() - start, 1),
         "concurrency": concurrency,
@@ -339,6 +358,7 @@ def soak(
         "unexpected": dict(tally.unexpected),
         "memory_after_warmup": memory_start,
         "memory_at_end": memory_end,
+        "memory_samples": samples,
     }
 
 
