@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from hyperqwen import bench, docs, doctor, patches, synth
+from hyperqwen import bench, capacity_cli, docs, doctor, patches, synth
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.drafter import cli as drafter_cli
 from hyperqwen.gpu import REQUIREMENT, NoGpu, list_gpus
@@ -194,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     knobs.set_defaults(func=cmd_settings)
 
+    capacity_cli.add_subcommand(sub)
     patches.add_subcommand(sub)
     synth.add_subcommand(sub)
     prepare_cli.add_subcommand(sub)
