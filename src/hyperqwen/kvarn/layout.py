@@ -1,0 +1,196 @@
+"""KVarN's packed tile: one KV head's 128 tokens of K and V as one run of bytes.
+
+A layer's pool is uint8 [num_blocks, num_kv_heads, tile_bytes]: a vLLM block of 128 tokens is
+one tile per KV head, and a page (one block of one layer) is num_kv_heads * tile_bytes bytes,
+which is `block_size * num_kv_heads * slot_bytes` with slot_bytes = tile_bytes / 128: the
+budget vLLM 0.26's TQFullAttentionSpec (v1/kv_cache_interface.py) already computes from its
+`tq_slot_size` for TurboQuant's uint8 pages, so a later KVarN backend can declare its pages the
+same way and return this shape from `get_kv_cache_shape`. Unlike TurboQuant's per-token slots,
+a tile is written whole, once its 128 tokens are all there (store.py), because the key grid
+is per channel over the tile's tokens.
+
+Sections of a tile, in order, each starting on a 16-byte boundary (vector loads), the tile
+padded to a whole number of bytes per token. Codes are token-major; packing is little-end
+first: a K byte holds channels 2b (low nibble) and 2b + 1, a V byte channels 4b (lowest two
+bits) to 4b + 3. Scales, zeros and token scales are fp16 (quantize.py says what they mean).
+
+    k_codes        [T, D/2] uint8   4-bit key codes, per-channel grid
+    k_scale        [D] fp16         key grid step per channel
+    k_zero         [D] fp16         key grid zero per channel
+    k_token_scale  [T] fp16         r, the key normalisation per token
+    v_codes        [T, D/4] uint8   2-bit value codes, per-token grid
+    v_scale        [T] fp16         value grid step per token
+    v_zero         [T] fp16         value grid zero per token
+
+The 16-bit parts of a sequence (its first 128 tokens, the attention sink, and its newest,
+still-filling tile) are not in the pool: the table below counts them as two bf16 tiles per
+sequence and KV head, spread over the context. The module appends both tables (sections,
+bytes per token) to this docstring when imported, so `help()` shows the code's numbers, not
+typed ones; `python -m hyperqwen.kvarn.layout` prints them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
+
+import torch
+
+from hyperqwen.kvarn.hadamard import check_power_of_two
+from hyperqwen.kvarn.quantize import TILE_TOKENS, QuantizedTile
+
+SECTION_ALIGN = 16
+FP16_SECTIONS = ("k_scale", "k_zero", "k_token_scale", "v_scale", "v_zero")
+KV_HEADS_27B, FULL_ATTENTION_LAYERS_27B, HEAD_DIM_27B = 4, 16, 256
+TABLE_CONTEXTS = (4096, 32768, 114688)  # 114688 = 112k, issue 25's decode-tax context
+
+
+class SectionOffsets(NamedTuple):
+    """Byte offsets of a tile's sections; the kernels take it as one constexpr (AT.k_scale)."""
+
+    k_codes: int
+    k_scale: int
+    k_zero: int
+    k_token_scale: int
+    v_codes: int
+    v_scale: int
+    v_zero: int
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    head_dim: int = HEAD_DIM_27B
+    tokens: int = TILE_TOKENS
+
+    def __post_init__(self) -> None:
+        check_power_of_two(self.head_dim, minimum=16)
+        check_power_of_two(self.tokens, minimum=16, what="tile tokens")
+
+    @cached_property
+    def sections(self) -> dict[str, tuple[int, int]]:
+        """Section name -> (byte offset in the tile, byte size)."""
+        t, d = self.tokens, self.head_dim
+        sizes = {"k_codes": t * d // 2, "k_scale": 2 * d, "k_zero": 2 * d, "k_token_scale": 2 * t,
+                 "v_codes": t * d // 4, "v_scale": 2 * t, "v_zero": 2 * t}  # fmt: skip
+        assert tuple(sizes) == SectionOffsets._fields
+        offsets, at = {}, 0
+        for name, size in sizes.items():
+            offsets[name] = (at, size)
+            at = math.ceil((at + size) / SECTION_ALIGN) * SECTION_ALIGN
+        return offsets
+
+    @cached_property
+    def tile_bytes(self) -> int:
+        end = max(offset + size for offset, size in self.sections.values())
+        return math.ceil(end / self.tokens) * self.tokens
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes per token and KV head: a vLLM page is block_size * num_kv_heads of these."""
+        return self.tile_bytes // self.tokens
+
+    def pool_shape(self, num_blocks: int, num_kv_heads: int) -> tuple[int, int, int]:
+        return (num_blocks, num_kv_heads, self.tile_bytes)
+
+    @property
+    def offsets(self) -> SectionOffsets:
+        return SectionOffsets(*(offset for offset, _ in self.sections.values()))
+
+    def check_pool(self, pool: torch.Tensor) -> None:
+        if (
+            pool.dtype != torch.uint8
+            or pool.dim() != 3
+            or pool.shape[2] != self.tile_bytes
+            or pool.stride(2) != 1
+        ):
+            raise ValueError(
+                f"a KVarN pool for head_dim {self.head_dim} is uint8 [num_blocks, num_kv_heads, "
+                f"{self.tile_bytes}] with contiguous tiles; got {pool.dtype} {list(pool.shape)} "
+                f"stride {pool.stride()}"
+            )
+
+
+def _section(raw: torch.Tensor, layout: TileLayout, name: str) -> torch.Tensor:
+    offset, size = layout.sections[name]
+    return raw[offset : offset + size]
+
+
+def pack_tile(tile: QuantizedTile, layout: TileLayout) -> torch.Tensor:
+    """The tile's bytes, uint8 [tile_bytes], padding zero (the reference for store.py)."""
+    raw = torch.zeros(layout.tile_bytes, dtype=torch.uint8)
+    k, v = tile.k_codes.to(torch.uint8), tile.v_codes.to(torch.uint8)
+    _section(raw, layout, "k_codes")[:] = (k[:, 0::2] | k[:, 1::2] << 4).reshape(-1)
+    v_bytes = v[:, 0::4] | v[:, 1::4] << 2 | v[:, 2::4] << 4 | v[:, 3::4] << 6
+    _section(raw, layout, "v_codes")[:] = v_bytes.reshape(-1)
+    for name in FP16_SECTIONS:
+        _section(raw, layout, name)[:] = getattr(tile, name).to(torch.float16).view(torch.uint8)
+    return raw
+
+
+def unpack_tile(raw: torch.Tensor, layout: TileLayout) -> QuantizedTile:
+    """A tile's bytes (uint8 [tile_bytes], e.g. pool[block, head]) back to numbers."""
+    t, d = layout.tokens, layout.head_dim
+    k_bytes = _section(raw, layout, "k_codes").reshape(t, d // 2).to(torch.int64)
+    v_bytes = _section(raw, layout, "v_codes").reshape(t, d // 4).to(torch.int64)
+    k_codes = torch.stack((k_bytes & 15, k_bytes >> 4), dim=2).reshape(t, d)
+    v_codes = torch.stack([(v_bytes >> (2 * i)) & 3 for i in range(4)], dim=2).reshape(t, d)
+    numbers = {
+        name: _section(raw, layout, name).clone().view(torch.float16).to(torch.float64)
+        for name in FP16_SECTIONS
+    }
+    return QuantizedTile(k_codes=k_codes, v_codes=v_codes, **numbers)
+
+
+def bytes_per_token(layout: TileLayout, context: int | None = None) -> float:
+    """K and V bytes per token, one KV head of one layer. With a context length: also the
+    sequence's two bf16 tiles (sink and filling), and its whole last page, spread over it."""
+    if context is None:
+        return float(layout.slot_bytes)
+    pages = math.ceil(context / layout.tokens) * layout.tile_bytes
+    return (pages + 2 * layout.tokens * bf16_bytes_per_token(layout.head_dim)) / context
+
+
+def bf16_bytes_per_token(head_dim: int) -> int:
+    return 2 * head_dim * 2
+
+
+def fp8_bytes_per_token(head_dim: int) -> int:
+    return 2 * head_dim  # vLLM's fp8 cache: one byte per element, per-layer scales only
+
+
+def bytes_table(layout: TileLayout | None = None) -> str:
+    """Markdown: bytes per token against bf16 and fp8, per KV head and for the 27B's 16
+    full-attention layers of 4 KV heads each."""
+    layout = layout or TileLayout()
+    d = layout.head_dim
+    per_model = KV_HEADS_27B * FULL_ATTENTION_LAYERS_27B
+    rows = [("bf16", bf16_bytes_per_token(d)), ("fp8", fp8_bytes_per_token(d)),
+            ("KVarN tiles (pool only)", bytes_per_token(layout))]  # fmt: skip
+    rows += [
+        (f"KVarN at {n} tokens, 16-bit sink + filling tile", bytes_per_token(layout, n))
+        for n in TABLE_CONTEXTS
+    ]
+    lines = [f"| head_dim {d} | bytes/token/KV head | vs bf16 | vs fp8 | 27B KiB/token |",
+             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for name, b in rows:
+        lines.append(
+            f"| {name} | {b:.1f} | {b / bf16_bytes_per_token(d):.3f} | "
+            f"{b / fp8_bytes_per_token(d):.3f} | {b * per_model / 1024:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def sections_table(layout: TileLayout | None = None) -> str:
+    layout = layout or TileLayout()
+    lines = [f"| section (head_dim {layout.head_dim}) | offset | bytes |", "|---|---:|---:|"]
+    lines += [f"| {name} | {offset} | {size} |" for name, (offset, size) in layout.sections.items()]
+    lines.append(f"| tile ({layout.slot_bytes} per token) | | {layout.tile_bytes} |")
+    return "\n".join(lines)
+
+
+__doc__ = f"{__doc__}\n{sections_table()}\n\n{bytes_table()}\n"
+
+if __name__ == "__main__":
+    print(sections_table(), bytes_table(), sep="\n\n")

@@ -1,0 +1,163 @@
+"""The store kernel: whole 128-token tiles of K and V quantized into a KVarN pool.
+
+One program per (tile, KV head) reads the tile's K and V [128, D] (bf16 or fp16, any token and
+head strides), rotates them, runs quantize.py's encoding in fp32 and writes the packed tile of
+layout.py into pool[block_ids[i], head]. It writes those bytes and nothing else: no zeroing
+of a block it is not told about, so a block another request shares under prefix caching is
+never touched, and every write lands in a block named by the caller in the same launch (no
+deferred flush that could reach a page after it was recycled). Pool addresses are computed in
+int64: a 27B layer's pool of 4 KV heads passes 2^31 bytes at about 20k blocks (2.6M tokens).
+
+Where quantize.py (float64) and this kernel (fp32) round a value lying within float error of
+a grid midpoint, or of an fp16 rounding boundary, they may disagree by one code or one fp16
+step; the tests bound how often and how much.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hyperqwen.kvarn import quantize
+from hyperqwen.kvarn.hadamard import hadamard_rows
+from hyperqwen.kvarn.layout import TileLayout
+
+
+@triton.jit
+def program_tile(pool_ptr, block_ids_ptr, stride_block, stride_head):
+    """(index, head, first byte of pool[block_ids[index], head]) of a program of a
+    (tiles, KV heads) grid; the address in int64."""
+    index = tl.program_id(0)
+    head = tl.program_id(1)
+    block = tl.load(block_ids_ptr + index).to(tl.int64)
+    return index, head, pool_ptr + block * stride_block + head.to(tl.int64) * stride_head
+
+
+@triton.jit
+def fp16_section(tile, AT: tl.constexpr):
+    return (tile + AT).to(tl.pointer_type(tl.float16))
+
+
+@triton.jit
+def _grid_codes(y, scale, zero, LEVELS: tl.constexpr):
+    q = tl.floor((y - zero) / scale + 0.5)
+    return tl.minimum(tl.maximum(q, 0.0), LEVELS)
+
+
+@triton.jit
+def _fit_grid(y, LEVELS: tl.constexpr, AXIS: tl.constexpr, GROUP: tl.constexpr,
+              ROUNDS: tl.constexpr, MIN_STEP: tl.constexpr):  # fmt: skip
+    """quantize.fit_grid: scale and zero of each group along AXIS, fp16-rounded, keep_dims."""
+    zero = tl.min(y, axis=AXIS, keep_dims=True)
+    scale = tl.maximum((tl.max(y, axis=AXIS, keep_dims=True) - zero) / LEVELS, MIN_STEP)
+    for _ in tl.static_range(ROUNDS):
+        q = _grid_codes(y, scale, zero, LEVELS)
+        q_mean = tl.sum(q, axis=AXIS, keep_dims=True) / GROUP
+        y_mean = tl.sum(y, axis=AXIS, keep_dims=True) / GROUP
+        q_dev = q - q_mean
+        var = tl.sum(q_dev * q_dev, axis=AXIS, keep_dims=True) / GROUP
+        cov = tl.sum(q_dev * (y - y_mean), axis=AXIS, keep_dims=True) / GROUP
+        fitted = cov / tl.where(var > 0, var, 1.0)
+        scale = tl.where(var > 0, tl.maximum(fitted, MIN_STEP), scale)
+        zero = tl.where(var > 0, y_mean - fitted * q_mean, zero)
+    scale = tl.maximum(scale, MIN_STEP).to(tl.float16).to(tl.float32)
+    return scale, zero.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr,
+                  stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
+                  stride_block, stride_head,
+                  T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
+                  K_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr,
+                  BALANCE_ROUNDS: tl.constexpr, GRID_ROUNDS: tl.constexpr,
+                  MIN_SCALE: tl.constexpr, MIN_STEP: tl.constexpr):  # fmt: skip
+    index, head, tile = program_tile(pool_ptr, block_ids_ptr, stride_block, stride_head)
+    t = tl.arange(0, T)
+    d = tl.arange(0, D)
+    rows = t[:, None].to(tl.int64)
+
+    # keys: rotate, normalise tokens (quantize.balance_token_scales), per-channel 4-bit grid
+    k_src = k_ptr + index.to(tl.int64) * stride_kn + head.to(tl.int64) * stride_kh
+    x = hadamard_rows(tl.load(k_src + rows * stride_kt + d[None, :]).to(tl.float32), T, D)
+    r = tl.full((T, 1), 1.0, tl.float32)
+    for _ in tl.static_range(BALANCE_ROUNDS):
+        xr = x / r
+        c = tl.maximum(tl.sqrt(tl.sum(xr * xr, axis=0, keep_dims=True) / T), MIN_SCALE)
+        xc = x / c
+        r = tl.maximum(tl.sqrt(tl.sum(xc * xc, axis=1, keep_dims=True) / D), MIN_SCALE)
+    r = r.to(tl.float16).to(tl.float32)
+    y = x / r
+    k_scale, k_zero = _fit_grid(y, K_LEVELS, 0, T, GRID_ROUNDS, MIN_STEP)
+    q = _grid_codes(y, k_scale, k_zero, K_LEVELS).to(tl.int32)
+    even, odd = tl.split(tl.reshape(q, (T, D // 2, 2)))
+    half = tl.arange(0, D // 2)
+    tl.store(tile + AT.k_codes + rows * (D // 2) + half[None, :], (even | (odd << 4)).to(tl.uint8))
+    tl.store(fp16_section(tile, AT.k_scale) + d[None, :], k_scale.to(tl.float16))
+    tl.store(fp16_section(tile, AT.k_zero) + d[None, :], k_zero.to(tl.float16))
+    tl.store(fp16_section(tile, AT.k_token_scale) + t[:, None], r.to(tl.float16))
+
+    # values: rotate, per-token 2-bit grid
+    v_src = v_ptr + index.to(tl.int64) * stride_vn + head.to(tl.int64) * stride_vh
+    x = hadamard_rows(tl.load(v_src + rows * stride_vt + d[None, :]).to(tl.float32), T, D)
+    v_scale, v_zero = _fit_grid(x, V_LEVELS, 1, D, GRID_ROUNDS, MIN_STEP)
+    q = _grid_codes(x, v_scale, v_zero, V_LEVELS).to(tl.int32)
+    pairs_02, pairs_13 = tl.split(tl.reshape(q, (T, D // 4, 2, 2)))  # channel 4b + 2j + i
+    q0, q2 = tl.split(pairs_02)
+    q1, q3 = tl.split(pairs_13)
+    quarter = tl.arange(0, D // 4)
+    packed = q0 | (q1 << 2) | (q2 << 4) | (q3 << 6)
+    tl.store(tile + AT.v_codes + rows * (D // 4) + quarter[None, :], packed.to(tl.uint8))
+    tl.store(fp16_section(tile, AT.v_scale) + t[:, None], v_scale.to(tl.float16))
+    tl.store(fp16_section(tile, AT.v_zero) + t[:, None], v_zero.to(tl.float16))
+
+
+def check_tiles(name: str, part: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """K or V tiles [tiles, tokens, KV heads, head_dim] as the kernels take them."""
+    fits = part.shape == shape and part.dtype in (torch.bfloat16, torch.float16)
+    if not fits or part.stride(3) != 1:
+        raise ValueError(
+            f"{name} must be bf16 or fp16 {list(shape)} (tiles, tokens, KV heads of the pool, "
+            f"head_dim) contiguous along head_dim; got {part.dtype} {list(part.shape)} stride "
+            f"{part.stride()}"
+        )
+
+
+def check_block_ids(block_ids: torch.Tensor, pool: torch.Tensor, tiles: int) -> None:
+    if block_ids.dtype not in (torch.int32, torch.int64) or block_ids.shape != (tiles,):
+        raise ValueError(
+            f"block_ids must be int32 or int64 [{tiles}] (one pool block per tile); got "
+            f"{block_ids.dtype} {list(block_ids.shape)}"
+        )
+    if block_ids.device != pool.device:
+        raise ValueError(f"block_ids are on {block_ids.device}, the pool on {pool.device}")
+
+
+def store_tiles(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    pool: torch.Tensor,
+    block_ids: torch.Tensor,
+    layout: TileLayout | None = None,
+) -> None:
+    """Quantize tiles key/value [n, 128, num_kv_heads, D] (bf16 or fp16, contiguous along D)
+    into pool[block_ids[i], :] (layout.py), every KV head of each. Block ids must name blocks
+    of the pool; the kernel does not check them (a GPU-side check would cost a sync)."""
+    layout = layout or TileLayout(head_dim=key.shape[-1])
+    layout.check_pool(pool)
+    expected = (key.shape[0], layout.tokens, pool.shape[1], layout.head_dim)
+    check_tiles("key", key, expected)
+    check_tiles("value", value, expected)
+    check_block_ids(block_ids, pool, key.shape[0])
+    if key.shape[0] == 0:
+        return
+    _store_kernel[(key.shape[0], pool.shape[1])](
+        key, value, pool, block_ids,
+        *key.stride()[:3], *value.stride()[:3],
+        pool.stride(0), pool.stride(1),
+        T=layout.tokens, D=layout.head_dim, AT=layout.offsets,
+        K_LEVELS=quantize.K_LEVELS, V_LEVELS=quantize.V_LEVELS,
+        BALANCE_ROUNDS=quantize.BALANCE_ROUNDS, GRID_ROUNDS=quantize.GRID_ROUNDS,
+        MIN_SCALE=quantize.MIN_SCALE, MIN_STEP=quantize.MIN_STEP, num_warps=8,
+    )  # fmt: skip

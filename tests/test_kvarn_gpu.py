@@ -1,0 +1,58 @@
+"""KVarN's kernels compiled on the GPU at full size, against the float64 reference: 64 tiles
+of the 27B's 4 KV heads of head_dim 256 in a pool past 2^32 bytes (int32 block ids, as
+vLLM's block tables are), bytes outside the named blocks left alone, outputs poisoned."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from test_kvarn_store import POISON, assert_pool_holds_the_reference, tiles  # noqa: E402
+
+from hyperqwen.bench.kernels import relative_error  # noqa: E402
+from hyperqwen.kvarn import quantize  # noqa: E402
+from hyperqwen.kvarn.dequant import dequantize_tiles  # noqa: E402
+from hyperqwen.kvarn.hadamard import rotate_reference, rotate_rows  # noqa: E402
+from hyperqwen.kvarn.layout import TileLayout, unpack_tile  # noqa: E402
+from hyperqwen.kvarn.store import store_tiles  # noqa: E402
+
+HEADS, D, TILES = 4, 256, 64
+
+
+def test_27b_tiles_in_a_pool_past_2_32_bytes():
+    layout = TileLayout(head_dim=D)
+    blocks = 2**32 // (HEADS * layout.tile_bytes) + 8
+    pool = torch.full(layout.pool_shape(blocks, HEADS), POISON, dtype=torch.uint8, device="cuda")
+    ids = torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(0))[: TILES - 1]
+    block_ids = torch.cat((torch.tensor([blocks - 1]), ids)).to(torch.int32)
+    key, value = tiles(TILES, HEADS, D, seed=51)
+    store_tiles(key.cuda(), value.cuda(), pool, block_ids.cuda(), layout)
+    outside = torch.ones(blocks, dtype=torch.bool, device="cuda")
+    outside[block_ids.long().cuda()] = False
+    assert (pool[outside] == POISON).all(), "bytes outside the named blocks changed"
+    written = pool[block_ids.long().cuda()].cpu()
+    assert_pool_holds_the_reference(written, torch.arange(TILES), key, value, layout)
+
+    out = tuple(
+        torch.full((TILES, 128, HEADS, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        for _ in range(2)
+    )
+    k, v = dequantize_tiles(pool, block_ids.cuda(), layout, out=out)
+    assert not (k.isnan().any() or v.isnan().any())
+    for i in range(TILES):
+        for head in range(HEADS):
+            want_k, want_v = quantize.dequantize_tile(unpack_tile(written[i, head], layout))
+            assert relative_error(k[i, :, head].cpu(), want_k) < 4e-3
+            assert relative_error(v[i, :, head].cpu(), want_v) < 4e-3
+
+
+@pytest.mark.parametrize("n", [16, 128, 256, 512])
+def test_rotate_rows_on_the_gpu(n):
+    x = torch.randn(4096, n, generator=torch.Generator().manual_seed(n))
+    out = torch.full((4096, n), float("nan"), device="cuda")
+    rotate_rows(x.cuda(), out=out)
+    assert relative_error(out.cpu(), rotate_reference(x.double())) < 1e-6

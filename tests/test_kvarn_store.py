@@ -1,0 +1,158 @@
+"""KVarN's store and dequantize kernels (kvarn/store.py, kvarn/dequant.py) against the float64
+reference (kvarn/quantize.py, layout.py) on the CPU under Triton's interpreter: the 27B's
+4 KV heads of head_dim 256 on outlier data (tests/kvarn_data.py), other head dims, strided
+inputs, outputs poisoned first, pool bytes outside the named blocks left alone, and a pool
+past 2^32 bytes.
+
+Bounds: the kernel works in fp32 where the reference works in float64, so a value within
+float error of a grid midpoint or an fp16 rounding boundary may land one code or one fp16
+step away; at most 1 in 1000 codes may differ, by one. Decoding is then compared as a whole:
+against the reference's own decoding of the same bytes only bf16's output rounding remains
+(2^-9 relative per element, under 4e-3 in the norm).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvarn_data import outlier_keys, outlier_values
+
+from hyperqwen.bench.kernels import relative_error
+from hyperqwen.kvarn import quantize
+from hyperqwen.kvarn.dequant import dequantize_tiles
+from hyperqwen.kvarn.layout import FP16_SECTIONS, TileLayout, unpack_tile
+from hyperqwen.kvarn.store import store_tiles
+
+HEADS_27B, D_27B = 4, 256
+POISON = 0xFF  # as fp16 pairs: NaN
+
+
+def tiles(n: int, heads: int, d: int, seed: int):
+    """Key and value tiles [n, 128, heads, D], bf16, with outliers."""
+    return tuple(
+        x.reshape(n, 128, heads, d)
+        for x in (
+            outlier_keys(n * 128, heads, d, seed),
+            outlier_values(n * 128, heads, d, seed + 1),
+        )
+    )
+
+
+def assert_pool_holds_the_reference(pool, block_ids, key, value, layout):
+    """Codes within the bound above, fp16 numbers within one step, per (tile, head)."""
+    for i, block in enumerate(block_ids.tolist()):
+        expected = quantize.quantize_tile(key[i].transpose(0, 1), value[i].transpose(0, 1))
+        for head in range(pool.shape[1]):
+            got = unpack_tile(pool[block, head], layout)
+            for name in ("k_codes", "v_codes"):
+                diff = (getattr(got, name) - getattr(expected, name)[head]).abs()
+                assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-3, (i, head, name)
+            for name in FP16_SECTIONS:
+                want = getattr(expected, name)[head]
+                close = torch.allclose(getattr(got, name), want, rtol=2**-10, atol=2**-24)
+                assert close, (i, head, name)
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_27b_tiles_match_float64_and_nothing_else_is_written():
+    layout = TileLayout(head_dim=D_27B)
+    key, value = tiles(3, HEADS_27B, D_27B, seed=11)
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, 256, layout.pool_shape(8, HEADS_27B), dtype=torch.uint8, generator=g)
+    before = pool.clone()
+    block_ids = torch.tensor([6, 0, 3], dtype=torch.int32)
+    store_tiles(key, value, pool, block_ids, layout)
+    assert_pool_holds_the_reference(pool, block_ids, key, value, layout)
+    # blocks not named (live blocks of other requests under prefix caching) keep every byte
+    untouched = [b for b in range(8) if b not in block_ids.tolist()]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize(("heads", "d"), [(1, 64), (2, 128), (1, 512)])
+def test_other_head_dims_and_strided_fp16_inputs(heads, d):
+    layout = TileLayout(head_dim=d)
+    key, value = tiles(2, heads, d, seed=d)
+    wide = torch.zeros(2, 128, heads, d + 32, dtype=torch.float16)  # rows d + 32 apart
+    wide[..., 16 : 16 + d] = key.half()
+    pool = torch.full(layout.pool_shape(3, heads), POISON, dtype=torch.uint8)
+    block_ids = torch.tensor([2, 1])
+    tokens_outer = value.transpose(0, 1).contiguous().transpose(0, 1)  # tiles 1 token apart
+    store_tiles(wide[..., 16 : 16 + d], tokens_outer, pool, block_ids, layout)
+    assert_pool_holds_the_reference(pool, block_ids, key.half(), value, layout)
+    assert (pool[0] == POISON).all()
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("unrotate", [True, False])
+def test_dequantize_matches_float64_decoding_and_writes_every_element(unrotate):
+    layout = TileLayout(head_dim=D_27B)
+    key, value = tiles(2, HEADS_27B, D_27B, seed=21)
+    pool = torch.full(layout.pool_shape(4, HEADS_27B), POISON, dtype=torch.uint8)
+    block_ids = torch.tensor([3, 1], dtype=torch.int64)
+    store_tiles(key, value, pool, block_ids, layout)
+    out = tuple(
+        torch.full((2, 128, HEADS_27B, D_27B), float("nan"), dtype=torch.bfloat16) for _ in range(2)
+    )
+    k, v = dequantize_tiles(pool, block_ids, layout, out=out, unrotate=unrotate)
+    assert k is out[0] and v is out[1] and not (k.isnan().any() or v.isnan().any())
+    decode = quantize.dequantize_tile if unrotate else quantize.dequantize_rotated
+    for i, block in enumerate(block_ids.tolist()):
+        for head in range(HEADS_27B):
+            want_k, want_v = decode(unpack_tile(pool[block, head], layout))
+            assert relative_error(k[i, :, head], want_k) < 4e-3
+            assert relative_error(v[i, :, head], want_v) < 4e-3
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_the_kernels_round_trip_within_the_references_error():
+    """Store then dequantize, against the original K and V: the reference's own error on this
+    data (tests/test_kvarn_quantize.py) plus bf16 rounding."""
+    layout = TileLayout(head_dim=D_27B)
+    key, value = tiles(2, HEADS_27B, D_27B, seed=31)
+    pool = torch.empty(layout.pool_shape(2, HEADS_27B), dtype=torch.uint8)
+    block_ids = torch.tensor([1, 0])
+    store_tiles(key, value, pool, block_ids, layout)
+    k, v = dequantize_tiles(pool, block_ids, layout)
+    assert relative_error(k, key.double()) < 0.08
+    assert relative_error(v, value.double()) < 0.37
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_a_block_past_2_32_bytes_is_addressed_in_int64():
+    """A pool of 4 GiB reserved (torch.empty touches no page; the interpreter hands kernels
+    the tensor's own memory), the vLLM block table's int32 block ids: the last block's tile
+    starts a few KB past 2^32 bytes, where an offset computed in int32 wraps to block 0. The
+    tile must land in the last block, equal to the same tile stored into a small pool, and
+    block 0 must keep its poison."""
+    layout = TileLayout(head_dim=D_27B)
+    blocks = 2**32 // layout.tile_bytes + 2
+    try:
+        big = torch.empty(layout.pool_shape(blocks, 1), dtype=torch.uint8)
+    except RuntimeError as refused:
+        pytest.skip(f"this machine refuses to reserve 4 GiB of address space: {refused}")
+    big[:2] = POISON
+    last = torch.tensor([blocks - 1], dtype=torch.int32)
+    key, value = tiles(1, 1, D_27B, seed=41)
+    small = torch.empty(layout.pool_shape(1, 1), dtype=torch.uint8)
+    store_tiles(key, value, small, torch.tensor([0], dtype=torch.int32), layout)
+    store_tiles(key, value, big, last, layout)
+    assert (big[:2] == POISON).all(), "a write wrapped around 2^32"
+    assert torch.equal(big[blocks - 1], small[0])
+    big_k, big_v = dequantize_tiles(big, last, layout)
+    small_k, small_v = dequantize_tiles(small, torch.tensor([0], dtype=torch.int32), layout)
+    assert torch.equal(big_k, small_k) and torch.equal(big_v, small_v)
+
+
+def test_the_launchers_refuse_what_they_cannot_take():
+    layout = TileLayout(head_dim=D_27B)
+    pool = torch.empty(layout.pool_shape(2, HEADS_27B), dtype=torch.uint8)
+    key = torch.zeros(1, 128, HEADS_27B, D_27B, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"key must be bf16 or fp16 \[1, 128, 4, 256\]"):
+        store_tiles(key[:, :64], key, pool, torch.tensor([0]), layout)
+    with pytest.raises(ValueError, match=r"value must be bf16 or fp16"):
+        store_tiles(key, key.float(), pool, torch.tensor([0]), layout)
+    with pytest.raises(ValueError, match=r"block_ids must be int32 or int64 \[1\]"):
+        store_tiles(key, key, pool, torch.tensor([0.0]), layout)
+    with pytest.raises(ValueError, match=r"a KVarN pool for head_dim 256 is uint8"):
+        dequantize_tiles(pool.view(torch.int16), torch.tensor([0]), layout)
