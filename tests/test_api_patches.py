@@ -729,7 +729,7 @@ def report(
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,  # a hang guard: on a loaded 2-core machine the report takes minutes
         env=env,
         cwd=patched_vllm.parent,
     )
