@@ -24,7 +24,7 @@ from hyperqwen.capacity import (
 )
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.gpu import NoGpu, list_gpus
-from hyperqwen.launch import SINGLE_PROFILES, model_path, speculative_config
+from hyperqwen.launch import SINGLE_PROFILES, cache_setup, model_path
 from hyperqwen.settings import SettingsError, load_settings
 
 EXIT_BAD_INPUT = 2
@@ -80,14 +80,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         machine = Machine(int(args.card_gib * GiB), card, machine.geometry,
                           machine.weight_bytes, machine.weight_source)  # fmt: skip
     profile = SINGLE_PROFILES[settings.CTX]
-    spec = speculative_config(settings)
-    setup = CacheSetup(
-        profile.kv_cache_dtype,
-        profile.ssm_cache_dtype,
-        draft_tokens=spec["num_speculative_tokens"] if spec else 0,
-        mtp_layers=machine.geometry.mtp_num_hidden_layers if settings.SPEC == "mtp" else 0,
-        prefix_caching=settings.PREFIX_CACHE == "1",
-    )
+    setup = cache_setup(settings, profile, machine)
     print(capacity_table(machine, setup, settings.GPU_UTIL, profile.max_batched_tokens))
     return 0
 

@@ -137,12 +137,26 @@ def vllm_linear_backend(backend: str) -> str:
     return "marlin" if backend == OUR_LINEAR_BACKEND else backend
 
 
+def cache_setup(
+    settings: Settings, profile: Profile, machine: Machine, tensor_parallel: int = 1
+) -> CacheSetup:
+    """The single-mode launch choices that shape vLLM's KV-cache pool (capacity.py)."""
+    spec = speculative_config(settings)
+    return CacheSetup(
+        profile.kv_cache_dtype,
+        profile.ssm_cache_dtype,
+        draft_tokens=spec["num_speculative_tokens"] if spec else 0,
+        mtp_layers=machine.geometry.mtp_num_hidden_layers if settings.SPEC == "mtp" else 0,
+        prefix_caching=settings.PREFIX_CACHE == "1",
+        tensor_parallel=tensor_parallel,
+    )
+
+
 def fitted_context(
     settings: Settings,
     mode: Mode,
     profile: Profile,
     machine: Machine | str | None,
-    spec: dict | None,
     tensor_parallel: int,
 ) -> tuple[int, int, list[str], list[str]]:
     """MAX_LEN and MAX_SEQS, with notices and warnings: the knobs, else the profile's numbers,
@@ -156,14 +170,7 @@ def fitted_context(
         return max_len, max_seqs, [], []
     if isinstance(machine, str):
         return max_len, max_seqs, [f"CTX={settings.CTX}: not sized to the card: {machine}."], []
-    setup = CacheSetup(
-        profile.kv_cache_dtype,
-        profile.ssm_cache_dtype,
-        draft_tokens=spec["num_speculative_tokens"] if spec else 0,
-        mtp_layers=machine.geometry.mtp_num_hidden_layers if settings.SPEC == "mtp" else 0,
-        prefix_caching=settings.PREFIX_CACHE == "1",
-        tensor_parallel=tensor_parallel,
-    )
+    setup = cache_setup(settings, profile, machine, tensor_parallel)
     target = (profile.max_len, profile.max_seqs)
     try:
         fit = fit_to_card(machine, settings, setup, target, profile.max_batched_tokens)
@@ -199,7 +206,7 @@ def build_launch(
     tensor_parallel = settings.GPU_COUNT if split == "tp" else 1
     spec = speculative_config(settings) if mode == "single" else None
     max_len, max_seqs, fit_notices, fit_warnings = fitted_context(
-        settings, mode, profile, machine, spec, tensor_parallel
+        settings, mode, profile, machine, tensor_parallel
     )
     notices += fit_notices
     warnings += fit_warnings
