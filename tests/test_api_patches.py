@@ -848,6 +848,13 @@ def test_the_limit_is_exact_and_counts_chunked_bodies(report):
     assert "--max-request-body-bytes" in answer["error"]["message"]
 
 
+def test_both_ways_of_refusing_answer_the_same_json(report):
+    # engine/body_limit.py writes the Content-Length answer itself; vLLM's exception handler
+    # writes the counted one: a change to either shows here.
+    body = report["body"]
+    assert body["declared"]["body"] == body["chunked_over"][1]
+
+
 def test_an_oversized_upload_does_not_disturb_other_requests(report):
     body = report["body"]
     assert body["during_slow_upload"] == 200
