@@ -7,8 +7,11 @@ HYPERQWEN_SYSTEM_CUDA pointing where /usr/local/cuda would be looked for at noth
 `hyperqwen serve` then points CUDA_HOME at the venv's toolkit and LIBRARY_PATH at its link
 folder (hyperqwen/toolkit.py), and FlashInfer builds its kernels into the workspace given here
 with it (before the link folder, on the H200 2026-12-01: compiled, then "cannot find -lcudart").
-The GPU kit needs the toolkit's wheels for this
-(bash ../shared/gpu-kit/build.sh nvidia-cuda-nvcc==13.0.88 ...).
+The GPU kit needs the toolkit's wheels for this, and nvidia-curand beside them, whose headers
+FlashInfer's build includes (on the H200 2026-12-02 the host's curand sat in another
+site-packages and the build stopped at curand_kernel.h): bash ../shared/gpu-kit/build.sh
+nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
+nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 nvidia-curand==10.4.0.35
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def test_flashinfer_attention_builds_with_the_venvs_toolkit(tiny_models_dir, tmp
             "(nvidia-cuda-nvcc, nvidia-cuda-crt, nvidia-nvvm, nvidia-cuda-runtime, "
             "nvidia-cuda-cccl of CUDA 13.0)"
         )
+    if lacking := toolkit.missing_headers(root):
+        pytest.fail(f"{lacking} (the GPU kit: build it with nvidia-curand beside the toolkit)")
     no_nvcc = os.pathsep.join(
         folder
         for folder in os.environ.get("PATH", "").split(os.pathsep)
