@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from hyperqwen.capacity import (
@@ -45,20 +46,10 @@ def capacity_table(machine: Machine, setup: CacheSetup, gpu_util: float, batched
         "|---|---:|" + "---:|" * len(SLOT_COUNTS),
     ]
     for kv in KV_CACHE_DTYPES:
-        capacity = Capacity(pool_layout(machine.geometry, CacheSetup(kv, *_rest(setup))), pool)
+        capacity = Capacity(pool_layout(machine.geometry, replace(setup, kv_cache_dtype=kv)), pool)
         lengths = " | ".join(f"{capacity.max_len(n):,}" for n in SLOT_COUNTS)
         lines.append(f"| {kv} | {capacity.layout.block_tokens:,} | {lengths} |")
     return "\n".join(lines)
-
-
-def _rest(setup: CacheSetup) -> tuple:
-    return (
-        setup.ssm_dtype,
-        setup.draft_tokens,
-        setup.mtp_layers,
-        setup.prefix_caching,
-        setup.tensor_parallel,
-    )
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
