@@ -226,7 +226,8 @@ def main() -> None:
         f"Model loading took {behaviour['weight_gib']:.2f} GiB memory and 0.5 seconds", flush=True
     )
     app = build_app(args, behaviour, record)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # the stdlib loop: uvloop's timers count whole milliseconds (tests/local_server.py)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", loop="asyncio")
 
 
 if __name__ == "__main__":
