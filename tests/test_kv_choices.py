@@ -9,8 +9,9 @@ import inspect
 from typing import get_args
 
 import pytest
-from cli_runner import hyperqwen
+from cli_runner import ROOT, hyperqwen
 
+from hyperqwen import docs
 from hyperqwen.capacity import TURBOQUANT_BITS
 from hyperqwen.gpu import parse_smi_line
 from hyperqwen.kv_choices import (
@@ -134,6 +135,16 @@ def test_the_gpu_check_refuses_before_vllm_through_the_cli(tmp_path):
 def test_other_names_are_refused_by_name(kv):
     with pytest.raises(ValueError, match="KV"):
         Settings.model_validate({"KV": kv})
+
+
+@pytest.mark.parametrize("relative", docs.KV_TABLE_FILES)
+def test_the_kv_tables_in_the_docs_are_generated(relative):
+    text = (ROOT / relative).read_text()
+    start = text.index(docs.KV_TABLE_BEGIN)
+    end = text.index(docs.KV_TABLE_END) + len(docs.KV_TABLE_END)
+    table = docs.kv_table()
+    assert text[start:end] + "\n" == table, "regenerate: hyperqwen settings --write-docs ."
+    assert "`--attention-backend TRITON_ATTN`" in table and "no verify path" in table
 
 
 # --- the vLLM 0.26 facts kv_choices.py rests on -------------------------------------------

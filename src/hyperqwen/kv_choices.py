@@ -55,11 +55,12 @@ KvCacheDtype = Literal[
 ]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 
-# What vLLM's selector picks where the launcher names no backend.
-SELECTOR_PATH = {
-    "auto": "FlashAttention (FA3 on sm90, FA2 on sm80/86/89)",
-    "fp8": "FlashAttention 3 on sm90, FlashInfer on sm80/86/89",
-    "fp8_e5m2": "FlashInfer",
+# The attention kernels each dtype runs on (Ampere/Ada sm80/86/89, Hopper sm90), where the
+# launcher names no backend: vLLM's selector's first that takes it.
+SELECTOR_PATHS = {
+    "auto": ("FlashAttention 2", "FlashAttention 3"),
+    "fp8": ("FlashInfer", "FlashAttention 3"),
+    "fp8_e5m2": ("FlashInfer", "FlashInfer"),
 }
 TRITON = "TRITON_ATTN"
 TURBOQUANT = "TURBOQUANT"
@@ -70,7 +71,7 @@ ADA = (8, 9)
 class KvChoice:
     dtype: str
     attention_backend: str | None  # --attention-backend it needs; None: vLLM's selector
-    path: str  # the attention kernels that serve it, per GPU architecture
+    paths: tuple[str, str]  # the attention kernels it runs on Ampere/Ada and on Hopper
     min_capability: tuple[int, int] = (8, 0)
     speculation: bool = True  # serves with SPEC != off
 
@@ -87,12 +88,12 @@ class KvChoice:
 
 def _choice(dtype: str) -> KvChoice:
     if dtype.startswith("turboquant_"):
-        path = "TurboQuant's Triton kernels, FlashAttention 2 for first prefills"
-        return KvChoice(dtype, TURBOQUANT, path, speculation=False)
+        path = "TurboQuant (Triton decode, FlashAttention 2 prefill)"
+        return KvChoice(dtype, TURBOQUANT, (path, path), speculation=False)
     if dtype.endswith("_per_token_head"):
         minimum = ADA if dtype.startswith("fp8") else (8, 0)
-        return KvChoice(dtype, TRITON, "Triton unified attention", minimum)
-    return KvChoice(dtype, None, SELECTOR_PATH["fp8" if dtype == "fp8_e4m3" else dtype])
+        return KvChoice(dtype, TRITON, ("Triton", "Triton"), minimum)
+    return KvChoice(dtype, None, SELECTOR_PATHS["fp8" if dtype == "fp8_e4m3" else dtype])
 
 
 KV_CHOICES: dict[str, KvChoice] = {dtype: _choice(dtype) for dtype in KV_CACHE_DTYPES}
