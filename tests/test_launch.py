@@ -17,44 +17,12 @@ from hyperqwen.engine.features import (
     W4A16_LINEAR,
 )
 from hyperqwen.launch import LOOKUP_MATCH, build_launch, redact_argv
-from hyperqwen.patches import series_status
 from hyperqwen.settings import LinearBackend, LoadedSettings, Settings
 from hyperqwen.vllm_flags import FLAG_ALIASES, FlagToken, flag_keys, flag_value, read_flag
 
 
 def loaded(**values: str) -> LoadedSettings:
     return LoadedSettings(Settings.model_validate(values), frozenset(values))
-
-
-@pytest.fixture(scope="module")
-def vllm_serve(vllm_cpu_platform):
-    """vLLM's real `vllm serve` parser and validator, built on the CPU platform.
-
-    The launcher targets the patched vLLM (e.g. --sse-keep-alive-interval comes from the
-    series), so the importable vLLM must have the series applied, as install.sh does.
-    """
-    applied, detail = series_status()
-    if not applied:
-        pytest.fail(
-            f"the vLLM this Python imports is not patched ({detail}): "
-            "run `hyperqwen patches apply` (install.sh does)"
-        )
-    from vllm.entrypoints.cli import serve
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser(prog="vllm")
-    subparsers = parser.add_subparsers(dest="subparser")
-    (command,) = serve.cmd_init()
-    command.subparser_init(subparsers)
-
-    def parse(argv: list[str]):
-        assert argv[0] == "vllm"
-        args = parser.parse_args(argv[1:])
-        command.validate(args)
-        return args
-
-    parse.parser = parser
-    return parse
 
 
 SINGLE_COMBOS = [
@@ -248,7 +216,6 @@ def test_bind_and_key_matrix(values, key, container, host, warns):
     [
         ("batch", {"SPEC": "ngram"}, "SPEC is a single-mode knob; ignored in batch mode."),
         ("batch", {"CTX": "long"}, "CTX is a single-mode knob; ignored in batch mode."),
-        ("single", {"KV": "auto"}, "KV is a batch-mode knob; ignored in single mode."),
         ("single", {"SPEC": "off", "DRAFT_TOKENS": "2"}, "DRAFT_TOKENS is ignored with SPEC=off."),
         ("single", {"TOOLS": "0", "TOOL_PARSER": "hermes"}, "TOOL_PARSER is ignored with TOOLS=0."),
         (

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hyperqwen.kv_choices import KV_CHOICES
 from hyperqwen.launch import build_launch
 from hyperqwen.settings import LoadedSettings, Settings
 
@@ -50,7 +51,7 @@ SPECS = ("mtp", "ngram", "lookup", "off")
 
 def cases() -> dict[str, tuple[str, dict[str, str]]]:
     """case id -> (mode, knob values): single mode at every CTX x SPEC, batch at every SPEC (a
-    single-mode knob there only warns), each with every switch variant."""
+    single-mode knob there only warns), each with every switch variant; then every KV choice."""
     found = {}
     profiles = [("single", {"CTX": ctx}) for ctx in ("fast", "long", "huge")] + [("batch", {})]
     for (mode, profile), spec, (variant, switches) in itertools.product(
@@ -58,6 +59,13 @@ def cases() -> dict[str, tuple[str, dict[str, str]]]:
     ):
         values = {**profile, "SPEC": spec, **switches}
         found["-".join([mode, *profile.values(), spec, variant])] = (mode, values)
+    # Each KV choice set explicitly: single mode at fast and huge with MTP (SPEC=off for
+    # TurboQuant, which refuses to speculate) and batch.
+    for kv, choice in KV_CHOICES.items():
+        spec = "mtp" if choice.speculation else "off"
+        for ctx in ("fast", "huge"):
+            found[f"single-{ctx}-{spec}-kv-{kv}"] = ("single", {"CTX": ctx, "SPEC": spec, "KV": kv})
+        found[f"batch-kv-{kv}"] = ("batch", {"KV": kv})
     return found
 
 

@@ -23,16 +23,15 @@ from dotenv import dotenv_values
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from hyperqwen.engine.features import FEATURES, W4A16_LINEAR, Knob
+from hyperqwen.kv_choices import KvCacheDtype
 
 Mode = Literal["single", "batch"]
 MODES: tuple[Mode, ...] = ("single", "batch")
 BOTH: tuple[Mode, ...] = MODES
 SINGLE: tuple[Mode, ...] = ("single",)
-BATCH: tuple[Mode, ...] = ("batch",)
 
 SpecMethod = Literal["mtp", "ngram", "lookup", "off"]
 ContextProfile = Literal["fast", "long", "huge"]
-KvCacheDtype = Literal["auto", "fp8"]
 DraftSample = Literal["greedy", "probabilistic"]
 Switch = Literal["0", "1"]
 # hyperqwen: engine.features.OUR_LINEAR_BACKEND (vLLM gets marlin)
@@ -142,6 +141,17 @@ class ServingKnobs(BaseModel):
         "k/m/g/t = powers of 1000 (decimals allowed: 6.5g).",
         "--kv-cache-memory-bytes",
         pattern=r"^(\d+[KMGT]?|\d+(\.\d+)?[kmgt])$",
+    )
+    KV: KvCacheDtype | None = knob(
+        None,
+        "KV-cache dtype: vLLM 0.26's own choices that serve this hybrid model. Default: "
+        "single: CTX's (fast auto = bf16, long/huge fp8); batch fp8. fp8 halves the cache "
+        "(fp8_e4m3 is the same; fp8_e5m2 keeps less precision); *_per_token_head add a scale "
+        "per token and head (int4 halves fp8 again) and run Triton attention, fp8_per_token_head "
+        "on sm89+ only; turboquant_* (3-4 bit) run TurboQuant, never with SPEC other than off. "
+        "Which works with what, and what a card holds with each: docs/long-context.md; "
+        "batch/README.md has fp8's measured cost.",
+        "--kv-cache-dtype (with --attention-backend where the dtype needs one)",
     )
     GPU_COUNT: int = knob(
         1,
@@ -262,16 +272,6 @@ class ServingKnobs(BaseModel):
         "more at temperature > 0, costs memory for draft logits).",
         "--speculative-config draft_sample_method",
         modes=SINGLE,
-    )
-
-    # --- batch mode ----------------------------------------------------------------------
-    KV: KvCacheDtype = knob(
-        "fp8",
-        "KV-cache dtype in batch mode. fp8 halves cache memory (more concurrent context); "
-        "auto keeps the model dtype (bf16). batch/README.md has fp8's measured cost in "
-        "perplexity and speed.",
-        "--kv-cache-dtype",
-        modes=BATCH,
     )
 
     @field_validator("HOST")
