@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import shlex
 
 import pytest
 
 from hyperqwen.bench import stepmap, stepmap_cli
 from hyperqwen.bench.kernels import moved_bytes
-from hyperqwen.bench.profile import ProfileError, load_trace
+from hyperqwen.bench.profile import PROFILE_DELAY_STEPS, ProfileError, load_trace
 from hyperqwen.bench.results import validate_result
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
@@ -284,3 +285,16 @@ def test_the_command_maps_a_saved_trace(tmp_path, capsys, config_folders):
     assert rows["step_gpu_ms"]["patched"] == 0.101 and rows["steps"]["patched"] == 3
     assert "body_mlp_gate_up" in capsys.readouterr().out
     assert main(["bench", "stepmap", "--trace", str(trace)]) == 2  # no --model-dir
+
+
+def test_server_flags_ask_for_one_range_more_than_the_steps(tmp_path, capsys):
+    from hyperqwen.cli import main
+
+    assert (
+        main(["bench", "stepmap", "--server-flags", "--trace-dir", str(tmp_path), "--steps", "5"])
+        == 0
+    )
+    flag, value = shlex.split(capsys.readouterr().out)
+    config = json.loads(value)
+    assert flag == "--profiler-config" and config["torch_profiler_dir"] == str(tmp_path)
+    assert (config["delay_iterations"], config["max_iterations"]) == (PROFILE_DELAY_STEPS, 6)

@@ -141,6 +141,14 @@ def _aligned(table: list[tuple[str, ...]]) -> list[str]:
     ]
 
 
+def server_flags(trace_dir: Path, steps: int) -> list[str]:
+    """The server's --profiler-config for a map of `steps` decode steps: one range more, as
+    a step ends where the next one's range starts."""
+    from hyperqwen.bench.profile import PROFILE_DELAY_STEPS, profiler_flags
+
+    return profiler_flags(trace_dir, steps + 1, PROFILE_DELAY_STEPS)
+
+
 def measured_copy_gbps() -> float | None:
     """The device-to-device copy bandwidth of GPU 0 measured here, or None where this process
     has no CUDA GPU or too little free memory beside the server (then pass --copy-gbps)."""
@@ -220,18 +228,11 @@ def result_document(summary: dict, rows: list[ComparisonRow], facts: dict, trace
 
 def cmd_stepmap(args: argparse.Namespace) -> int:
     from hyperqwen.bench.header import git_commit
-    from hyperqwen.bench.profile import (
-        PROFILE_DELAY_STEPS,
-        ProfileError,
-        load_trace,
-        profiler_flags,
-    )
+    from hyperqwen.bench.profile import ProfileError, load_trace
     from hyperqwen.checkpoint.geometry import GeometryError
 
     if args.server_flags:
-        # one range more than the steps counted: the last one's end is the next one's start
-        flags = profiler_flags(Path(args.trace_dir), args.steps + 1, PROFILE_DELAY_STEPS)
-        print(shlex.join(flags))
+        print(shlex.join(server_flags(Path(args.trace_dir), args.steps)))
         return 0
     if args.trace and not args.model_dir:
         print("bench stepmap: --trace needs --model-dir (the served config.json)", file=sys.stderr)
