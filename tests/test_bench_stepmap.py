@@ -6,13 +6,18 @@ from __future__ import annotations
 import gzip
 import json
 import shlex
+from pathlib import Path
 
 import pytest
+from cli_runner import run_in_process
+from local_server import serving
+from openai_test_server import build_app, parse_args
 
 from hyperqwen.bench import stepmap, stepmap_cli
 from hyperqwen.bench.kernels import moved_bytes
 from hyperqwen.bench.profile import PROFILE_DELAY_STEPS, ProfileError, load_trace
 from hyperqwen.bench.results import validate_result
+from hyperqwen.bench.stepmap_cli import server_flags
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
 from hyperqwen.synth import prepared_quantization_edit
@@ -298,3 +303,35 @@ def test_server_flags_ask_for_one_range_more_than_the_steps(tmp_path, capsys):
     config = json.loads(value)
     assert flag == "--profiler-config" and config["torch_profiler_dir"] == str(tmp_path)
     assert (config["delay_iterations"], config["max_iterations"]) == (PROFILE_DELAY_STEPS, 6)
+
+
+def test_the_command_profiles_a_running_server(tmp_path, config_folders, monkeypatch):
+    """Against the stand-in server of `bench ab`'s tests (tests/openai_test_server.py), which
+    writes a trace of its own on /stop_profile: each step one Marlin GEMM (10 us) and one
+    unnamed kernel (5 us), starting together."""
+    for name in ("VLLM_API_KEY", "PORT", "API_KEY_FILE", "ENV_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    behaviour = {"startup_s": 0, "weight_gib": 1, "prefill_ms": 1, "step_ms": 1}
+    behaviour["kernels_us"] = {MARLIN: 10.0, "mystery_kernel_nobody_named": 5.0}
+    fake = tmp_path / "fake.json"
+    fake.write_text(json.dumps({"patched": behaviour}))
+    trace_dir, out, env_file = tmp_path / "trace", tmp_path / "map.json", tmp_path / "empty.env"
+    env_file.write_text("")
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 3})
+    argv = ["--fake-config", str(fake), "--side", "patched", "serve", str(config_folders[True])]
+    argv += ["--port", "1", "--served-model-name", "q27p", "--speculative-config", spec]
+    args, behaviour = parse_args(argv + server_flags(trace_dir, 3))
+    with serving(build_app(args, behaviour)) as port:
+        command = ["bench", "stepmap", "--url", f"http://127.0.0.1:{port}"]
+        command += ["--env-file", str(env_file), "--trace-dir", str(trace_dir), "--steps", "3"]
+        assert run_in_process(*command, "--copy-gbps", "1000", "--out", str(out)) == 0
+    document = json.loads(out.read_text())
+    summary = document["stepmap"]
+    # 4 ranges (3 steps + the one that ends the last): the model folder came from /v1/models
+    assert summary["steps"] == 3 and summary["forward_gemms_expected"] == 9
+    assert summary["gemm_order_matched_steps"] == 0  # one GEMM a step is not the geometry's 9
+    assert summary["step_gpu_ms"] == 0.015 and summary["step_busy_ms"] == 0.01
+    assert summary["idle_ms"] == 0.99  # the stand-in's steps are 1000 us apart
+    assert Path(document["trace"]).parent == trace_dir
+    assert document["vllm"].startswith("0.26.0 (patched test server) served")
+    assert document["model"].startswith("q27p at http://127.0.0.1:")
