@@ -90,6 +90,25 @@ def trace_events(steps=3, ops=STEP_OPS):
     return events
 
 
+def trace_events_without_gpu_ranges(steps=3):
+    """trace_events as a profiler that draws no GPU copies of the ranges would write them: CPU
+    ranges (60 us ahead of the GPU) whose launches, matched by correlation id, started the
+    forward's ops; the step's later ops are launched after its range."""
+    events, correlation = [], 0
+    for index in range(steps + 1):
+        start = 1000 + index * STEP_US
+        events.append(step_range(DECODE, start - 60, 20, cat="user_annotation"))
+        for position, (name, cat, begin, end, tid) in enumerate(STEP_OPS):
+            correlation += 1
+            launch = start - 60 + position if begin < FORWARD_US else start - 30 + position
+            api = "cuda_driver" if name == MARLIN else "cuda_runtime"
+            events.append({"ph": "X", "cat": api, "name": "launch", "ts": launch, "dur": 0.5,
+                           "args": {"correlation": correlation}})  # fmt: skip
+            event = op_event(name, cat, start + begin, start + end, tid)
+            events.append({**event, "args": {"correlation": correlation}})
+    return events
+
+
 def test_kernels_fall_into_the_step_classes():
     steps, left_out = stepmap.segment(trace_events())
     assert (len(steps), left_out) == (3, 1)
@@ -124,6 +143,17 @@ def test_kernels_fall_into_the_step_classes():
         "mtp_drafter",
         "sampling",
     ]
+
+
+def test_steps_come_from_the_launches_where_the_trace_has_no_gpu_ranges():
+    steps, left_out = stepmap.segment(trace_events_without_gpu_ranges())
+    assert left_out == 0
+    assert [(s.tokens, s.start, s.forward_end, s.end) for s in steps] == [
+        (4, 1000, 1095, 1175),
+        (4, 1175, 1270, 1350),
+        (4, 1350, 1445, 1525),
+    ]
+    assert steps == stepmap.segment(trace_events())[0]
 
 
 def test_per_step_time_classes_and_idle_gaps():

@@ -4,7 +4,8 @@ GEMMs move, and how long the GPU sits idle between kernels.
 Reads the Chrome trace of vLLM's torch profiler (bench/profile.py starts it). Steps: vLLM's
 worker wraps execute_model (the target's forward and its logits) in a range named
 execute_context_C(T)_generation_G(T), and the profiler copies that range onto the GPU timeline
-(a gpu_user_annotation spanning the GPU work launched inside it, CUDA-graph kernels included).
+(a gpu_user_annotation spanning the GPU work launched inside it, CUDA-graph kernels included;
+where a trace has none, the same extent is derived from the launches inside the CPU range).
 The step's sampling, rejection and MTP drafting (sample_tokens) launch after the range, before
 the next step's. So on the GPU a step runs from the start of its range to the start of the
 next one, and its forward ends where its range ends. The last range has no next one: its
@@ -18,6 +19,7 @@ after the forward, whatever is not sampling or a copy engine transfer is the MTP
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import re
 from collections import Counter, defaultdict
@@ -36,6 +38,10 @@ from hyperqwen.checkpoint.w4a16 import matches
 
 STEP_NAME = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 GPU_RANGE = "gpu_user_annotation"
+CPU_RANGE = "user_annotation"
+# The trace's categories of launches: cudaLaunchKernel, cudaGraphLaunch, cudaMemcpyAsync ...
+# and the driver's cuLaunchKernel (Triton's launcher)
+LAUNCHES = frozenset({"cuda_runtime", "cuda_driver"})
 WNA16 = "w4a16_gemm"  # profile.py's category of every weight-only GEMM kernel (int4 and int8)
 LM_HEAD = "lm_head"
 BODY_PREFIX = "body_"
@@ -126,26 +132,61 @@ def gpu_ops(events: list[dict]) -> list[GpuOp]:
     return sorted(ops, key=lambda op: op.start)
 
 
-def _step_ranges(events: list[dict]) -> list[dict]:
-    """The step ranges on the GPU timeline, on the stream that holds most of them (the profiler
-    draws one per stream that ran work of the range; the compute stream has every step)."""
-    ranges = [
+def _named_ranges(events: list[dict], cat: str) -> list[dict]:
+    return [
         e
         for e in events
         if e.get("ph") == "X"
-        and e.get("cat") == GPU_RANGE
+        and e.get("cat") == cat
         and str(e.get("name", "")).startswith(STEP_RANGE_PREFIX)
     ]
+
+
+def _ranges_from_launches(events: list[dict]) -> list[dict]:
+    """Each CPU step range's extent on the GPU, from the ops whose launches (CUDA runtime calls,
+    matched by correlation id) lie inside it: what the profiler's GPU copy of a range spans."""
+    cpu_ranges = sorted(_named_ranges(events, CPU_RANGE), key=lambda e: float(e["ts"]))
+    starts = [float(e["ts"]) for e in cpu_ranges]
+    launched_at = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in LAUNCHES and "correlation" in (e.get("args") or {})
+    }
+    extents: dict[int, list[float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in GPU_EVENT_CATEGORIES:
+            continue
+        launch = launched_at.get((e.get("args") or {}).get("correlation"))
+        index = bisect.bisect_right(starts, launch) - 1 if launch is not None else -1
+        if index < 0 or launch > starts[index] + float(cpu_ranges[index]["dur"]):
+            continue  # launched outside every step range: sampling and drafting
+        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        extent = extents.setdefault(index, [start, end])
+        extent[:] = [min(extent[0], start), max(extent[1], end)]
+    return [
+        {"name": cpu_ranges[i]["name"], "ts": first, "dur": last - first}
+        for i, (first, last) in sorted(extents.items())
+    ]
+
+
+def _step_ranges(events: list[dict]) -> list[dict]:
+    """The step ranges on the GPU timeline: the profiler's GPU copies on the stream that holds
+    most of them (it draws one per stream that ran work of the range; the compute stream has
+    every step), else derived from the CPU ranges' launches."""
+    ranges = _named_ranges(events, GPU_RANGE)
+    if ranges:
+        streams = Counter((e.get("pid"), e.get("tid")) for e in ranges)
+        stream = max(streams, key=streams.get)
+        ranges = [e for e in ranges if (e.get("pid"), e.get("tid")) == stream]
+    else:
+        ranges = _ranges_from_launches(events)
     if not ranges:
         raise ProfileError(
-            f"the trace has no {GPU_RANGE} named {STEP_RANGE_PREFIX}...: no engine step reached "
-            "the GPU while the profiler ran (the request ended before the profiler's delay, or "
-            "the trace has no CPU activity to name the steps)"
+            f"the trace has no step range ({STEP_RANGE_PREFIX}...) that launched GPU work: no "
+            "engine step reached the GPU while the profiler ran (the request ended before the "
+            "profiler's delay, or the trace has no CPU activity to name the steps)"
         )
-    streams = Counter((e.get("pid"), e.get("tid")) for e in ranges)
-    stream = max(streams, key=streams.get)
-    chosen = [e for e in ranges if (e.get("pid"), e.get("tid")) == stream]
-    return sorted(chosen, key=lambda e: float(e["ts"]))
+    return sorted(ranges, key=lambda e: float(e["ts"]))
 
 
 def segment(events: list[dict]) -> tuple[list[Step], int]:
