@@ -139,7 +139,7 @@ def test_kernels_fall_into_the_step_classes():
         "splits_copies",
         "splits_copies",
         "sampling",
-        "mtp_drafter",
+        "mtp_drafter_wna16_gemm",
         "mtp_drafter",
         "sampling",
     ]
@@ -201,7 +201,8 @@ def test_per_step_time_classes_and_idle_gaps():
         "body_attn_o": (1, 0.003),
         "lm_head": (1, 0.02),
         "sampling": (2, 0.003),
-        "mtp_drafter": (2, 0.01),
+        "mtp_drafter_wna16_gemm": (1, 0.008),
+        "mtp_drafter": (1, 0.002),
     }
     assert summary["other_kernels"] == [
         {"name": "mystery_kernel_nobody_named", "launches_per_step": 1, "ms_per_step": 0.002}
@@ -234,7 +235,7 @@ def test_a_forward_whose_gemms_do_not_match_the_geometry_keeps_them_unnamed():
     assert summary["gemm_order_matched_steps"] == 0 and summary["gemms"] == {}
     unmatched = summary["classes"][stepmap.UNMATCHED_GEMMS]
     assert unmatched == {"launches_per_step": 8, "ms_per_step": 0.067}
-    assert summary["classes"]["mtp_drafter"]["launches_per_step"] == 2  # drafting is its own
+    assert summary["classes"]["mtp_drafter_wna16_gemm"]["launches_per_step"] == 1  # drafting's
 
 
 def test_a_trace_without_complete_decode_steps_says_why():

@@ -14,7 +14,8 @@ tail may lie past the profiler's stop, so it is not counted.
 Kernels are classed by name (profile.category), then by phase: in the forward, the WnA16 GEMMs
 are matched in launch order to the geometry's layers (each layer launches its GEMMs in a fixed
 order; Marlin's and Machete's names and grids do not tell shapes apart), the lm_head last;
-after the forward, whatever is not sampling or a copy engine transfer is the MTP drafter.
+after the forward, whatever is not sampling or a copy engine transfer is the MTP drafter (its
+weight-only GEMMs a class of their own).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ LM_HEAD = "lm_head"
 BODY_PREFIX = "body_"
 UNMATCHED_GEMMS = "wna16_gemm_unmatched"
 DRAFTER = "mtp_drafter"
+DRAFTER_GEMMS = "mtp_drafter_wna16_gemm"  # the MTP layer's and the draft head's, where quantized
 SAMPLING = "sampling"
 COPIES = "splits_copies"
 # Forward kernels by profile.py's category; the WnA16 GEMMs are matched by order instead.
@@ -225,8 +227,8 @@ def classify(step: Step, facts: ModelFacts) -> tuple[list[str], bool]:
     for op in step.ops:
         base = category(op.name)
         if op.start >= step.forward_end:
-            if base == SAMPLING:
-                classes.append(SAMPLING)
+            if base in (SAMPLING, WNA16):
+                classes.append(SAMPLING if base == SAMPLING else DRAFTER_GEMMS)
             else:
                 classes.append(COPIES if op.kind in TRANSFERS else DRAFTER)
         elif base == WNA16 and matched:

@@ -26,11 +26,13 @@ EXIT_BAD_INPUT = 2
 DEFAULT_STEPS = 24
 
 
-def body_totals(gemms: dict) -> tuple[float, float]:
-    """(bytes, ms) per step of the body GEMMs at one M: every kind but the lm_head."""
+def body_speed(gemms: dict) -> tuple[float, float] | None:
+    """(ms per step, GB/s) of the body GEMMs at one M, every kind but the lm_head; None where
+    none ran."""
     body = [row for name, row in gemms.items() if name != LM_HEAD]
     moved = sum(row["launches_per_step"] * row["bytes_per_launch"] for row in body)
-    return moved, sum(row["ms_per_step"] for row in body)
+    ms = sum(row["ms_per_step"] for row in body)
+    return (round(ms, 4), round(moved / ms / 1e6, 1)) if ms else None
 
 
 def _fraction(gbps: float, copy_gbps: float | None) -> float | None:
@@ -54,10 +56,9 @@ def figures(summary: dict, copy_gbps: float | None) -> list[tuple[str, str, floa
         rows.append((f"step_ms_{name}", "ms", entry["ms_per_step"]))
         rows.append((f"launches_{name}", "launches", entry["launches_per_step"]))
     for m, gemms in summary["gemms"].items():
-        moved, ms = body_totals(gemms)
-        if ms:
-            gbps = round(moved / ms / 1e6, 1)
-            rows.append((f"body_ms_m{m}", "ms", round(ms, 4)))
+        if speed := body_speed(gemms):
+            ms, gbps = speed
+            rows.append((f"body_ms_m{m}", "ms", ms))
             rows.append((f"body_gbps_m{m}", "GB/s", gbps))
             rows.append((f"body_bw_fraction_m{m}", "fraction", _fraction(gbps, copy_gbps)))
         for name, entry in gemms.items():
@@ -100,7 +101,7 @@ def format_stepmap(summary: dict, copy_gbps: float | None) -> list[str]:
             (name, f"{entry['launches_per_step']:g}", f"{entry['ms_per_step']:.4f}", f"{share:.1%}")
         )
     lines += [*_aligned(table), ""]
-    table = [("GEMM", "M", "launches/step", "ms/step", "MB/launch", "GB/s", "of copy")]
+    table = [("GEMM", "M", "launches/step", "ms/step", "us/launch", "MB/launch", "GB/s", "of copy")]
     for m, gemms in summary["gemms"].items():
         for name, entry in gemms.items():
             fraction = _fraction(entry["gbps"], copy_gbps)
@@ -110,11 +111,17 @@ def format_stepmap(summary: dict, copy_gbps: float | None) -> list[str]:
                     m,
                     f"{entry['launches_per_step']:g}",
                     f"{entry['ms_per_step']:.4f}",
+                    f"{1000 * entry['ms_per_step'] / entry['launches_per_step']:.1f}",
                     f"{entry['bytes_per_launch'] / 1e6:.1f}",
                     f"{entry['gbps']:g}",
                     "-" if fraction is None else f"{fraction:.3f}",
                 )
             )
+        if speed := body_speed(gemms):
+            ms, gbps = speed
+            fraction = _fraction(gbps, copy_gbps)
+            shown = "-" if fraction is None else f"{fraction:.3f}"
+            table.append(("body, all kinds", m, "", f"{ms:.4f}", "", "", f"{gbps:g}", shown))
     lines += _aligned(table)
     copy = "not measured" if copy_gbps is None else f"{copy_gbps:.0f} GB/s"
     lines += [f"copy bandwidth: {copy}", ""]
