@@ -321,6 +321,10 @@ def test_the_command_maps_a_saved_trace(tmp_path, capsys, config_folders):
     assert rows["step_gpu_ms"]["patched"] == 0.101 and rows["steps"]["patched"] == 3
     assert "body_mlp_gate_up" in capsys.readouterr().out
     assert main(["bench", "stepmap", "--trace", str(trace)]) == 2  # no --model-dir
+    nowhere = ["--model-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "no.json")]
+    assert main(["bench", "stepmap", "--trace", str(trace), *nowhere]) == 1
+    assert "nowhere/config.json" in capsys.readouterr().err
+    assert not (tmp_path / "no.json").exists()
 
 
 def test_server_flags_ask_for_one_range_more_than_the_steps(tmp_path, capsys):

@@ -236,7 +236,6 @@ def result_document(summary: dict, rows: list[ComparisonRow], facts: dict, trace
 def cmd_stepmap(args: argparse.Namespace) -> int:
     from hyperqwen.bench.header import git_commit
     from hyperqwen.bench.profile import ProfileError, load_trace
-    from hyperqwen.checkpoint.geometry import GeometryError
 
     if args.server_flags:
         print(shlex.join(server_flags(Path(args.trace_dir), args.steps)))
@@ -254,7 +253,7 @@ def cmd_stepmap(args: argparse.Namespace) -> int:
             trace, model_dir, vllm, served = profile_server(args)
         facts: ModelFacts = model_facts(json.loads((model_dir / "config.json").read_text()))
         steps, left_out = segment(load_trace(trace))
-    except (BenchError, ProfileError, ResultFileError, GeometryError, OSError) as error:
+    except (BenchError, ProfileError, ResultFileError, ValueError, OSError) as error:
         print(f"bench stepmap: {error}", file=sys.stderr)
         return EXIT_FAILED
     summary = summarize_steps(steps, facts, args.gap_split_us, left_out)
