@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hyperqwen.bench.ab_plan import SIDES, ABError, ABPlan
 from hyperqwen.bench.options import DEFAULT_COHORTS, _int_list
-from hyperqwen.bench.profile import profiler_flags
+from hyperqwen.bench.profile import PROFILE_DELAY_STEPS, profiler_flags
 from hyperqwen.bench.server_process import SERVER_HOST
 from hyperqwen.launch import LaunchPlan, build_launch
 from hyperqwen.settings import LoadedSettings, SettingsError, knobs, load_settings
@@ -32,8 +32,6 @@ from hyperqwen.vllm_flags import (
 )
 
 PREVIEW_PORT = 8000  # any valid port: the argv is only inspected, never run
-# engine steps the profiler lets pass before recording: the prefill and the first decodes
-PROFILE_DELAY_STEPS = 3
 MAX_NUM_SEQS = "--max-num-seqs"
 
 
