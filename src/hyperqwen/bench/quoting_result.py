@@ -312,21 +312,21 @@ def _vllm_fact(records: dict[str, dict]) -> str:
     return "; ".join(f"{build}: {fact}" for build, fact in builds.items())
 
 
-def build_result(merged: dict, merge_command: Sequence[str]) -> tuple[dict, list[ComparisonRow]]:
-    """The docs/results document of merged measurements, and its rows."""
+def build_result(merged: dict, merge_command: str = "") -> tuple[dict, list[ComparisonRow]]:
+    """The docs/results document of merged measurements, and its rows; its command is the runs'
+    commands, then `merge_command` where given."""
     records = _ordered(merged["configs"])
     table, kept = figures(records)
     best = best_ngram(table, records)
     rows = comparison_rows(table, best, records)
     plan = merged["plan"]
     served = sorted({record["served_model"] for record in records.values()})
-    commands = [" ".join(command) for command in merged["command"]]
     facts = {
         "gpu": merged["gpu"],
         "vllm": _vllm_fact(records),
         "commit": merged["commit"],
         "date": merged["date"],
-        "command": " && ".join([*commands, " ".join(merge_command)]),
+        "command": " && ".join(filter(None, [*merged["command"], merge_command])),
         "model": f"{Path(plan['model'] or served[0]).name} (served as {', '.join(served)})",
     }
     missing = [
@@ -369,8 +369,8 @@ def format_table(document: dict) -> list[str]:
               "differ", "vs base", "vs best n-gram", "")  # fmt: skip
     lines = [header]
     named = {row["name"]: row for row in document["rows"]}
-    for name, record in document["configs"].items():
-        for kind in KINDS:
+    for kind in KINDS:
+        for name, record in document["configs"].items():
             prefix = f"{kind}_{name}"
             passes = [kinds[kind]["decode_tok_s_per_stream"] for kinds in record["passes"]]
             verdict = document["verdicts"].get(prefix, {})

@@ -11,9 +11,11 @@ what it measured; several files (one per GPU command) merge into one result.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,7 +28,12 @@ from hyperqwen.bench.quoting_configs import ServerConfig
 from hyperqwen.bench.quoting_tasks import Task, check_fit
 from hyperqwen.bench.rows import Row, format_row, summarize
 from hyperqwen.bench.run import run_pass, served_model
-from hyperqwen.bench.server_process import SERVER_HOST, free_port, running_server
+from hyperqwen.bench.server_process import (
+    SERVER_HOST,
+    HealthyServer,
+    free_port,
+    running_server,
+)
 
 MEASUREMENTS_SCHEMA = 1
 MEASUREMENTS_KIND = "bench quoting measurements"
@@ -53,6 +60,7 @@ class QuotingPlan:
     server_command: str
     startup_timeout: float
     timeout: float
+    start_together: bool
     workdir: Path
     out: Path
 
@@ -99,41 +107,94 @@ def measure_server(
     return measured
 
 
-def measure_config(plan: QuotingPlan, config: ServerConfig, tasks: dict[str, list[Task]]) -> dict:
-    """One configuration's record: how its server ran and what it answered."""
-    record: dict = {
+@dataclass(frozen=True)
+class Launch:
+    """How one configuration's server starts here."""
+
+    config: ServerConfig
+    command: list[str]
+    env: dict[str, str]
+    base: str
+    log: Path
+    parent: Path
+    patches: str
+
+    def server(self, plan: QuotingPlan) -> contextlib.AbstractContextManager[HealthyServer]:
+        return running_server(
+            self.command,
+            self.env,
+            self.log,
+            self.base,
+            plan.startup_timeout,
+            timeout_option="--startup-timeout",
+        )
+
+
+def launch(plan: QuotingPlan, config: ServerConfig) -> Launch:
+    """The configuration's server command and environment, its vllm/ tree checked."""
+    build_tree = plan.stock_vllm if config.build == "vllm" else plan.patched_vllm
+    parent = Path(build_tree).resolve()  # type: ignore[arg-type]
+    patches = check_vllm_tree("stock" if config.build == "vllm" else "patched", parent)
+    port = free_port()
+    argv, env = config.serve(Path(plan.model), port, plan.vllm_args, plan.env_file, parent)  # type: ignore[arg-type]
+    command = server_command(plan.server_command, config.name, argv, port)
+    if plan.start_together:  # servers compiling at once must not write one compile cache
+        env = {**env, "VLLM_CACHE_ROOT": str(plan.workdir / "cache" / config.name)}
+    log = plan.workdir / f"{config.name}-server.log"
+    print(f"== {config.name}: {' '.join(command)}\n   (vllm/ from {parent}; log {log})", flush=True)
+    return Launch(config, command, env, f"http://{SERVER_HOST}:{port}", log, parent, patches)
+
+
+def _record(config: ServerConfig) -> dict:
+    return {
         "build": config.build,
         "baseline": config.baseline,
         "speculative_config": config.speculative_config,
         "knobs": config.knob_values,
     }
-    if config.name in plan.urls:
-        print(f"== {config.name}: the server at {plan.urls[config.name]}", flush=True)
-        client = BenchClient(plan.urls[config.name], None, plan.timeout)
-        return {**record, "url": client.base_url, **_measure(client, plan, tasks)}
-    parent = Path(plan.stock_vllm if config.build == "vllm" else plan.patched_vllm).resolve()  # type: ignore[arg-type]
-    patches = check_vllm_tree("stock" if config.build == "vllm" else "patched", parent)
-    port = free_port()
-    argv, env = config.serve(Path(plan.model), port, plan.vllm_args, plan.env_file, parent)  # type: ignore[arg-type]
-    command = server_command(plan.server_command, config.name, argv, port)
-    log = plan.workdir / f"{config.name}-server.log"
-    base = f"http://{SERVER_HOST}:{port}"
-    print(f"== {config.name}: {' '.join(command)}\n   (vllm/ from {parent}; log {log})", flush=True)
-    server = running_server(
-        command, env, log, base, plan.startup_timeout, timeout_option="--startup-timeout"
-    )
-    with server as healthy:
-        print(f"   healthy after {healthy.startup_s:.1f} s", flush=True)
-        measured = _measure(BenchClient(base, None, plan.timeout), plan, tasks)
+
+
+def measure_given(plan: QuotingPlan, config: ServerConfig, tasks: dict[str, list[Task]]) -> dict:
+    """A configuration whose server runs at its --url."""
+    print(f"== {config.name}: the server at {plan.urls[config.name]}", flush=True)
+    client = BenchClient(plan.urls[config.name], None, plan.timeout)
+    return {**_record(config), "url": client.base_url, **_measure(client, plan, tasks)}
+
+
+def measure_started(
+    plan: QuotingPlan, started: Launch, healthy: HealthyServer, tasks: dict[str, list[Task]]
+) -> dict:
+    """A configuration whose server this run started and that is healthy now."""
+    print(f"== {started.config.name}: measuring ({started.base})", flush=True)
     return {
-        **record,
-        "command": command,
-        "vllm_parent": str(parent),
-        "patches": patches,
+        **_record(started.config),
+        "command": started.command,
+        "vllm_parent": str(started.parent),
+        "patches": started.patches,
         "startup_s": round(healthy.startup_s, 2),
-        "log": str(log),
-        **measured,
+        "log": str(started.log),
+        **_measure(BenchClient(started.base, None, plan.timeout), plan, tasks),
     }
+
+
+@contextlib.contextmanager
+def all_healthy(plan: QuotingPlan, launches: Sequence[Launch]) -> Iterator[list[HealthyServer]]:
+    """Every server started at once, yielded once all are healthy; all stopped on exit (also
+    when one fails to start: its error is raised once the others are up or have failed)."""
+    servers = [started.server(plan) for started in launches]
+    with contextlib.ExitStack() as stop_all:
+        with ThreadPoolExecutor(max(1, len(servers))) as pool:
+            starting = [pool.submit(server.__enter__) for server in servers]
+        healthy, failures = [], []
+        for server, future in zip(servers, starting, strict=True):
+            try:
+                healthy.append(future.result())
+                stop_all.push(server.__exit__)
+            except Exception as error:  # raised below; stop_all stops those that started
+                failures.append(error)
+        if failures:
+            raise failures[0]
+        yield healthy
 
 
 def _measure(client: BenchClient, plan: QuotingPlan, tasks: dict[str, list[Task]]) -> dict:
@@ -147,7 +208,7 @@ def _measure(client: BenchClient, plan: QuotingPlan, tasks: dict[str, list[Task]
     }
 
 
-def measurements_document(plan: QuotingPlan, command: Sequence[str], prompts: dict) -> dict:
+def measurements_document(plan: QuotingPlan, command: str, prompts: dict) -> dict:
     """The measurements file before any configuration ran: the facts, the plan, the prompts."""
     return {
         "schema": MEASUREMENTS_SCHEMA,
@@ -155,7 +216,7 @@ def measurements_document(plan: QuotingPlan, command: Sequence[str], prompts: di
         "date": time.strftime(DATE_FORMAT),
         "gpu": gpu_facts()["gpu"],
         "commit": git_commit(),
-        "command": list(command),
+        "command": command,
         "plan": plan.recorded(),
         "prompts": prompts,
         "configs": {},
@@ -163,10 +224,29 @@ def measurements_document(plan: QuotingPlan, command: Sequence[str], prompts: di
 
 
 def run_configs(plan: QuotingPlan, tasks: dict[str, list[Task]], document: dict) -> dict:
-    """Measure every configuration of the plan in turn, writing the document after each."""
-    for config in plan.configs:
-        document["configs"][config.name] = measure_config(plan, config, tasks)
+    """Measure every configuration of the plan in turn, writing the document after each.
+    Servers started here start one after another, or (--start-together) all at once before the
+    first is measured: a starting server's compilation and graph capture would share the GPU
+    and the host's cores with the one measured."""
+
+    def keep(name: str, record: dict) -> None:
+        document["configs"][name] = record
         save(plan.out, document)
+
+    for config in plan.configs:
+        if config.name in plan.urls:
+            keep(config.name, measure_given(plan, config, tasks))
+    launched = [config for config in plan.configs if config.name not in plan.urls]
+    if plan.start_together:
+        launches = [launch(plan, config) for config in launched]
+        with all_healthy(plan, launches) as healthy:
+            for started, server in zip(launches, healthy, strict=True):
+                keep(started.config.name, measure_started(plan, started, server, tasks))
+        return document
+    for config in launched:
+        started = launch(plan, config)
+        with started.server(plan) as server:
+            keep(config.name, measure_started(plan, started, server, tasks))
     return document
 
 
