@@ -15,7 +15,7 @@ from cli_runner import run_in_process
 from local_server import serving
 from openai_test_server import build_app, parse_args
 
-from hyperqwen.bench.quoting_configs import catalogue, parse_knobs
+from hyperqwen.bench.quoting_configs import DEFAULT_LOOKUP_KNOBS, catalogue, parse_knobs
 from hyperqwen.bench.quoting_result import Figures, first_difference, judged, verdicts
 from hyperqwen.bench.quoting_tasks import (
     COPY_KINDS,
@@ -25,6 +25,7 @@ from hyperqwen.bench.quoting_tasks import (
     quoting_tasks,
 )
 from hyperqwen.bench.results import load_result
+from hyperqwen.launch import NGRAM_MATCH
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_SERVER = ROOT / "tests" / "openai_test_server.py"
@@ -279,6 +280,7 @@ def test_help_teaches_with_examples(capsys) -> None:
         (["--url", "vllm-off=http://127.0.0.1:9", "--lookup-knobs", "SPECS=lookup"],
          "--lookup-knobs 'SPECS=lookup'"),
         (["--configs", "lookup"], "MODEL_DIR"),
+        (["--url", "vllm-off=http://127.0.0.1:9", "--requests", "40"], "--requests 40"),
     ],
 )  # fmt: skip
 def test_a_bad_option_is_refused_by_name(argv, named, capsys) -> None:
@@ -305,3 +307,14 @@ def test_lookup_knobs_reach_the_lookup_server_and_its_baseline_drops_speculation
     assert ngrams == [f"{method}-k{k}" for method in ("ngram", "ngram_gpu") for k in (4, 8, 15)]
     assert configs["lookup"].baseline == "hyperqwen-off"
     assert configs["hyperqwen-off"].baseline == configs["ngram-k8"].baseline == "vllm-off"
+
+
+def test_vllms_speculative_config_takes_every_n_gram_configuration(vllm_cpu_platform) -> None:
+    from vllm.config import SpeculativeConfig
+
+    for config in catalogue(parse_knobs(DEFAULT_LOOKUP_KNOBS)).values():
+        if config.ngram_method:
+            taken = SpeculativeConfig(**config.speculative_config)
+            drafts = int(config.name.rsplit("-k", 1)[1])
+            assert (taken.method, taken.num_speculative_tokens) == (config.ngram_method, drafts)
+            assert (taken.prompt_lookup_min, taken.prompt_lookup_max) == NGRAM_MATCH
