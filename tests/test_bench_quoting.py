@@ -109,7 +109,7 @@ def test_every_prompt_and_its_answer_fit_smollm2s_context() -> None:
 
 
 def figure(*decode: float) -> Figures:
-    return Figures(decode, None, 10.0, 100, 0)
+    return Figures(decode, None, 10.0, 0)
 
 
 def test_spread_is_the_pass_to_pass_range_over_the_mean() -> None:
@@ -286,6 +286,17 @@ def test_help_teaches_with_examples(capsys) -> None:
 def test_a_bad_option_is_refused_by_name(argv, named, capsys) -> None:
     assert run_in_process("bench", "quoting", *argv) == 2
     assert named in capsys.readouterr().err
+
+
+def test_a_bad_knob_value_stops_the_run_before_any_server(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "empty.env").write_text("")
+    argv = [str(tmp_path), "--configs", "vllm-off,lookup", "--stock-vllm", "/s", "--patched-vllm"]
+    argv += ["/p", "--env-file", str(tmp_path / "empty.env"), "--workdir", str(tmp_path / "w")]
+    bad = "--lookup-knobs=SPEC=lookup DRAFT_TOKENS=99"
+    assert run_in_process("bench", "quoting", *argv, bad) == 2
+    assert "DRAFT_TOKENS" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()  # vllm-off, first in line, never started
 
 
 @pytest.mark.parametrize(

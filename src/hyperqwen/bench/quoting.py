@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from hyperqwen.bench.ab_argv import environment_knobs
+from hyperqwen.bench.ab_argv import PREVIEW_PORT, environment_knobs
 from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND, ABError
 from hyperqwen.bench.client import BenchError
 from hyperqwen.bench.options import _positive
@@ -86,6 +86,12 @@ def quoting_plan(args: argparse.Namespace) -> QuotingPlan:
         shlex.split(args.vllm_args)
     except ValueError as error:
         raise ABError(f"--vllm-args {args.vllm_args!r} cannot be read: {error}") from None
+    for config in started:  # the profile refuses a bad knob now, not after other servers ran
+        try:
+            config.serve(Path(args.model), PREVIEW_PORT, args.vllm_args, args.env_file, Path())
+        except ABError as error:
+            given = " ".join(f"{name}={value}" for name, value in config.knob_values.items())
+            raise ABError(f"{config.name} (its knobs: {given}, --lookup-knobs): {error}") from None
     workdir = Path(args.workdir)
     names = "all" if len(measured) == len(configs) else "+".join(c.name for c in measured)
     return QuotingPlan(
@@ -137,10 +143,10 @@ def cmd_quoting(args: argparse.Namespace) -> int:
     try:
         plan = quoting_plan(args)
         tasks = quoting_tasks(plan.seed, plan.requests)  # a missing dataset fails before a server
+        document = measurements_document(plan, equivalent_command(plan), prompt_facts(tasks))
     except (ABError, BenchError) as error:
         print(f"hyperqwen bench quoting: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    document = measurements_document(plan, equivalent_command(plan), prompt_facts(tasks))
     try:
         run_configs(plan, tasks, document)
     except (ABError, ServerStartError, BenchError) as error:

@@ -19,7 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hyperqwen.bench.quoting_configs import HYPERQWEN_BASELINE, LOOKUP, VLLM_BASELINE
+from hyperqwen.bench.quoting_configs import (
+    HYPERQWEN_BASELINE,
+    LOOKUP,
+    NGRAM_METHODS,
+    VLLM_BASELINE,
+)
 from hyperqwen.bench.quoting_run import MEASUREMENTS_KIND, MEASUREMENTS_SCHEMA, pass_rows
 from hyperqwen.bench.quoting_tasks import CONTROL_KIND, COPY_KINDS, KINDS
 from hyperqwen.bench.results import ComparisonRow, ResultFileError, comparison_row, result_document
@@ -45,7 +50,6 @@ class Figures:
     decode_passes: tuple[float | None, ...]
     tokens_per_step: float | None
     ttft_p50_ms: float
-    out_tok: float
     mismatches: int | None
     """Answers unlike the baseline's (None: the reference, or its baseline not measured)."""
 
@@ -110,7 +114,6 @@ def figures(records: dict[str, dict]) -> tuple[dict[tuple[str, str], Figures], d
                 decode_passes=tuple(row.decode_tok_s_per_stream for row in passes),
                 tokens_per_step=_rounded(_mean([row.tokens_per_step for row in passes]), 2),
                 ttft_p50_ms=round(sum(row.ttft_p50_ms for row in passes) / len(passes), 1),
-                out_tok=round(sum(row.out_tok for row in passes) / len(passes)),
                 mismatches=None if found is None else len(found),
             )
     return table, kept
@@ -133,7 +136,7 @@ def best_ngram(table: dict[tuple[str, str], Figures], records: dict[str, dict]) 
 
 def _ngram_method(record: dict) -> str | None:
     method = (record.get("speculative_config") or {}).get("method")
-    return method if method in ("ngram", "ngram_gpu") else None
+    return method if method in NGRAM_METHODS else None
 
 
 def judged(ratio: float | None, target: float, spread_pct: float | None) -> str:
@@ -372,7 +375,8 @@ def format_table(document: dict) -> list[str]:
     for kind in KINDS:
         for name, record in document["configs"].items():
             prefix = f"{kind}_{name}"
-            passes = [kinds[kind]["decode_tok_s_per_stream"] for kinds in record["passes"]]
+            passes = [kinds[kind] for kinds in record["passes"]]
+            out_tok = sum(row["out_tok"] for row in passes) / len(passes)
             verdict = document["verdicts"].get(prefix, {})
             effect = verdict.get("effect_vs_best_ngram_pct")
             lines.append(
@@ -380,11 +384,11 @@ def format_table(document: dict) -> list[str]:
                     kind,
                     name,
                     _shown(named[f"{prefix}_decode"]["patched"]),
-                    "/".join(map(_shown, passes)),
+                    "/".join(_shown(row["decode_tok_s_per_stream"]) for row in passes),
                     _shown(named[f"{prefix}_decode_spread"]["patched"], "%"),
                     _shown(named[f"{prefix}_tokens_per_step"]["patched"]),
                     _shown(named[f"{prefix}_ttft_p50"]["patched"]),
-                    str(record["passes"][0][kind]["out_tok"]),
+                    str(round(out_tok)),
                     _shown(named[f"{prefix}_mismatches"]["patched"]),
                     _shown(named[f"{prefix}_decode"]["ratio"], "x"),
                     "-" if effect is None else f"{effect:+.1f}%",
