@@ -52,6 +52,9 @@ SINGLE_PROFILES: dict[str, Profile] = {
 }
 BATCH_PROFILE = Profile(150000, 64, "fp8", 8192, "bfloat16", "auto", "dp")
 DEFAULT_DRAFT_TOKENS = {"mtp": 3, "ngram": 4, "lookup": 4}
+# SPEC=ngram's match lengths: 2-5 token n-grams of the prompt, long enough to avoid spurious
+# copies (vLLM's own default, 5-5, finds fewer)
+NGRAM_MATCH = (2, 5)
 # SPEC=lookup's match lengths: at least 3 tokens (shorter repeats are mostly chance), at most 12
 # compared (longer agreement says nothing more about what comes next).
 LOOKUP_MATCH = (3, 12)
@@ -114,8 +117,7 @@ def speculative_config(settings: Settings) -> dict | None:
         "num_speculative_tokens": settings.DRAFT_TOKENS or DEFAULT_DRAFT_TOKENS[settings.SPEC],
     }
     if settings.SPEC == "ngram":
-        # Match 2-5 token n-grams of the prompt: long enough to avoid spurious copies.
-        config.update(prompt_lookup_min=2, prompt_lookup_max=5)
+        config.update(prompt_lookup_min=NGRAM_MATCH[0], prompt_lookup_max=NGRAM_MATCH[1])
     elif settings.SPEC == "lookup":
         # vLLM's CPU n-gram proposer, searching with HyperQwen's match (engine/lookup.py)
         config.update(
