@@ -16,7 +16,7 @@ import torch
 from test_kernel_lookup import reference_drafts, reference_match
 
 from hyperqwen.engine import lookup as engine_lookup
-from hyperqwen.engine.features import LOOKUP
+from hyperqwen.engine.features import LOOKUP, FeatureSwitchError
 from hyperqwen.launch import LOOKUP_MATCH
 
 DRAFTS = 4
@@ -91,6 +91,8 @@ def test_lookup_is_on_only_with_the_env(monkeypatch):
     assert not engine_lookup.enabled()
     monkeypatch.setenv(LOOKUP.env, "1")
     assert engine_lookup.enabled()
+    monkeypatch.setenv(LOOKUP.env, "auto")  # auto leaves vLLM's own n-gram search alone
+    assert not engine_lookup.enabled()
 
 
 def test_fused_with_mtp_the_accepted_tokens_land_and_copies_fill_the_slots():
@@ -121,8 +123,9 @@ def test_fused_with_mtp_the_accepted_tokens_land_and_copies_fill_the_slots():
     assert drafts.tolist() == [[48, 9, 9], [7, 1, 2], [5, 8, 9], [1, 2, 3]]
 
 
-def test_fusion_needs_mtp_with_greedy_drafts(monkeypatch):
-    monkeypatch.setenv(LOOKUP.env, "1")
+@pytest.mark.parametrize("value", ["1", "auto"])
+def test_fusion_needs_mtp_with_greedy_drafts(monkeypatch, value):
+    monkeypatch.setenv(LOOKUP.env, value)
     greedy = types.SimpleNamespace(method="mtp", draft_sample_method="greedy")
     assert engine_lookup.fused(greedy)
     assert not engine_lookup.fused(
@@ -131,8 +134,13 @@ def test_fusion_needs_mtp_with_greedy_drafts(monkeypatch):
     assert not engine_lookup.fused(
         types.SimpleNamespace(method="ngram_gpu", draft_sample_method="greedy")
     )
+    monkeypatch.setenv(LOOKUP.env, "0")
+    assert not engine_lookup.fused(greedy)
     monkeypatch.delenv(LOOKUP.env)
     assert not engine_lookup.fused(greedy)
+    monkeypatch.setenv(LOOKUP.env, "true")  # refused by name, never read as off
+    with pytest.raises(FeatureSwitchError, match="HYPERQWEN_LOOKUP='true'"):
+        engine_lookup.fused(greedy)
 
 
 def test_the_runner_keeps_the_token_buffer_and_fuses_after_mtp(patched_vllm):
