@@ -1,22 +1,25 @@
 """Quoting on a GPU: lossless, and more tokens per step where the context repeats.
 
-The tiny synthetic Qwen3.5 (prepared, with its MTP layer) is served twice as single mode runs
-it — MTP with 3 greedy drafts, async scheduling, prefix caching, full and piecewise CUDA graphs
-— once with HYPERQWEN_LOOKUP unset and once with it at auto (copies from the context fused into
-MTP's drafts, engine/lookup.py). Each server answers the same prompts greedily, one request at a
-time: chat prompts, and a copy prompt (a code block, then its first half again) sent twice, the
-second time from the prefix cache.
+The tiny synthetic Qwen3.5 (prepared, with its MTP layer) is served as single mode runs it —
+MTP with 3 greedy drafts, async scheduling, prefix caching, full and piecewise CUDA graphs —
+three ways: HYPERQWEN_LOOKUP unset; at auto (copies from the context fused into MTP's 3 slots,
+engine/lookup.py); at auto with 15 draft slots (quoting: a long match verifies up to 15 copied
+tokens, every other request MTP's 3, engine/quoting.py). Each server answers the same prompts
+greedily, one request at a time: chat prompts, and a copy prompt (a code block, then its first
+half again) sent twice, the second time from the prefix cache.
 
 Checked: every greedy continuation is the same tokens with and without lookup, up to the first
 near tie (speculation changes batch shapes, not the function); and on the copy prompt, where the
-reference continuation repeats its context, lookup verifies more tokens per step than MTP alone
-(1 + accepted / drafts, from the server's counters around each request). The random-weight
+reference continuation repeats its context, each lookup side verifies more tokens per step than
+MTP alone (1 + accepted / steps, from the server's counters around each request; with 15 slots
+vLLM counts the slots quoting cut as rejected drafts, so accepted tokens per step is the figure,
+not the acceptance rate). The random-weight
 model does not follow the instruction to copy; what its greedy text repeats is its own output,
 which is what a quoting answer looks like to the search. Everything measured goes to
 $HYPERQWEN_TEST_LOGS/quoting-summary.json.
 
-Run on the GPU host: `pytest -m gpu tests/test_engine_quoting_gpu.py` (two tiny servers, about
-two minutes each to start cold).
+Run on the GPU host: `pytest -m gpu tests/test_engine_quoting_gpu.py` (three tiny servers, one
+after another, about two minutes each to start cold).
 """
 
 from __future__ import annotations
@@ -42,13 +45,19 @@ from test_prepare_common import run_prepare
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
-from hyperqwen.engine.features import LOOKUP
+from hyperqwen.engine.features import LOOKUP, MTP_DRAFTS
 from hyperqwen.engine.lookup import LONG_MATCH
 from hyperqwen.launch import PREFILL_GRAPH_TOKENS, compilation_config
 
 pytestmark = pytest.mark.gpu
 
-MTP3 = {"method": "mtp", "num_speculative_tokens": 3, "draft_sample_method": "greedy"}
+MTP3 = {"method": "mtp", "num_speculative_tokens": MTP_DRAFTS, "draft_sample_method": "greedy"}
+QUOTING = {**MTP3, "num_speculative_tokens": 15}
+SIDES = {  # name: (speculative config, engine environment)
+    "mtp": (MTP3, {}),
+    "mtp-lookup-auto": (MTP3, {LOOKUP.env: "auto"}),
+    "mtp-quoting-15": (QUOTING, {LOOKUP.env: "auto"}),
+}
 ANSWER_TOKENS = 160
 CODE = "\n".join(
     f"def step_{i}(state, scale={i}):\n    total = state.value * scale + {i * 7}\n"
@@ -66,13 +75,13 @@ NEAR_TIE = 0.1
 COUNTERS = ("num_drafts", "num_accepted_tokens")
 
 
-def quoting_server(model, port: int) -> list[str]:
+def quoting_server(model, port: int, speculative: dict) -> list[str]:
     return [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
         "--language-model-only", "--max-model-len", "4096", "--max-num-seqs", "4",
         "--gpu-memory-utilization", "0.2", "--seed", "0", "--async-scheduling",
-        "--enable-prefix-caching", "--speculative-config", json.dumps(MTP3),
+        "--enable-prefix-caching", "--speculative-config", json.dumps(speculative),
         "--compilation-config", json.dumps(compilation_config(PREFILL_GRAPH_TOKENS)),
         *shlex.split(TRITON_GDN),
     ]  # fmt: skip
@@ -153,18 +162,21 @@ def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
     prompts = {"copy": COPY_PROMPT, "copy-cached": COPY_PROMPT}
     prompts.update({f"chat-{i}": prompt for i, prompt in enumerate(CHAT_PROMPTS)})
     results = {}
-    for side, engine_env in (("mtp", {}), ("mtp-lookup-auto", {LOOKUP.env: "auto"})):
+    for side, (speculative, engine_env) in SIDES.items():
         port = free_port()
         log = logs / f"quoting-{side}-server.log"
-        with running_server(
-            quoting_server(model, port), f"http://127.0.0.1:{port}", log, {**base_env, **engine_env}
-        ) as url:
+        command = quoting_server(model, port, speculative)
+        env = {**base_env, **engine_env}
+        with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
             results[side] = {name: answer(url, prompt) for name, prompt in prompts.items()}
 
-    reference, lookup = results["mtp"], results["mtp-lookup-auto"]
+    reference = results["mtp"]
+    lookup_sides = [side for side in SIDES if side != "mtp"]
     summary = {
         name: {
-            "agreeing_prefix": agreeing_prefix(reference[name], lookup[name]),
+            "agreeing_prefix": {
+                side: agreeing_prefix(reference[name], results[side][name]) for side in lookup_sides
+            },
             "tokens_per_step": {side: results[side][name]["tokens_per_step"] for side in results},
             "verify_steps": {side: results[side][name]["verify_steps"] for side in results},
             "reference_repeats": repeats_its_context(reference[name]),
@@ -174,12 +186,13 @@ def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
     (logs / "quoting-summary.json").write_text(json.dumps(summary, indent=1))
 
     for name, row in summary.items():
-        agreed, at_near_tie = row["agreeing_prefix"]
-        assert at_near_tie, f"{name}: greedy output differs at token {agreed} with lookup"
+        for side, (agreed, at_near_tie) in row["agreeing_prefix"].items():
+            assert at_near_tie, f"{name}: greedy output differs at token {agreed} with {side}"
     for name in ("copy", "copy-cached"):
         assert summary[name]["reference_repeats"], (
             f"{name}: the reference continuation does not repeat its context, so this prompt "
             "cannot show lookup's gain on this checkpoint (see quoting-summary.json)"
         )
         steps = summary[name]["tokens_per_step"]
-        assert steps["mtp-lookup-auto"] > steps["mtp"], f"{name}: {steps}"
+        for side in lookup_sides:
+            assert steps[side] > steps["mtp"], f"{name}: {steps}"

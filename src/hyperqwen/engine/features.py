@@ -26,6 +26,9 @@ BOTH_MODES = ("single", "batch")
 SINGLE_MODE = ("single",)
 # LINEAR_BACKEND's one value vLLM does not know: vLLM gets marlin, the engine HYPERQWEN_W4A16=1
 OUR_LINEAR_BACKEND = "hyperqwen"
+# MTP's drafts per step: SPEC=mtp's default DRAFT_TOKENS, and with lookup's quoting (a larger
+# DRAFT_TOKENS) what MTP still drafts and a step without a match verifies (engine/quoting.py)
+MTP_DRAFTS = 3
 
 
 class FeatureSwitchError(ValueError):
@@ -289,8 +292,9 @@ LOOKUP = Feature(
         "last 2-12 tokens) into MTP's draft slots, where the match is 6 tokens or more or MTP's "
         "first draft agrees. auto: on wherever it applies (single mode, MTP, greedy drafts), "
         "silently off elsewhere; 1: the same, with a warning where it cannot apply; 0: off. "
-        "Acceptance not measured yet, and the longer verify block it is meant to fill "
-        "(src/hyperqwen/engine/quoting.md) is not built: off by default until measured.",
+        "DRAFT_TOKENS above 3 lets a long match fill that many slots while other requests "
+        "verify MTP's 3 (src/hyperqwen/engine/quoting.md; costs GDN state memory, not run on a "
+        "GPU yet). Acceptance not measured: off by default until measured.",
         values=("auto", OFF, ON),
         modes=SINGLE_MODE,
     ),
@@ -300,8 +304,9 @@ LOOKUP = Feature(
     "home, vLLM's async `ngram_gpu` proposer, SPEC=lookup drafted at 0.47x stock CPU n-gram's "
     "tokens/s on copy prompts (H200, SmolLM2-135M, 2026-12-01), so it moved to the CPU proposer "
     "(measured there with 3 requests per C1 row, too few to decide: single-user/README.md); "
-    "LOOKUP=auto/1 still keeps the `ngram_gpu` buffer and MTP's draft count, acceptance not "
-    "measured; the variable-length quoting path is designed (`quoting.md`), not built",
+    "LOOKUP=auto/1 still keeps the `ngram_gpu` buffer, acceptance not measured; with "
+    "DRAFT_TOKENS > 3 the per-request verify width of `quoting.py` (`quoting.md`), CPU-tested, "
+    "not run on a GPU yet",
 )
 
 # In this order: Settings adds the owned knobs, the launcher sets the variables and warns.

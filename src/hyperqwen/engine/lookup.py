@@ -90,8 +90,7 @@ def allocate_token_buffer(runner) -> None:
     )
 
 
-def fuse_into_mtp(
-    mtp_drafts: torch.Tensor,
+def write_accepted(
     sampled_token_ids: torch.Tensor,
     discard_mask: torch.Tensor,
     token_ids: torch.Tensor,
@@ -99,9 +98,9 @@ def fuse_into_mtp(
     vocab_size: int,
 ) -> torch.Tensor:
     """Write this step's accepted tokens (sampled_token_ids [B, k+1], -1 where rejected) into the
-    token buffer after each row's num_tokens, as vLLM's n-gram proposer does, then return MTP's
-    drafts [B, k] with a copy from the context where it wins (fuse_with_mtp)."""
-    rows, width = mtp_drafts.shape[0], token_ids.shape[1]
+    token buffer after each row's num_tokens, as vLLM's n-gram proposer does; return each row's
+    length with them ([B] int32)."""
+    rows, width = sampled_token_ids.shape[0], token_ids.shape[1]
     sampled = sampled_token_ids.masked_fill(discard_mask[:rows, None], -1)
     valid = (sampled != -1) & (sampled < vocab_size)
     count = valid.sum(dim=1, dtype=torch.int32)
@@ -113,8 +112,21 @@ def fuse_into_mtp(
     buffer.scatter_(
         1, positions, torch.where(write, sampled.to(buffer.dtype), buffer.gather(1, positions))
     )
-    match = find_suffix_match(
-        buffer, (num_tokens[:rows] + count).to(torch.int32), *FUSED_MATCH, mtp_drafts.shape[1]
-    )
+    return (num_tokens[:rows] + count).to(torch.int32)
+
+
+def fuse_into_mtp(
+    mtp_drafts: torch.Tensor,
+    sampled_token_ids: torch.Tensor,
+    discard_mask: torch.Tensor,
+    token_ids: torch.Tensor,
+    num_tokens: torch.Tensor,
+    vocab_size: int,
+) -> torch.Tensor:
+    """`write_accepted`, then MTP's drafts [B, k] with a copy from the context where it wins
+    (fuse_with_mtp)."""
+    lengths = write_accepted(sampled_token_ids, discard_mask, token_ids, num_tokens, vocab_size)
+    rows = mtp_drafts.shape[0]
+    match = find_suffix_match(token_ids[:rows], lengths, *FUSED_MATCH, mtp_drafts.shape[1])
     drafts, _ = fuse_with_mtp(mtp_drafts.to(torch.int32), match, LONG_MATCH)
     return drafts[:, : mtp_drafts.shape[1]].to(mtp_drafts.dtype)
