@@ -92,6 +92,8 @@ class ProposedCounts:
             self._slots[slot][:rows].copy_(counts)
         else:
             self._stream.wait_stream(torch.cuda.current_stream())
+            # the allocator must not hand counts' memory to the main stream before the copy ran
+            counts.record_stream(self._stream)
             with torch.cuda.stream(self._stream):
                 self._slots[slot][:rows].copy_(counts, non_blocking=True)
                 self._events[slot].record()
