@@ -240,6 +240,20 @@ def test_ignored_knobs_warn(mode, values, expected):
     assert expected in build_launch(loaded(**values), mode, None).warnings
 
 
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"SPEC": "ngram", "LOOKUP": "auto"},
+        {"SPEC": "off", "LOOKUP": "auto"},
+        {"LOOKUP": "auto", "DRAFT_SAMPLE": "probabilistic"},
+    ],
+)
+def test_lookup_auto_is_silent_where_it_does_not_apply(values):
+    """auto means "where it applies": only an explicit LOOKUP=1 that cannot apply warns."""
+    warnings = build_launch(loaded(**values), "single", None).warnings
+    assert not [w for w in warnings if w.startswith("LOOKUP")]
+
+
 def test_defaults_warn_about_nothing():
     for mode in ("single", "batch"):
         assert build_launch(loaded(), mode, None).warnings == []
@@ -325,6 +339,12 @@ def test_linear_backend_values_are_vllms_but_ours():
     [
         ("single", {"SPEC": "lookup"}, "1"),
         ("single", {"LOOKUP": "1"}, "1"),  # fused into MTP's drafts
+        ("single", {"LOOKUP": "auto"}, "auto"),  # the engine decides: MTP with greedy drafts
+        ("single", {"LOOKUP": "auto", "DRAFT_SAMPLE": "probabilistic"}, "auto"),  # engine: off
+        ("single", {"LOOKUP": "auto", "SPEC": "ngram"}, None),  # vLLM's own n-gram search
+        ("single", {"LOOKUP": "auto", "SPEC": "off"}, None),
+        ("single", {"LOOKUP": "0", "SPEC": "lookup"}, "1"),  # SPEC=lookup is the search itself
+        ("batch", {"LOOKUP": "auto"}, None),
         ("single", {"SPEC": "ngram"}, None),  # vLLM's own n-gram search
         ("single", {}, None),
         ("batch", {"SPEC": "lookup"}, None),  # batch never drafts

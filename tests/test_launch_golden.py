@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hyperqwen.engine.features import LOOKUP
 from hyperqwen.kv_choices import KV_CHOICES
 from hyperqwen.launch import build_launch
 from hyperqwen.settings import LoadedSettings, Settings
@@ -31,6 +32,10 @@ SWITCH_VARIANTS: dict[str, dict[str, str]] = {
     "linear-hyperqwen": {"LINEAR_BACKEND": "hyperqwen"},
     "linear-machete": {"LINEAR_BACKEND": "machete"},
     "lookup": {"LOOKUP": "1"},
+    # LOOKUP=auto (issue 24) added these cases; they differ from their base case only in
+    # LOOKUP's own variable (test_lookup_auto_changes_only_its_own_variable)
+    "lookup-auto": {"LOOKUP": "auto"},
+    "lookup-auto-probabilistic": {"LOOKUP": "auto", "DRAFT_SAMPLE": "probabilistic"},
     "lookup-probabilistic": {"LOOKUP": "1", "DRAFT_SAMPLE": "probabilistic"},
     "overlap-off": {"PREFIX_CACHE_OVERLAP": "0"},
     "prefix-cache-off": {"PREFIX_CACHE": "0"},
@@ -96,6 +101,24 @@ def test_launch_matches_the_golden_file(golden, case, mode_values):
     # "X is a single-mode knob" warnings come in knob declaration order, which the engine
     # features' own knobs changed (they follow the others); the warnings themselves may not
     assert sorted(now["warnings"]) == sorted(then["warnings"])
+
+
+@pytest.mark.parametrize("case", [c for c in cases() if "-lookup-auto" in c])
+def test_lookup_auto_changes_only_its_own_variable(golden, case):
+    """LOOKUP=auto reaches vLLM through HYPERQWEN_LOOKUP alone: the same argv and warnings as
+    the case without it (defaults, or probabilistic drafts alone), but for batch mode's
+    "single-mode knob" warning every explicit single-mode knob gets."""
+    mode, values = cases()[case]
+    base = launched(mode, {k: v for k, v in values.items() if k != "LOOKUP"})
+    now = golden[case]
+    assert now["argv"] == base["argv"]
+    own = ["LOOKUP is a single-mode knob; ignored in batch mode."] if mode == "batch" else []
+    assert sorted(now["warnings"]) == sorted(base["warnings"] + own)
+    others = {name: value for name, value in now["env"].items() if name != LOOKUP.env}
+    assert others == {name: v for name, v in base["env"].items() if name != LOOKUP.env}
+    single_mtp = mode == "single" and values["SPEC"] == "mtp"
+    expected = "1" if mode == "single" and values["SPEC"] == "lookup" else None
+    assert now["env"].get(LOOKUP.env) == ("auto" if single_mtp else expected)
 
 
 if __name__ == "__main__":

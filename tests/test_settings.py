@@ -49,6 +49,9 @@ def test_unknown_variables_are_ignored_and_defaults_hold():
         ),
         ("KV_MEM", "6GiB", "bytes, e.g. 6G"),
         ("TOOLS", "true", "0 | 1"),
+        # the public project's lookup knob read "true" as off; here it is refused
+        ("LOOKUP", "true", "auto | 0 | 1"),
+        ("LOOKUP", "on", "auto | 0 | 1"),
         ("HOST", " ", "text"),
     ],
 )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hyperqwen.capacity import CacheSetup, CapacityRefusal, Machine, fit_to_card
-from hyperqwen.engine.features import FEATURES, OUR_LINEAR_BACKEND, launch_env
+from hyperqwen.engine.features import FEATURES, MTP_DRAFTS, OUR_LINEAR_BACKEND, launch_env
 from hyperqwen.kv_choices import KV_CHOICES, speculation_refusal
 from hyperqwen.settings import (
     NO_REASONING_PARSER,
@@ -51,7 +51,7 @@ SINGLE_PROFILES: dict[str, Profile] = {
     "huge": Profile(262144, 1, "fp8", 4096, "float32", "marlin", "tp"),
 }
 BATCH_PROFILE = Profile(150000, 64, "fp8", 8192, "bfloat16", "auto", "dp")
-DEFAULT_DRAFT_TOKENS = {"mtp": 3, "ngram": 4, "lookup": 4}
+DEFAULT_DRAFT_TOKENS = {"mtp": MTP_DRAFTS, "ngram": 4, "lookup": 4}
 # SPEC=ngram's match lengths: 2-5 token n-grams of the prompt, long enough to avoid spurious
 # copies (vLLM's own default, 5-5, finds fewer)
 NGRAM_MATCH = (2, 5)

@@ -260,7 +260,10 @@ class ServingKnobs(BaseModel):
         "Tokens drafted per step. Default: 3 for mtp, 4 for ngram and lookup. With lookup, a "
         "match of 6+ tokens proposes all of them and a shorter one at most 4, and only proposed "
         "drafts are verified, so a long block (e.g. 15) costs verify work only while the answer "
-        "copies its context (speed not measured yet).",
+        "copies its context (speed not measured yet). With SPEC=mtp and LOOKUP=auto or 1, more "
+        "than 3 is the longest block a copy from the context fills; MTP still drafts 3 and a "
+        "step without a match verifies those (src/hyperqwen/engine/quoting.md; not run on a GPU "
+        "yet). Each draft slot holds a GDN state per request: see hyperqwen capacity.",
         "--speculative-config num_speculative_tokens",
         modes=SINGLE,
         ge=1,

@@ -1,16 +1,17 @@
 """Lookup drafting: drafts copied from the request's own context.
 
-Two uses, both switched on by HYPERQWEN_LOOKUP=1 (the launcher sets it):
+Two uses, switched by HYPERQWEN_LOOKUP (the launcher sets it from the LOOKUP knob):
 
-- SPEC=lookup: vLLM 0.26's CPU `ngram` proposer asks `propose` here for each request
-  (patches/lookup-search.patch) instead of its own search: the longest, then most recent earlier
-  occurrence of the context's last 3-12 tokens (kernels/lookup.py, `suffix_match_on_host`), whose
-  continuation is what the text did last time, extended periodically when it runs into the
-  present, and as many drafts as the match supports. vLLM's `ngram_gpu` path was the first home
-  of this: on the H200 (SmolLM2-135M, 2026-12-01) it drafted at 0.47-0.49x the tokens/s of
-  vLLM's CPU `ngram` on copy and chat prompts at C1 (0.22 against 0.88 first-draft acceptance
-  while copying), the async-scheduling loss vllm-project/vllm#37150 reports for that path.
-- SPEC=mtp with LOOKUP=1 (`fused`): the V1 runner keeps the GPU token buffer of vLLM's
+- SPEC=lookup (the variable is 1): vLLM 0.26's CPU `ngram` proposer asks `propose` here for each
+  request (patches/lookup-search.patch) instead of its own search: the longest, then most recent
+  earlier occurrence of the context's last 3-12 tokens (kernels/lookup.py,
+  `suffix_match_on_host`), whose continuation is what the text did last time, extended
+  periodically when it runs into the present, and as many drafts as the match supports. vLLM's
+  `ngram_gpu` path was the first home of this: on the H200 (SmolLM2-135M, 2026-12-01) it drafted
+  at 0.47-0.49x the tokens/s of vLLM's CPU `ngram` on copy and chat prompts at C1 (0.22 against
+  0.88 first-draft acceptance while copying), the async-scheduling loss vllm-project/vllm#37150
+  reports for that path.
+- SPEC=mtp with LOOKUP=auto or 1 (`fused`): the V1 runner keeps the GPU token buffer of vLLM's
   `ngram_gpu` path for MTP (patches/lookup-mtp.patch; its upkeep under async scheduling is the
   path above, so its acceptance is to be measured before it is recommended) and, after MTP has
   drafted, `fuse_into_mtp` writes the new tokens into it and puts a copy in MTP's draft slots
@@ -39,7 +40,8 @@ SHORT_MATCH_DRAFTS = 4
 
 
 def enabled() -> bool:
-    """Whether HyperQwen's search drafts (lookup-search.patch asks it) and fuses with MTP."""
+    """Whether HyperQwen's search drafts in vLLM's CPU n-gram proposer (lookup-search.patch asks
+    it): only at 1, which the launcher sets for SPEC=lookup; auto leaves vLLM's n-gram alone."""
     return features.enabled(features.LOOKUP)
 
 
@@ -61,9 +63,10 @@ def propose(
 
 
 def fused(speculative_config) -> bool:
-    """Lookup drafts go into MTP's draft slots (greedy MTP drafts only)."""
+    """Lookup drafts go into MTP's draft slots: LOOKUP=auto or 1, greedy MTP drafts only (auto
+    is decided here, where the drafter's method and sampling are known)."""
     return (
-        enabled()
+        features.env_value(features.LOOKUP) != features.OFF
         and speculative_config.method == "mtp"
         and speculative_config.draft_sample_method == "greedy"
     )
@@ -87,8 +90,7 @@ def allocate_token_buffer(runner) -> None:
     )
 
 
-def fuse_into_mtp(
-    mtp_drafts: torch.Tensor,
+def write_accepted(
     sampled_token_ids: torch.Tensor,
     discard_mask: torch.Tensor,
     token_ids: torch.Tensor,
@@ -96,9 +98,9 @@ def fuse_into_mtp(
     vocab_size: int,
 ) -> torch.Tensor:
     """Write this step's accepted tokens (sampled_token_ids [B, k+1], -1 where rejected) into the
-    token buffer after each row's num_tokens, as vLLM's n-gram proposer does, then return MTP's
-    drafts [B, k] with a copy from the context where it wins (fuse_with_mtp)."""
-    rows, width = mtp_drafts.shape[0], token_ids.shape[1]
+    token buffer after each row's num_tokens, as vLLM's n-gram proposer does; return each row's
+    length with them ([B] int32)."""
+    rows, width = sampled_token_ids.shape[0], token_ids.shape[1]
     sampled = sampled_token_ids.masked_fill(discard_mask[:rows, None], -1)
     valid = (sampled != -1) & (sampled < vocab_size)
     count = valid.sum(dim=1, dtype=torch.int32)
@@ -110,8 +112,21 @@ def fuse_into_mtp(
     buffer.scatter_(
         1, positions, torch.where(write, sampled.to(buffer.dtype), buffer.gather(1, positions))
     )
-    match = find_suffix_match(
-        buffer, (num_tokens[:rows] + count).to(torch.int32), *FUSED_MATCH, mtp_drafts.shape[1]
-    )
+    return (num_tokens[:rows] + count).to(torch.int32)
+
+
+def fuse_into_mtp(
+    mtp_drafts: torch.Tensor,
+    sampled_token_ids: torch.Tensor,
+    discard_mask: torch.Tensor,
+    token_ids: torch.Tensor,
+    num_tokens: torch.Tensor,
+    vocab_size: int,
+) -> torch.Tensor:
+    """`write_accepted`, then MTP's drafts [B, k] with a copy from the context where it wins
+    (fuse_with_mtp)."""
+    lengths = write_accepted(sampled_token_ids, discard_mask, token_ids, num_tokens, vocab_size)
+    rows = mtp_drafts.shape[0]
+    match = find_suffix_match(token_ids[:rows], lengths, *FUSED_MATCH, mtp_drafts.shape[1])
     drafts, _ = fuse_with_mtp(mtp_drafts.to(torch.int32), match, LONG_MATCH)
     return drafts[:, : mtp_drafts.shape[1]].to(mtp_drafts.dtype)
