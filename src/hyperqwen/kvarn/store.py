@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from hyperqwen.kvarn import quantize
-from hyperqwen.kvarn.hadamard import hadamard_rows
+from hyperqwen.kvarn.hadamard import hadamard_chunk_into, hadamard_chunks_done
 from hyperqwen.kvarn.layout import TileLayout
 
 
@@ -37,6 +37,17 @@ def program_tile(pool_ptr, block_ids_ptr, stride_block, stride_head):
 @triton.jit
 def fp16_section(tile, AT: tl.constexpr):
     return (tile + AT).to(tl.pointer_type(tl.float16))
+
+
+@triton.jit
+def _rotated_rows(src, rows, stride_t, T: tl.constexpr, D: tl.constexpr):
+    """Rows src[rows * stride_t, :D] times H_D / sqrt(D), fp32 [T, D], read 16 columns at a
+    time (hadamard.py: a whole-tile dot would need more shared memory than sm86 has)."""
+    acc = tl.zeros((T, D // 16, 16), tl.float32)
+    for first in range(0, D, 16):
+        chunk = tl.load(src + rows * stride_t + first + tl.arange(0, 16)[None, :])
+        acc = hadamard_chunk_into(acc, chunk.to(tl.float32), first, D)
+    return hadamard_chunks_done(acc, T, D)
 
 
 @triton.jit
@@ -80,7 +91,7 @@ def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr,
 
     # keys: rotate, normalise tokens (quantize.balance_token_scales), per-channel 4-bit grid
     k_src = k_ptr + index.to(tl.int64) * stride_kn + head.to(tl.int64) * stride_kh
-    x = hadamard_rows(tl.load(k_src + rows * stride_kt + d[None, :]).to(tl.float32), T, D)
+    x = _rotated_rows(k_src, rows, stride_kt, T, D)
     r = tl.full((T, 1), 1.0, tl.float32)
     for _ in tl.static_range(BALANCE_ROUNDS):
         xr = x / r
@@ -100,7 +111,7 @@ def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr,
 
     # values: rotate, per-token 2-bit grid
     v_src = v_ptr + index.to(tl.int64) * stride_vn + head.to(tl.int64) * stride_vh
-    x = hadamard_rows(tl.load(v_src + rows * stride_vt + d[None, :]).to(tl.float32), T, D)
+    x = _rotated_rows(v_src, rows, stride_vt, T, D)
     v_scale, v_zero = _fit_grid(x, V_LEVELS, 1, D, GRID_ROUNDS, MIN_STEP)
     q = _grid_codes(x, v_scale, v_zero, V_LEVELS).to(tl.int32)
     pairs_02, pairs_13 = tl.split(tl.reshape(q, (T, D // 4, 2, 2)))  # channel 4b + 2j + i
