@@ -1,0 +1,98 @@
+"""Shared memory of KVarN's Triton kernels, compiled here for a GPU architecture (no GPU needed).
+
+Triton sizes a kernel's shared memory at compile time (`metadata.shared`), and a launch that
+asks for more than the card allows per block fails. sm86 and sm89 (RTX 3090, 4090) allow
+99 KB, sm80 (A100) 163 KB, sm90 (H100, H200) 227 KB. Each kernel is compiled with the
+arguments its launcher gives at the 27B's shapes (4 KV heads of head_dim 256, 24 query heads,
+a verify block of 4 queries). `python -m hyperqwen.kvarn.fit [arch ...]` prints the table.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from hyperqwen.kvarn import decode, dequant, hadamard, quantize, store
+from hyperqwen.kvarn.layout import HEAD_DIM_27B, TileLayout
+
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+GROUP_27B, VERIFY_QUERIES = 6, 4
+
+
+def _launches(d: int) -> dict:
+    """kernel name -> (jit function, pointer types, constexprs, num_warps, num_stages), as
+    the launchers call them for bf16 data."""
+    layout = TileLayout(head_dim=d)
+    tile_io = {"k_ptr": "*bf16", "v_ptr": "*bf16", "pool_ptr": "*u8", "block_ids_ptr": "*i32"}
+    store_constants = dict(
+        T=layout.tokens, D=d, AT=layout.offsets, K_LEVELS=quantize.K_LEVELS,
+        V_LEVELS=quantize.V_LEVELS, BALANCE_ROUNDS=quantize.BALANCE_ROUNDS,
+        GRID_ROUNDS=quantize.GRID_ROUNDS, MIN_SCALE=quantize.MIN_SCALE,
+        MIN_STEP=quantize.MIN_STEP,
+    )  # fmt: skip
+    partition_pointers = {
+        "q_ptr": "*bf16", "pool_ptr": "*u8", "block_table_ptr": "*i32", "side_k_ptr": "*bf16",
+        "side_v_ptr": "*bf16", "side_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "query_start_ptr": "*i32", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",
+        "sm_scale": "fp32",
+    }  # fmt: skip
+    block_m = max(16, triton.next_power_of_2(VERIFY_QUERIES * GROUP_27B))
+    partition_constants = dict(
+        G=GROUP_27B, BLOCK_M=block_m, BLOCK_N=decode.BLOCK_N, T=layout.tokens, D=d,
+        AT=layout.offsets, DOT=tl.bfloat16,
+    )  # fmt: skip
+    merge_pointers = {"part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16"}
+    dequant_constants = dict(T=layout.tokens, D=d, AT=layout.offsets, UNROTATE=True)
+    rotate_constants = dict(BLOCK_ROWS=hadamard.ROTATE_BLOCK_ROWS, N=d)
+    return {
+        "store": (store._store_kernel, tile_io, store_constants, 8, 3),
+        "dequant": (dequant._dequant_kernel, tile_io, dequant_constants, 8, 3),
+        "rotate_rows": (
+            hadamard._rotate_rows_kernel,
+            {"x_ptr": "*bf16", "out_ptr": "*bf16"},
+            rotate_constants,
+            4,
+            3,
+        ),
+        "decode_partition": (
+            decode._partition_kernel,
+            partition_pointers,
+            partition_constants,
+            4,
+            1,
+        ),
+        "decode_merge": (
+            decode._merge_kernel,
+            merge_pointers,
+            dict(G=GROUP_27B, BLOCK_H=16, D=d),
+            4,
+            3,
+        ),
+    }
+
+
+def shared_bytes(name: str, arch: int, d: int = HEAD_DIM_27B) -> int:
+    """Bytes of shared memory kernel `name` (a key of the table) needs on sm<arch>."""
+    kernel, pointers, constants, warps, stages = _launches(d)[name]
+    signature = {
+        arg: pointers.get(arg, "constexpr" if arg in constants else "i32")
+        for arg in kernel.arg_names
+    }
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    options = {"num_warps": warps, "num_stages": stages}
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    return compiled.metadata.shared
+
+
+KERNELS = tuple(_launches(HEAD_DIM_27B))
+
+if __name__ == "__main__":
+    arches = [int(a) for a in sys.argv[1:]] or sorted(SHARED_LIMIT)
+    print("| kernel | " + " | ".join(f"sm{a} (limit {SHARED_LIMIT[a]})" for a in arches) + " |")
+    print("|---|" + "---:|" * len(arches))
+    for name in KERNELS:
+        print(f"| {name} | " + " | ".join(str(shared_bytes(name, a)) for a in arches) + " |")
