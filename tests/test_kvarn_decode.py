@@ -64,8 +64,9 @@ def test_a_verify_block_reads_what_decode_steps_at_its_lengths_read():
     verify = run(cache, 2)
     for j, context in enumerate(cache.contexts(0)):
         single = run(
-            cache, 2, query=cache.query[j : j + 1], seq_lens=torch.tensor([context], dtype=torch.int32),
-            query_start_loc=torch.tensor([0, 1], dtype=torch.int32), max_query_len=1,
+            cache, 2, query=cache.query[j : j + 1], max_query_len=1,
+            seq_lens=torch.tensor([context], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
         )  # fmt: skip
         # the same sums in another order (other shares of the splits), then bf16
         assert torch.allclose(verify[j].float(), single[0].float(), rtol=2**-7, atol=1e-3), j
