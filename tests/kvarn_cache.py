@@ -67,8 +67,11 @@ class Cache:
         return torch.stack(rows)
 
 
-def build_cache(seq_lens, query_lens, heads, kv_heads, d, seed, dtype=torch.bfloat16) -> Cache:
-    """A cache of len(seq_lens) requests, query_lens[r] queries each."""
+def build_cache(seq_lens, query_lens, heads, kv_heads, d, seed, dtype=torch.bfloat16,
+                device="cpu", pool_blocks=None) -> Cache:  # fmt: skip
+    """A cache of len(seq_lens) requests, query_lens[r] queries each, on `device`. With
+    pool_blocks, the pool has that many blocks and the last holds a request's tile (the int64
+    tests' large pools)."""
     layout = TileLayout(head_dim=d)
     g = torch.Generator().manual_seed(seed)
     keys = [outlier_keys(n, kv_heads, d, seed + 2 * i) for i, n in enumerate(seq_lens)]
@@ -78,10 +81,11 @@ def build_cache(seq_lens, query_lens, heads, kv_heads, d, seed, dtype=torch.bflo
     sixteen = [(r, b) for r, (n, q) in enumerate(zip(seq_lens, query_lens, strict=True))
                for b in (0, *range(max((n - q + 1) // T, 1), (n - 1) // T + 1))]  # fmt: skip
 
-    pool = torch.full(
-        layout.pool_shape(len(quantized) + 2, kv_heads), POISON_BYTE, dtype=torch.uint8
-    )
-    order = torch.randperm(len(quantized) + 2, generator=g).tolist()
+    blocks = pool_blocks or len(quantized) + 2
+    pool = torch.full(layout.pool_shape(blocks, kv_heads), POISON_BYTE, dtype=torch.uint8,
+                      device=device)  # fmt: skip
+    # the pool's last block holds the first tile; the entry after the last tile's is unused
+    order = [blocks - 1, *torch.randperm(blocks - 1, generator=g)[: len(quantized)].tolist()]
     spare_block = order[-1]
     block_table = torch.full((len(seq_lens), width), spare_block, dtype=torch.int32)
     for (r, b), block in zip(quantized, order, strict=False):
@@ -89,8 +93,11 @@ def build_cache(seq_lens, query_lens, heads, kv_heads, d, seed, dtype=torch.bflo
     for r, n in enumerate(seq_lens):
         full = [b for rr, b in quantized if rr == r]
         if full:
-            tiles = [x[T : n // T * T].reshape(-1, T, kv_heads, d) for x in (keys[r], values[r])]
-            store_tiles(*tiles, pool, block_table[r, full], layout)
+            tiles = [
+                x[T : n // T * T].reshape(-1, T, kv_heads, d).to(device)
+                for x in (keys[r], values[r])
+            ]
+            store_tiles(*tiles, pool, block_table[r, full].to(device), layout)
 
     side_shape = (len(sixteen) + 1, T, kv_heads, d)
     side_k = torch.full(side_shape, float("nan"), dtype=dtype)
@@ -106,7 +113,9 @@ def build_cache(seq_lens, query_lens, heads, kv_heads, d, seed, dtype=torch.bflo
     starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
     query = torch.randn(int(starts[-1]), heads, d, generator=g, dtype=torch.float64) * 2
     return Cache(
-        keys=keys, values=values, query=query.to(dtype), pool=pool, block_table=block_table,
-        side_k=side_k, side_v=side_v, side_table=side_table,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=starts, layout=layout,
+        keys=[k.to(device) for k in keys], values=[v.to(device) for v in values],
+        query=query.to(device, dtype), pool=pool, block_table=block_table.to(device),
+        side_k=side_k.to(device), side_v=side_v.to(device), side_table=side_table.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=starts.to(device), layout=layout,
     )  # fmt: skip

@@ -4,11 +4,13 @@ Triton sizes a kernel's shared memory at compile time (`metadata.shared`), and a
 asks for more than the card allows per block fails. sm86 and sm89 (RTX 3090, 4090) allow
 99 KB, sm80 (A100) 163 KB, sm90 (H100, H200) 227 KB. Each kernel is compiled with the
 arguments its launcher gives at the 27B's shapes (4 KV heads of head_dim 256, 24 query heads,
-a verify block of 4 queries). `python -m hyperqwen.kvarn.fit [arch ...]` prints the table.
+a verify block of 4 queries). `python -m hyperqwen.kvarn.fit [--json] [arch ...]` prints them.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import triton
@@ -90,9 +92,25 @@ def shared_bytes(name: str, arch: int, d: int = HEAD_DIM_27B) -> int:
 
 KERNELS = tuple(_launches(HEAD_DIM_27B))
 
-if __name__ == "__main__":
-    arches = [int(a) for a in sys.argv[1:]] or sorted(SHARED_LIMIT)
+
+def main(argv: list[str]) -> int:
+    """`python -m hyperqwen.kvarn.fit [--json] [arch ...]`: the table (or JSON {arch:
+    {kernel: bytes}}) for the named architectures, all of SHARED_LIMIT's by default."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("kvarn fit: compiles the kernels; unset TRITON_INTERPRET (=1 here)", file=sys.stderr)
+        return 2
+    as_json = "--json" in argv
+    arches = [int(a) for a in argv if a != "--json"] or sorted(SHARED_LIMIT)
+    sizes = {arch: {name: shared_bytes(name, arch) for name in KERNELS} for arch in arches}
+    if as_json:
+        print(json.dumps(sizes))
+        return 0
     print("| kernel | " + " | ".join(f"sm{a} (limit {SHARED_LIMIT[a]})" for a in arches) + " |")
     print("|---|" + "---:|" * len(arches))
     for name in KERNELS:
-        print(f"| {name} | " + " | ".join(str(shared_bytes(name, a)) for a in arches) + " |")
+        print(f"| {name} | " + " | ".join(str(sizes[a][name]) for a in arches) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
