@@ -23,10 +23,10 @@ operands: with the query rotated, qr·k = r_t (Σ_c (qr_c s_c) q_tc + Σ_c qr_c 
 of qr·s (16-bit) with the raw codes (0..15, exact in 16 bits) per half tile; for values
 Σ_t p_t (v_tc σ_t + ζ_t) = dot(p·σ, codes) + Σ_t p_t ζ_t. A row whose query does not read a
 block (b >= F_j) is masked. Program (r, h, splits) reads the 16-bit tiles (the sink and the
-filling blocks F_min .. F_max) with the plain query. Each writes its unnormalised output, row
-maximum and sum, fp32. Step 2, `_merge_kernel`, grid (query tokens, KV heads), merges them
-by log-sum-exp, rotates the quantized partitions' sum back (hadamard.py) and adds the 16-bit
-one, which is in the model's basis already.
+blocks holding the queries' filling tokens) with the plain query. Each writes its
+unnormalised output, row maximum and sum, fp32. Step 2, `_merge_kernel`, grid (query tokens,
+KV heads), merges them by log-sum-exp, rotates the quantized partitions' sum back
+(hadamard.py) and adds the 16-bit one, which is in the model's basis already.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ from hyperqwen.kvarn.layout import TileLayout
 from hyperqwen.kvarn.store import fp16_section
 
 BLOCK_N = 64  # tokens per dot: half a tile, so K or V codes as bf16 take 32 KB of shared memory
+# 8 warps: with 4, the partition kernel's [rows, 256] fp32 accumulator, query and operands
+# spill two to four times as many registers (SASS compiled for sm86, kvarn/fit.py's shapes)
+PARTITION_WARPS, MERGE_WARPS = 8, 4
 
 
 @triton.jit
@@ -269,11 +272,11 @@ def decode_attention(
         *part_o.stride()[:3], *part_ml.stride()[:3],
         G=group, BLOCK_M=max(16, triton.next_power_of_2(max_query_len * group)),
         BLOCK_N=BLOCK_N, T=layout.tokens, D=d, AT=layout.offsets, DOT=dot_operands(query.dtype),
-        num_warps=4, num_stages=1,
+        num_warps=PARTITION_WARPS, num_stages=1,
     )  # fmt: skip
     _merge_kernel[(num_tokens, kv_heads)](
         part_o, part_ml, out, num_splits,
         *part_o.stride()[:3], *part_ml.stride()[:3], out.stride(0), out.stride(1),
-        G=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=d, num_warps=4,
+        G=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=d, num_warps=MERGE_WARPS,
     )  # fmt: skip
     return out

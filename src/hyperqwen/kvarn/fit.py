@@ -4,7 +4,8 @@ Triton sizes a kernel's shared memory at compile time (`metadata.shared`), and a
 asks for more than the card allows per block fails. sm86 and sm89 (RTX 3090, 4090) allow
 99 KB, sm80 (A100) 163 KB, sm90 (H100, H200) 227 KB. Each kernel is compiled with the
 arguments its launcher gives at the 27B's shapes (4 KV heads of head_dim 256, 24 query heads,
-a verify block of 4 queries). `python -m hyperqwen.kvarn.fit [--json] [arch ...]` prints them.
+a verify block of 4 queries). `python -m hyperqwen.kvarn.fit [--json] [arch ...]` prints them,
+with each kernel's register spill stores.
 """
 
 from __future__ import annotations
@@ -64,21 +65,21 @@ def _launches(d: int) -> dict:
             decode._partition_kernel,
             partition_pointers,
             partition_constants,
-            4,
+            decode.PARTITION_WARPS,
             1,
         ),
         "decode_merge": (
             decode._merge_kernel,
             merge_pointers,
             dict(G=GROUP_27B, BLOCK_H=16, D=d),
-            4,
+            decode.MERGE_WARPS,
             3,
         ),
     }
 
 
-def shared_bytes(name: str, arch: int, d: int = HEAD_DIM_27B) -> int:
-    """Bytes of shared memory kernel `name` (a key of the table) needs on sm<arch>."""
+def compile_for(name: str, arch: int, d: int = HEAD_DIM_27B):
+    """Kernel `name` (a key of the table) compiled for sm<arch>, as its launcher runs it."""
     kernel, pointers, constants, warps, stages = _launches(d)[name]
     signature = {
         arg: pointers.get(arg, "constexpr" if arg in constants else "i32")
@@ -86,8 +87,17 @@ def shared_bytes(name: str, arch: int, d: int = HEAD_DIM_27B) -> int:
     }
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
     options = {"num_warps": warps, "num_stages": stages}
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    return compiled.metadata.shared
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def footprint(name: str, arch: int) -> dict[str, int]:
+    """Shared memory bytes, and register spill stores (STL) in its SASS: spills are not an
+    error, but local memory traffic that a decode kernel's time pays for."""
+    from hyperqwen.bench.sass import disassemble
+
+    compiled = compile_for(name, arch)
+    stores = disassemble(compiled.asm["cubin"]).count(" STL")
+    return {"shared": compiled.metadata.shared, "spill_stores": stores}
 
 
 KERNELS = tuple(_launches(HEAD_DIM_27B))
@@ -101,14 +111,16 @@ def main(argv: list[str]) -> int:
         return 2
     as_json = "--json" in argv
     arches = [int(a) for a in argv if a != "--json"] or sorted(SHARED_LIMIT)
-    sizes = {arch: {name: shared_bytes(name, arch) for name in KERNELS} for arch in arches}
+    sizes = {arch: {name: footprint(name, arch) for name in KERNELS} for arch in arches}
     if as_json:
         print(json.dumps(sizes))
         return 0
-    print("| kernel | " + " | ".join(f"sm{a} (limit {SHARED_LIMIT[a]})" for a in arches) + " |")
+    header = " | ".join(f"sm{a}: shared (limit {SHARED_LIMIT[a]}), spill stores" for a in arches)
+    print(f"| kernel | {header} |")
     print("|---|" + "---:|" * len(arches))
     for name in KERNELS:
-        print(f"| {name} | " + " | ".join(str(sizes[a][name]) for a in arches) + " |")
+        cells = (f"{sizes[a][name]['shared']}, {sizes[a][name]['spill_stores']}" for a in arches)
+        print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 
 
