@@ -35,7 +35,7 @@ def _launches(d: int) -> dict:
         T=layout.tokens, D=d, AT=layout.offsets, K_LEVELS=quantize.K_LEVELS,
         V_LEVELS=quantize.V_LEVELS, BALANCE_ROUNDS=quantize.BALANCE_ROUNDS,
         GRID_ROUNDS=quantize.GRID_ROUNDS, MIN_SCALE=quantize.MIN_SCALE,
-        MIN_STEP=quantize.MIN_STEP,
+        MIN_STEP=quantize.MIN_STEP, V_ROWS=store.V_ROWS,
     )  # fmt: skip
     partition_pointers = {
         "q_ptr": "*bf16", "pool_ptr": "*u8", "block_table_ptr": "*i32", "side_k_ptr": "*bf16",
@@ -52,7 +52,7 @@ def _launches(d: int) -> dict:
     dequant_constants = dict(T=layout.tokens, D=d, AT=layout.offsets, UNROTATE=True)
     rotate_constants = dict(BLOCK_ROWS=hadamard.ROTATE_BLOCK_ROWS, N=d)
     return {
-        "store": (store._store_kernel, tile_io, store_constants, 8, 3),
+        "store": (store._store_kernel, tile_io, store_constants, store.STORE_WARPS, 3),
         "dequant": (dequant._dequant_kernel, tile_io, dequant_constants, 8, 3),
         "rotate_rows": (
             hadamard._rotate_rows_kernel,

@@ -23,6 +23,9 @@ from hyperqwen.kvarn import quantize
 from hyperqwen.kvarn.hadamard import hadamard_chunk_into, hadamard_chunks_done
 from hyperqwen.kvarn.layout import TileLayout
 
+V_ROWS = 32
+STORE_WARPS = 8
+
 
 @triton.jit
 def program_tile(pool_ptr, block_ids_ptr, stride_block, stride_head):
@@ -83,7 +86,8 @@ def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr,
                   T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
                   K_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr,
                   BALANCE_ROUNDS: tl.constexpr, GRID_ROUNDS: tl.constexpr,
-                  MIN_SCALE: tl.constexpr, MIN_STEP: tl.constexpr):  # fmt: skip
+                  MIN_SCALE: tl.constexpr, MIN_STEP: tl.constexpr,
+                  V_ROWS: tl.constexpr):  # fmt: skip
     index, head, tile = program_tile(pool_ptr, block_ids_ptr, stride_block, stride_head)
     t = tl.arange(0, T)
     d = tl.arange(0, D)
@@ -109,19 +113,24 @@ def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr,
     tl.store(fp16_section(tile, AT.k_zero) + d[None, :], k_zero.to(tl.float16))
     tl.store(fp16_section(tile, AT.k_token_scale) + t[:, None], r.to(tl.float16))
 
-    # values: rotate, per-token 2-bit grid
+    # values: rotate, per-token 2-bit grid, V_ROWS tokens at a time (a token's grid is its
+    # own; a whole tile at once needs twice the registers and spills)
     v_src = v_ptr + index.to(tl.int64) * stride_vn + head.to(tl.int64) * stride_vh
-    x = _rotated_rows(v_src, rows, stride_vt, T, D)
-    v_scale, v_zero = _fit_grid(x, V_LEVELS, 1, D, GRID_ROUNDS, MIN_STEP)
-    q = _grid_codes(x, v_scale, v_zero, V_LEVELS).to(tl.int32)
-    pairs_02, pairs_13 = tl.split(tl.reshape(q, (T, D // 4, 2, 2)))  # channel 4b + 2j + i
-    q0, q2 = tl.split(pairs_02)
-    q1, q3 = tl.split(pairs_13)
     quarter = tl.arange(0, D // 4)
-    packed = q0 | (q1 << 2) | (q2 << 4) | (q3 << 6)
-    tl.store(tile + AT.v_codes + rows * (D // 4) + quarter[None, :], packed.to(tl.uint8))
-    tl.store(fp16_section(tile, AT.v_scale) + t[:, None], v_scale.to(tl.float16))
-    tl.store(fp16_section(tile, AT.v_zero) + t[:, None], v_zero.to(tl.float16))
+    for first in range(0, T, V_ROWS):
+        tokens = first + tl.arange(0, V_ROWS)[:, None]
+        rotated = _rotated_rows(v_src, tokens.to(tl.int64), stride_vt, V_ROWS, D)
+        v_scale, v_zero = _fit_grid(rotated, V_LEVELS, 1, D, GRID_ROUNDS, MIN_STEP)
+        codes = _grid_codes(rotated, v_scale, v_zero, V_LEVELS).to(tl.int32)
+        pairs_02, pairs_13 = tl.split(
+            tl.reshape(codes, (V_ROWS, D // 4, 2, 2))
+        )  # channel 4b + 2j + i
+        q0, q2 = tl.split(pairs_02)
+        q1, q3 = tl.split(pairs_13)
+        packed = q0 | (q1 << 2) | (q2 << 4) | (q3 << 6)
+        tl.store(tile + AT.v_codes + tokens * (D // 4) + quarter[None, :], packed.to(tl.uint8))
+        tl.store(fp16_section(tile, AT.v_scale) + tokens, v_scale.to(tl.float16))
+        tl.store(fp16_section(tile, AT.v_zero) + tokens, v_zero.to(tl.float16))
 
 
 def check_tiles(name: str, part: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -170,5 +179,6 @@ def store_tiles(
         T=layout.tokens, D=layout.head_dim, AT=layout.offsets,
         K_LEVELS=quantize.K_LEVELS, V_LEVELS=quantize.V_LEVELS,
         BALANCE_ROUNDS=quantize.BALANCE_ROUNDS, GRID_ROUNDS=quantize.GRID_ROUNDS,
-        MIN_SCALE=quantize.MIN_SCALE, MIN_STEP=quantize.MIN_STEP, num_warps=8,
+        MIN_SCALE=quantize.MIN_SCALE, MIN_STEP=quantize.MIN_STEP, V_ROWS=V_ROWS,
+        num_warps=STORE_WARPS,
     )  # fmt: skip
