@@ -76,7 +76,7 @@ def _decoded(tile, rows, IS_KEY: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
             else:
                 chunk = _values(tile, rows, first, T, 16, AT, D)
             acc = hadamard_chunk_into(acc, chunk, first, D)
-        out = hadamard_chunks_done(acc, T, D)
+        out = hadamard_chunks_done(acc, D)
     elif IS_KEY:
         out = _keys(tile, rows, 0, T, D, AT, D)
     else:

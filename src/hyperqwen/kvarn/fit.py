@@ -35,7 +35,7 @@ def _launches(d: int) -> dict:
         T=layout.tokens, D=d, AT=layout.offsets, K_LEVELS=quantize.K_LEVELS,
         V_LEVELS=quantize.V_LEVELS, BALANCE_ROUNDS=quantize.BALANCE_ROUNDS,
         GRID_ROUNDS=quantize.GRID_ROUNDS, MIN_SCALE=quantize.MIN_SCALE,
-        MIN_STEP=quantize.MIN_STEP, V_ROWS=store.V_ROWS,
+        MIN_STEP=quantize.MIN_STEP, K_COLUMNS=store.K_COLUMNS, V_ROWS=store.V_ROWS,
     )  # fmt: skip
     partition_pointers = {
         "q_ptr": "*bf16", "pool_ptr": "*u8", "block_table_ptr": "*i32", "side_k_ptr": "*bf16",

@@ -22,7 +22,8 @@ Kernels that rotate whole tiles use `hadamard_chunk_into` instead: the caller fe
 columns at a time (loaded or decoded from memory), each chunk goes through one dot with H_16
 (with the same split of the index, low part 16 wide: H_N[i, j] = H_{N/16}[i // 16, j // 16] ·
 H_16[i % 16, j % 16]) and is added into the [ROWS, N/16, 16] result with the signs of its row
-of H_{N/16}: shared memory for one [ROWS, 16] chunk, 16 + N/16 multiply-adds per element.
+of H_{N/16}: shared memory for one [ROWS, 16] chunk, 16 + N/16 multiply-adds per element. It
+can also build only a group of output columns, for kernels that hold a group at a time.
 """
 
 from __future__ import annotations
@@ -102,18 +103,20 @@ def hadamard_rows(x, ROWS: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def hadamard_chunk_into(acc, chunk, first_column, N: tl.constexpr):
-    """acc [ROWS, N // 16, 16] plus what x's columns first_column .. first_column + 15 (chunk
-    [ROWS, 16], fp32; first_column a multiple of 16) add to x · H_N, unnormalised. ROWS >= 16.
-    After the last chunk, `hadamard_chunks_done` gives x · H_N / sqrt(N) as [ROWS, N]."""
+def hadamard_chunk_into(acc, chunk, first_column, N: tl.constexpr, first_out=0):
+    """acc [ROWS, OUT // 16, 16] plus what x's columns first_column .. first_column + 15 (chunk
+    [ROWS, 16], fp32) add to columns first_out .. first_out + OUT - 1 of x · H_N, unnormalised
+    (first_column and first_out multiples of 16; OUT = N for the whole product). ROWS >= 16.
+    After the last chunk, `hadamard_chunks_done` gives them times 1 / sqrt(N) as [ROWS, OUT]."""
     z = tl.dot(chunk, _sylvester(16), input_precision="ieee")
-    signs = _signs(first_column // 16, tl.arange(0, N // 16))
+    signs = _signs(first_column // 16, first_out // 16 + tl.arange(0, acc.shape[1]))
     return acc + signs[None, :, None] * z[:, None, :]
 
 
 @triton.jit
-def hadamard_chunks_done(acc, ROWS: tl.constexpr, N: tl.constexpr):
-    return tl.reshape(acc, (ROWS, N)) * (1.0 / tl.sqrt(N * 1.0))
+def hadamard_chunks_done(acc, N: tl.constexpr):
+    out = tl.reshape(acc, (acc.shape[0], acc.shape[1] * acc.shape[2]))
+    return out * (1.0 / tl.sqrt(N * 1.0))
 
 
 @triton.jit
