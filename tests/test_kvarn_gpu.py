@@ -1,6 +1,8 @@
 """KVarN's kernels compiled on the GPU at full size, against the float64 reference: 64 tiles
 of the 27B's 4 KV heads of head_dim 256 in a pool past 2^32 bytes (int32 block ids, as
-vLLM's block tables are), bytes outside the named blocks left alone, outputs poisoned."""
+vLLM's block tables are), bytes outside the named blocks left alone, outputs poisoned; the
+decode kernel at the 27B's 24 / 4 heads with its 16-bit dot operands, decodes and verify
+blocks, in a pool past 2^32 bytes."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from kvarn_cache import T, build_cache  # noqa: E402
 from test_kvarn_store import POISON, assert_pool_holds_the_reference, tiles  # noqa: E402
 
 from hyperqwen.bench.kernels import relative_error  # noqa: E402
 from hyperqwen.kvarn import quantize  # noqa: E402
+from hyperqwen.kvarn.decode import decode_attention  # noqa: E402
 from hyperqwen.kvarn.dequant import dequantize_tiles  # noqa: E402
 from hyperqwen.kvarn.hadamard import rotate_reference, rotate_rows  # noqa: E402
 from hyperqwen.kvarn.layout import TileLayout, unpack_tile  # noqa: E402
@@ -56,3 +60,21 @@ def test_rotate_rows_on_the_gpu(n):
     out = torch.full((4096, n), float("nan"), device="cuda")
     rotate_rows(x.cuda(), out=out)
     assert relative_error(out.cpu(), rotate_reference(x.double())) < 1e-6
+
+
+@pytest.mark.parametrize("num_splits", [3, 32])
+def test_decode_at_27b_shapes_in_a_pool_past_2_32_bytes(num_splits):
+    """A verify block of 4 crossing a tile boundary, 2 inside a tile, decodes inside the
+    sink, on a tile boundary and at 64 tiles; the pool's last block (past 2^32 bytes) holds
+    a tile. Bound: the bf16 operands (query times key scales, weights times value scales,
+    2^-9 each) and bf16 output; the CPU tests bound the same arithmetic in fp32 by 8e-3."""
+    layout = TileLayout(head_dim=D)
+    blocks = 2**32 // (HEADS * layout.tile_bytes) + 8
+    cache = build_cache([4 * T + 2, 20 * T, 100, 64 * T + 77, 9 * T + 60], [4, 1, 1, 1, 2],
+                        24, HEADS, D, seed=91, device="cuda", pool_blocks=blocks)  # fmt: skip
+    out = torch.full_like(cache.query, float("nan"))
+    decode_attention(cache.query, **cache.kernel_args(), num_splits=num_splits, out=out)
+    assert not out.isnan().any()
+    expected = cache.expected()
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], expected[row]) < 1.5e-2, row

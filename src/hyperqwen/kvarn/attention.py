@@ -11,6 +11,13 @@ backend quantizes a tile in the step that writes its last token, keeps its 16-bi
 the sequence's accepted length has passed it, and quantizes it again when a rejected draft's
 position in it is rewritten and the tile is full again.
 
+`blocks_to_store(before, after)` is the write side of the same rule: the block positions a step
+that takes a sequence from `before` to `after` tokens fills, whose tiles it quantizes in that
+step (from their 16-bit copies, into the blocks the request's block table names then). Block
+0 is never stored (the sink stays 16-bit), and a step that fills no block stores nothing, so
+a request freed with a partial tile leaves no write behind that could land in its recycled
+page.
+
 `attention_reference` is one query token's GQA attention computed in float64 from those three
 sources; `exact_attention` the same from the unquantized K and V.
 """
@@ -42,6 +49,12 @@ def read_plan(context_len: int, tile: int = TILE_TOKENS) -> ReadPlan:
         quantized_blocks=range(1, full),
         filling_tokens=range(max(tile, full * tile), context_len),
     )
+
+
+def blocks_to_store(before: int, after: int, tile: int = TILE_TOKENS) -> range:
+    if not 0 <= before <= after:
+        raise ValueError(f"a step goes from {before} to {after} tokens: not 0 <= before <= after")
+    return range(max(before // tile, 1), after // tile)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:

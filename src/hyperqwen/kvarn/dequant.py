@@ -14,9 +14,74 @@ import torch
 import triton
 import triton.language as tl
 
-from hyperqwen.kvarn.hadamard import hadamard_rows
+from hyperqwen.kvarn.hadamard import hadamard_chunk_into, hadamard_chunks_done
 from hyperqwen.kvarn.layout import TileLayout
 from hyperqwen.kvarn.store import check_block_ids, check_tiles, fp16_section, program_tile
+
+
+@triton.jit
+def k_codes(tile, rows, first, ROWS: tl.constexpr, WIDTH: tl.constexpr, AT: tl.constexpr,
+            D: tl.constexpr):  # fmt: skip
+    """The 4-bit key codes of channels first .. first + WIDTH - 1 of `rows` ([ROWS, 1]) of a
+    tile, int32 [ROWS, WIDTH]; first a multiple of 2."""
+    columns = first // 2 + tl.arange(0, WIDTH // 2)[None, :]
+    packed = tl.load(tile + AT.k_codes + rows * (D // 2) + columns).to(tl.int32)
+    return tl.reshape(tl.join(packed & 15, packed >> 4), (ROWS, WIDTH))
+
+
+@triton.jit
+def v_codes(tile, rows, first, ROWS: tl.constexpr, WIDTH: tl.constexpr, AT: tl.constexpr,
+            D: tl.constexpr):  # fmt: skip
+    """As k_codes for the 2-bit value codes; first a multiple of 4."""
+    columns = first // 4 + tl.arange(0, WIDTH // 4)[None, :]
+    packed = tl.load(tile + AT.v_codes + rows * (D // 4) + columns).to(tl.int32)
+    # channel 4b + 2j + i sits at bits 2(2j + i); joining the i = 0 and i = 1 pairs last
+    # puts i innermost
+    evens = tl.join(packed & 3, (packed >> 4) & 3)
+    odds = tl.join((packed >> 2) & 3, (packed >> 6) & 3)
+    return tl.reshape(tl.join(evens, odds), (ROWS, WIDTH))
+
+
+@triton.jit
+def _keys(tile, rows, first, ROWS: tl.constexpr, WIDTH: tl.constexpr, AT: tl.constexpr,
+          D: tl.constexpr):  # fmt: skip
+    """r·(q·s + z) of those channels, fp32 [ROWS, WIDTH], in the rotated basis."""
+    channels = first + tl.arange(0, WIDTH)[None, :]
+    scale = tl.load(fp16_section(tile, AT.k_scale) + channels).to(tl.float32)
+    zero = tl.load(fp16_section(tile, AT.k_zero) + channels).to(tl.float32)
+    r = tl.load(fp16_section(tile, AT.k_token_scale) + rows).to(tl.float32)
+    q = k_codes(tile, rows, first, ROWS, WIDTH, AT, D).to(tl.float32)
+    return r * (q * scale + zero)
+
+
+@triton.jit
+def _values(tile, rows, first, ROWS: tl.constexpr, WIDTH: tl.constexpr, AT: tl.constexpr,
+            D: tl.constexpr):  # fmt: skip
+    """q·s + z of those channels, fp32 [ROWS, WIDTH], in the rotated basis."""
+    scale = tl.load(fp16_section(tile, AT.v_scale) + rows).to(tl.float32)
+    zero = tl.load(fp16_section(tile, AT.v_zero) + rows).to(tl.float32)
+    return v_codes(tile, rows, first, ROWS, WIDTH, AT, D).to(tl.float32) * scale + zero
+
+
+@triton.jit
+def _decoded(tile, rows, IS_KEY: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+             AT: tl.constexpr, UNROTATE: tl.constexpr):  # fmt: skip
+    """A tile's keys or values, fp32 [T, D]; rotated back 16 channels at a time (hadamard.py:
+    one dot over the whole tile would need more shared memory than sm86 has)."""
+    if UNROTATE:
+        acc = tl.zeros((T, D // 16, 16), tl.float32)
+        for first in range(0, D, 16):
+            if IS_KEY:
+                chunk = _keys(tile, rows, first, T, 16, AT, D)
+            else:
+                chunk = _values(tile, rows, first, T, 16, AT, D)
+            acc = hadamard_chunk_into(acc, chunk, first, D)
+        out = hadamard_chunks_done(acc, D)
+    elif IS_KEY:
+        out = _keys(tile, rows, 0, T, D, AT, D)
+    else:
+        out = _values(tile, rows, 0, T, D, AT, D)
+    return out
 
 
 @triton.jit
@@ -26,38 +91,14 @@ def _dequant_kernel(pool_ptr, block_ids_ptr, k_ptr, v_ptr,
                     T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
                     UNROTATE: tl.constexpr):  # fmt: skip
     index, head, tile = program_tile(pool_ptr, block_ids_ptr, stride_block, stride_head)
-    t = tl.arange(0, T)
-    d = tl.arange(0, D)
-    rows = t[:, None].to(tl.int64)
-
-    packed = tl.load(tile + AT.k_codes + rows * (D // 2) + tl.arange(0, D // 2)[None, :]).to(
-        tl.int32
-    )
-    q = tl.reshape(tl.join(packed & 15, packed >> 4), (T, D)).to(tl.float32)
-    k_scale = tl.load(fp16_section(tile, AT.k_scale) + d[None, :]).to(tl.float32)
-    k_zero = tl.load(fp16_section(tile, AT.k_zero) + d[None, :]).to(tl.float32)
-    r = tl.load(fp16_section(tile, AT.k_token_scale) + t[:, None]).to(tl.float32)
-    k = r * (q * k_scale + k_zero)
-    if UNROTATE:
-        k = hadamard_rows(k, T, D)
+    rows = tl.arange(0, T)[:, None].to(tl.int64)
+    d = tl.arange(0, D)[None, :]
+    k = _decoded(tile, rows, True, T, D, AT, UNROTATE)
     k_dst = k_ptr + index.to(tl.int64) * stride_kn + head.to(tl.int64) * stride_kh
-    tl.store(k_dst + rows * stride_kt + d[None, :], k.to(k_ptr.dtype.element_ty))
-
-    packed = tl.load(tile + AT.v_codes + rows * (D // 4) + tl.arange(0, D // 4)[None, :]).to(
-        tl.int32
-    )
-    # channel 4b + 2j + i sits at bits 2(2j + i); joining the i = 0 and i = 1 pairs last
-    # puts i innermost
-    evens = tl.join(packed & 3, (packed >> 4) & 3)
-    odds = tl.join((packed >> 2) & 3, (packed >> 6) & 3)
-    q = tl.reshape(tl.join(evens, odds), (T, D)).to(tl.float32)
-    v_scale = tl.load(fp16_section(tile, AT.v_scale) + t[:, None]).to(tl.float32)
-    v_zero = tl.load(fp16_section(tile, AT.v_zero) + t[:, None]).to(tl.float32)
-    v = q * v_scale + v_zero
-    if UNROTATE:
-        v = hadamard_rows(v, T, D)
+    tl.store(k_dst + rows * stride_kt + d, k.to(k_ptr.dtype.element_ty))
+    v = _decoded(tile, rows, False, T, D, AT, UNROTATE)
     v_dst = v_ptr + index.to(tl.int64) * stride_vn + head.to(tl.int64) * stride_vh
-    tl.store(v_dst + rows * stride_vt + d[None, :], v.to(v_ptr.dtype.element_ty))
+    tl.store(v_dst + rows * stride_vt + d, v.to(v_ptr.dtype.element_ty))
 
 
 def dequantize_tiles(

@@ -15,6 +15,15 @@ H_{16m} = H_16 ⊗ H_m (index d = m·a + b splits into its high part a and low p
 popcount parity splits the same way): two dots with 16- and m-wide factors instead of one with
 an n-wide matrix, 16 + m multiply-adds per element instead of n. `rotate_rows` launches it on the
 rows of a 2-D tensor (queries at read time, and the tests).
+
+A dot stages its operands in shared memory, so `hadamard_rows` on a whole 128-token tile of
+head_dim 256 needs 128 KB of it, more than the 99 KB a block gets on sm86/sm89 (RTX 3090/4090).
+Kernels that rotate whole tiles use `hadamard_chunk_into` instead: the caller feeds the input 16
+columns at a time (loaded or decoded from memory), each chunk goes through one dot with H_16
+(with the same split of the index, low part 16 wide: H_N[i, j] = H_{N/16}[i // 16, j // 16] ·
+H_16[i % 16, j % 16]) and is added into the [ROWS, N/16, 16] result with the signs of its row
+of H_{N/16}: shared memory for one [ROWS, 16] chunk, 16 + N/16 multiply-adds per element. It
+can also build only a group of output columns, for kernels that hold a group at a time.
 """
 
 from __future__ import annotations
@@ -58,10 +67,8 @@ def rotate_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _sylvester(N: tl.constexpr):
-    """H_N unnormalised (±1, fp32): the parity of popcount(i & j), folded by shifts and xors."""
-    i = tl.arange(0, N)[:, None]
-    j = tl.arange(0, N)[None, :]
+def _signs(i, j):
+    """(-1)^popcount(i & j) as fp32, the parity folded by shifts and xors."""
     p = i & j
     p = p ^ (p >> 16)
     p = p ^ (p >> 8)
@@ -69,6 +76,12 @@ def _sylvester(N: tl.constexpr):
     p = p ^ (p >> 2)
     p = p ^ (p >> 1)
     return 1.0 - 2.0 * (p & 1).to(tl.float32)
+
+
+@triton.jit
+def _sylvester(N: tl.constexpr):
+    """H_N unnormalised (±1, fp32)."""
+    return _signs(tl.arange(0, N)[:, None], tl.arange(0, N)[None, :])
 
 
 @triton.jit
@@ -87,6 +100,23 @@ def hadamard_rows(x, ROWS: tl.constexpr, N: tl.constexpr):
         )
         y = tl.reshape(tl.permute(tl.reshape(mixed, (ROWS, M, 16)), (0, 2, 1)), (ROWS, N))
     return y * (1.0 / tl.sqrt(N * 1.0))
+
+
+@triton.jit
+def hadamard_chunk_into(acc, chunk, first_column, N: tl.constexpr, first_out=0):
+    """acc [ROWS, OUT // 16, 16] plus what x's columns first_column .. first_column + 15 (chunk
+    [ROWS, 16], fp32) add to columns first_out .. first_out + OUT - 1 of x · H_N, unnormalised
+    (first_column and first_out multiples of 16; OUT = N for the whole product). ROWS >= 16.
+    After the last chunk, `hadamard_chunks_done` gives them times 1 / sqrt(N) as [ROWS, OUT]."""
+    z = tl.dot(chunk, _sylvester(16), input_precision="ieee")
+    signs = _signs(first_column // 16, first_out // 16 + tl.arange(0, acc.shape[1]))
+    return acc + signs[None, :, None] * z[:, None, :]
+
+
+@triton.jit
+def hadamard_chunks_done(acc, N: tl.constexpr):
+    out = tl.reshape(acc, (acc.shape[0], acc.shape[1] * acc.shape[2]))
+    return out * (1.0 / tl.sqrt(N * 1.0))
 
 
 @triton.jit

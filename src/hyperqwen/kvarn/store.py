@@ -20,8 +20,12 @@ import triton
 import triton.language as tl
 
 from hyperqwen.kvarn import quantize
-from hyperqwen.kvarn.hadamard import hadamard_rows
+from hyperqwen.kvarn.hadamard import hadamard_chunk_into, hadamard_chunks_done
 from hyperqwen.kvarn.layout import TileLayout
+
+# how many channels (keys) or tokens (values) the store quantizes at a time
+K_COLUMNS, V_ROWS = 64, 32
+STORE_WARPS = 8
 
 
 @triton.jit
@@ -37,6 +41,19 @@ def program_tile(pool_ptr, block_ids_ptr, stride_block, stride_head):
 @triton.jit
 def fp16_section(tile, AT: tl.constexpr):
     return (tile + AT).to(tl.pointer_type(tl.float16))
+
+
+@triton.jit
+def _rotated_rows(src, rows, stride_t, first_out, T: tl.constexpr, D: tl.constexpr,
+                  OUT: tl.constexpr):  # fmt: skip
+    """Columns first_out .. first_out + OUT - 1 of rows src[rows * stride_t, :D] times
+    H_D / sqrt(D), fp32 [T, OUT], read 16 columns at a time (hadamard.py: a whole-tile dot
+    would need more shared memory than sm86 has)."""
+    acc = tl.zeros((T, OUT // 16, 16), tl.float32)
+    for first in range(0, D, 16):
+        chunk = tl.load(src + rows * stride_t + first + tl.arange(0, 16)[None, :])
+        acc = hadamard_chunk_into(acc, chunk.to(tl.float32), first, D, first_out)
+    return hadamard_chunks_done(acc, D)
 
 
 @triton.jit
@@ -72,45 +89,58 @@ def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr,
                   T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
                   K_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr,
                   BALANCE_ROUNDS: tl.constexpr, GRID_ROUNDS: tl.constexpr,
-                  MIN_SCALE: tl.constexpr, MIN_STEP: tl.constexpr):  # fmt: skip
+                  MIN_SCALE: tl.constexpr, MIN_STEP: tl.constexpr,
+                  K_COLUMNS: tl.constexpr, V_ROWS: tl.constexpr):  # fmt: skip
     index, head, tile = program_tile(pool_ptr, block_ids_ptr, stride_block, stride_head)
     t = tl.arange(0, T)
-    d = tl.arange(0, D)
     rows = t[:, None].to(tl.int64)
 
-    # keys: rotate, normalise tokens (quantize.balance_token_scales), per-channel 4-bit grid
+    # keys: rotate, normalise tokens (quantize.balance_token_scales), per-channel 4-bit grid,
+    # K_COLUMNS channels at a time (each channel's grid is its own; the token scales sum over
+    # all of them first): the whole tile at once spills registers
     k_src = k_ptr + index.to(tl.int64) * stride_kn + head.to(tl.int64) * stride_kh
-    x = hadamard_rows(tl.load(k_src + rows * stride_kt + d[None, :]).to(tl.float32), T, D)
     r = tl.full((T, 1), 1.0, tl.float32)
     for _ in tl.static_range(BALANCE_ROUNDS):
-        xr = x / r
-        c = tl.maximum(tl.sqrt(tl.sum(xr * xr, axis=0, keep_dims=True) / T), MIN_SCALE)
-        xc = x / c
-        r = tl.maximum(tl.sqrt(tl.sum(xc * xc, axis=1, keep_dims=True) / D), MIN_SCALE)
+        sums = tl.zeros((T, 1), tl.float32)
+        for first in range(0, D, K_COLUMNS):
+            x = _rotated_rows(k_src, rows, stride_kt, first, T, D, K_COLUMNS)
+            xr = x / r
+            c = tl.maximum(tl.sqrt(tl.sum(xr * xr, axis=0, keep_dims=True) / T), MIN_SCALE)
+            xc = x / c
+            sums += tl.sum(xc * xc, axis=1, keep_dims=True)
+        r = tl.maximum(tl.sqrt(sums / D), MIN_SCALE)
     r = r.to(tl.float16).to(tl.float32)
-    y = x / r
-    k_scale, k_zero = _fit_grid(y, K_LEVELS, 0, T, GRID_ROUNDS, MIN_STEP)
-    q = _grid_codes(y, k_scale, k_zero, K_LEVELS).to(tl.int32)
-    even, odd = tl.split(tl.reshape(q, (T, D // 2, 2)))
-    half = tl.arange(0, D // 2)
-    tl.store(tile + AT.k_codes + rows * (D // 2) + half[None, :], (even | (odd << 4)).to(tl.uint8))
-    tl.store(fp16_section(tile, AT.k_scale) + d[None, :], k_scale.to(tl.float16))
-    tl.store(fp16_section(tile, AT.k_zero) + d[None, :], k_zero.to(tl.float16))
     tl.store(fp16_section(tile, AT.k_token_scale) + t[:, None], r.to(tl.float16))
+    half = tl.arange(0, K_COLUMNS // 2)[None, :]
+    for first in range(0, D, K_COLUMNS):
+        y = _rotated_rows(k_src, rows, stride_kt, first, T, D, K_COLUMNS) / r
+        k_scale, k_zero = _fit_grid(y, K_LEVELS, 0, T, GRID_ROUNDS, MIN_STEP)
+        q = _grid_codes(y, k_scale, k_zero, K_LEVELS).to(tl.int32)
+        even, odd = tl.split(tl.reshape(q, (T, K_COLUMNS // 2, 2)))
+        packed = (even | (odd << 4)).to(tl.uint8)
+        tl.store(tile + AT.k_codes + rows * (D // 2) + first // 2 + half, packed)
+        channels = first + tl.arange(0, K_COLUMNS)[None, :]
+        tl.store(fp16_section(tile, AT.k_scale) + channels, k_scale.to(tl.float16))
+        tl.store(fp16_section(tile, AT.k_zero) + channels, k_zero.to(tl.float16))
 
-    # values: rotate, per-token 2-bit grid
+    # values: rotate, per-token 2-bit grid, V_ROWS tokens at a time (a token's grid is its
+    # own; a whole tile at once needs twice the registers and spills)
     v_src = v_ptr + index.to(tl.int64) * stride_vn + head.to(tl.int64) * stride_vh
-    x = hadamard_rows(tl.load(v_src + rows * stride_vt + d[None, :]).to(tl.float32), T, D)
-    v_scale, v_zero = _fit_grid(x, V_LEVELS, 1, D, GRID_ROUNDS, MIN_STEP)
-    q = _grid_codes(x, v_scale, v_zero, V_LEVELS).to(tl.int32)
-    pairs_02, pairs_13 = tl.split(tl.reshape(q, (T, D // 4, 2, 2)))  # channel 4b + 2j + i
-    q0, q2 = tl.split(pairs_02)
-    q1, q3 = tl.split(pairs_13)
     quarter = tl.arange(0, D // 4)
-    packed = q0 | (q1 << 2) | (q2 << 4) | (q3 << 6)
-    tl.store(tile + AT.v_codes + rows * (D // 4) + quarter[None, :], packed.to(tl.uint8))
-    tl.store(fp16_section(tile, AT.v_scale) + t[:, None], v_scale.to(tl.float16))
-    tl.store(fp16_section(tile, AT.v_zero) + t[:, None], v_zero.to(tl.float16))
+    for first in range(0, T, V_ROWS):
+        tokens = first + tl.arange(0, V_ROWS)[:, None]
+        rotated = _rotated_rows(v_src, tokens.to(tl.int64), stride_vt, 0, V_ROWS, D, D)
+        v_scale, v_zero = _fit_grid(rotated, V_LEVELS, 1, D, GRID_ROUNDS, MIN_STEP)
+        codes = _grid_codes(rotated, v_scale, v_zero, V_LEVELS).to(tl.int32)
+        pairs_02, pairs_13 = tl.split(
+            tl.reshape(codes, (V_ROWS, D // 4, 2, 2))
+        )  # channel 4b + 2j + i
+        q0, q2 = tl.split(pairs_02)
+        q1, q3 = tl.split(pairs_13)
+        packed = q0 | (q1 << 2) | (q2 << 4) | (q3 << 6)
+        tl.store(tile + AT.v_codes + tokens * (D // 4) + quarter[None, :], packed.to(tl.uint8))
+        tl.store(fp16_section(tile, AT.v_scale) + tokens, v_scale.to(tl.float16))
+        tl.store(fp16_section(tile, AT.v_zero) + tokens, v_zero.to(tl.float16))
 
 
 def check_tiles(name: str, part: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -159,5 +189,7 @@ def store_tiles(
         T=layout.tokens, D=layout.head_dim, AT=layout.offsets,
         K_LEVELS=quantize.K_LEVELS, V_LEVELS=quantize.V_LEVELS,
         BALANCE_ROUNDS=quantize.BALANCE_ROUNDS, GRID_ROUNDS=quantize.GRID_ROUNDS,
-        MIN_SCALE=quantize.MIN_SCALE, MIN_STEP=quantize.MIN_STEP, num_warps=8,
+        MIN_SCALE=quantize.MIN_SCALE, MIN_STEP=quantize.MIN_STEP,
+        K_COLUMNS=min(K_COLUMNS, layout.head_dim), V_ROWS=V_ROWS,
+        num_warps=STORE_WARPS,
     )  # fmt: skip

@@ -1,0 +1,282 @@
+"""The fused split-K decode attention over a paged KVarN cache (Triton), and its launcher.
+
+Each request has 1 + k query tokens (k = 0 for a plain decode step, k drafts for an MTP verify
+step), the last ones of its seq_len tokens; query j of n attends causally to its own context
+L_j = seq_len - n + j + 1 and reads it by attention.py's `read_plan`: tokens 0-127 (the sink)
+and those of its filling block F_j = L_j // 128 in 16 bits, blocks 1 .. F_j - 1 quantized. So a
+verify step reads what n decode steps at those lengths would, also where its drafts fill a
+block: earlier queries read that block's 16-bit copy, later ones its quantized tile.
+
+Storage, all addressed in int64:
+  pool            uint8 [num_blocks, Hkv, tile_bytes], the quantized tiles (layout.py)
+  block_table     int32 [num_reqs, max_blocks]: pool block of block position b
+  side_k, side_v  bf16/fp16 [num_side_blocks, 128, Hkv, D], 16-bit tiles in the model's basis
+  side_table      int32 [num_reqs, max_blocks]: side block of position b, read for b = 0 and
+                  each query's F_j (the backend owns which positions have one)
+A token past seq_len in a 16-bit tile is never loaded, nor is any block outside the plan, so
+neither needs zeroing (a zeroing pass is what corrupts blocks shared under prefix caching).
+
+Step 1, `_partition_kernel`, grid (requests, KV heads, splits + 1). Program (r, h, s < splits)
+takes the s-th share of the quantized blocks 1 .. F_max - 1 for all n·G query rows of KV head h
+(G query heads per KV head) and dequantizes in registers, folding the scales into the small
+operands: with the query rotated, qr·k = r_t (Σ_c (qr_c s_c) q_tc + Σ_c qr_c z_c), so one dot
+of qr·s (16-bit) with the raw codes (0..15, exact in 16 bits) per half tile; for values
+Σ_t p_t (v_tc σ_t + ζ_t) = dot(p·σ, codes) + Σ_t p_t ζ_t. A row whose query does not read a
+block (b >= F_j) is masked. Program (r, h, splits) reads the 16-bit tiles (the sink and the
+blocks holding the queries' filling tokens) with the plain query. Each writes its
+unnormalised output, row maximum and sum, fp32. Step 2, `_merge_kernel`, grid (query tokens,
+KV heads), merges them by log-sum-exp, rotates the quantized partitions' sum back
+(hadamard.py) and adds the 16-bit one, which is in the model's basis already.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from hyperqwen.kvarn.dequant import k_codes, v_codes
+from hyperqwen.kvarn.hadamard import hadamard_rows
+from hyperqwen.kvarn.layout import TileLayout
+from hyperqwen.kvarn.store import fp16_section
+
+BLOCK_N = 64  # tokens per dot: half a tile, so K or V codes as bf16 take 32 KB of shared memory
+# 8 warps: with 4, the partition kernel's [rows, 256] fp32 accumulator, query and operands
+# spill two to four times as many registers (SASS compiled for sm86, kvarn/fit.py's shapes)
+PARTITION_WARPS, MERGE_WARPS = 8, 4
+
+
+@triton.jit
+def _online_softmax(scores, m_i, l_i, acc):
+    """One step of the running softmax: (p, m, l, acc rescaled); rows with every score -inf so
+    far keep m = -inf and p = 0 (no NaN from -inf - -inf)."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    return p, m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None]
+
+
+@triton.jit
+def _partition_kernel(q_ptr, pool_ptr, block_table_ptr, side_k_ptr, side_v_ptr, side_table_ptr,
+                      seq_lens_ptr, query_start_ptr, part_o_ptr, part_ml_ptr,
+                      sm_scale, num_splits,
+                      stride_qt, stride_qh, stride_block, stride_head,
+                      stride_table, stride_side_table,
+                      stride_skb, stride_skt, stride_skh, stride_svb, stride_svt, stride_svh,
+                      stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh, stride_pms,
+                      G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
+                      DOT: tl.constexpr):  # fmt: skip
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    m = tl.arange(0, BLOCK_M)
+    j = m // G
+    row_ok = j < q_len
+    context = tl.where(row_ok, seq_len - q_len + j + 1, 0)  # L_j; 0 reads nothing
+    filling = context // T  # F_j
+    token = (q_start + j).to(tl.int64)
+    head = (kv_head * G + m % G).to(tl.int64)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)  # fmt: skip
+    last_filling = seq_len // T  # F of the last query, the largest
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    if split < num_splits:
+        qr = hadamard_rows(q.to(tl.float32), BLOCK_M, D)
+        quantized = tl.maximum(last_filling - 1, 0)
+        share = tl.cdiv(quantized, num_splits)
+        first = 1 + split * share
+        for b in range(first, tl.minimum(first + share, last_filling)):
+            block = tl.load(block_table_ptr + req.to(tl.int64) * stride_table + b).to(tl.int64)
+            tile = pool_ptr + block * stride_block + kv_head.to(tl.int64) * stride_head
+            reads = (b < filling)[:, None]
+            k_scale = tl.load(fp16_section(tile, AT.k_scale) + d).to(tl.float32)
+            k_zero = tl.load(fp16_section(tile, AT.k_zero) + d).to(tl.float32)
+            q_scaled = (qr * k_scale[None, :]).to(DOT)
+            bias = tl.sum(qr * k_zero[None, :], axis=1)
+            for start in tl.static_range(0, T, BLOCK_N):
+                rows = start + tl.arange(0, BLOCK_N)
+                codes = k_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D).to(DOT)
+                r = tl.load(fp16_section(tile, AT.k_token_scale) + rows).to(tl.float32)
+                dots = tl.dot(q_scaled, tl.trans(codes))
+                scores = (dots + bias[:, None]) * (r * sm_scale)[None, :]
+                scores = tl.where(reads, scores, float("-inf"))
+                p, m_i, l_i, acc = _online_softmax(scores, m_i, l_i, acc)
+                v_scale = tl.load(fp16_section(tile, AT.v_scale) + rows).to(tl.float32)
+                v_zero = tl.load(fp16_section(tile, AT.v_zero) + rows).to(tl.float32)
+                codes = v_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D).to(DOT)
+                acc += tl.dot((p * v_scale[None, :]).to(DOT), codes)
+                acc += tl.sum(p * v_zero[None, :], axis=1)[:, None]
+    else:
+        # the sink, then the filling blocks of the first query to the block of the last token
+        # (a later one would hold no token, and the tables need not name it)
+        first_filling = tl.maximum((seq_len - q_len + 1) // T, 1)
+        for i in range(0, 1 + tl.maximum((seq_len - 1) // T - first_filling + 1, 0)):
+            b = tl.where(i == 0, 0, first_filling + i - 1)
+            side = tl.load(side_table_ptr + req.to(tl.int64) * stride_side_table + b)
+            side_k = side_k_ptr + side.to(tl.int64) * stride_skb + kv_head.to(tl.int64) * stride_skh
+            side_v = side_v_ptr + side.to(tl.int64) * stride_svb + kv_head.to(tl.int64) * stride_svh
+            reads = (b == 0) | (b == filling)
+            for start in tl.static_range(0, T, BLOCK_N):
+                rows = start + tl.arange(0, BLOCK_N)
+                position = b * T + rows
+                present = (position < seq_len)[:, None]
+                k = tl.load(side_k + rows[:, None].to(tl.int64) * stride_skt + d[None, :],
+                            mask=present, other=0.0)  # fmt: skip
+                scores = tl.dot(q.to(DOT), tl.trans(k.to(DOT))) * sm_scale
+                visible = reads[:, None] & (position[None, :] < context[:, None])
+                scores = tl.where(visible, scores, float("-inf"))
+                p, m_i, l_i, acc = _online_softmax(scores, m_i, l_i, acc)
+                v = tl.load(side_v + rows[:, None].to(tl.int64) * stride_svt + d[None, :],
+                            mask=present, other=0.0)  # fmt: skip
+                acc += tl.dot(p.to(DOT), v.to(DOT))
+
+    part = token * stride_pot + head * stride_poh + split.to(tl.int64) * stride_pos
+    tl.store(part_o_ptr + part[:, None] + d[None, :], acc, mask=row_ok[:, None])
+    ml = part_ml_ptr + token * stride_pmt + head * stride_pmh + split.to(tl.int64) * stride_pms
+    tl.store(ml, m_i, mask=row_ok)
+    tl.store(ml + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_splits,
+                  stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh, stride_pms,
+                  stride_ot, stride_oh,
+                  G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    ok = h < G
+    head = (tl.program_id(1) * G + h).to(tl.int64)
+    d = tl.arange(0, D)
+    o = part_o_ptr + token * stride_pot + head[:, None] * stride_poh + d[None, :]
+    ml = part_ml_ptr + token * stride_pmt + head * stride_pmh
+    # the 16-bit partition first: every query reads at least the sink, so the maximum starts
+    # finite and an empty quantized share (m = -inf) weighs exp(-inf) = 0
+    top = tl.load(ml + num_splits * stride_pms, mask=ok, other=0.0)
+    total = tl.load(ml + num_splits * stride_pms + 1, mask=ok, other=1.0)
+    plain = tl.load(o + num_splits * stride_pos, mask=ok[:, None], other=0.0)
+    rotated = tl.zeros((BLOCK_H, D), tl.float32)
+    for s in range(0, num_splits):
+        m_s = tl.load(ml + s * stride_pms, mask=ok, other=float("-inf"))
+        new_top = tl.maximum(top, m_s)
+        old, weight = tl.exp(top - new_top), tl.exp(m_s - new_top)
+        total = total * old + weight * tl.load(ml + s * stride_pms + 1, mask=ok, other=0.0)
+        part = tl.load(o + s * stride_pos, mask=ok[:, None], other=0.0)
+        rotated = rotated * old[:, None] + weight[:, None] * part
+        plain = plain * old[:, None]
+        top = new_top
+    out = (hadamard_rows(rotated, BLOCK_H, D) + plain) / total[:, None]
+    dst = out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+def dot_operands(dtype: torch.dtype):
+    """The dots' operand type: the cache's 16-bit type, fp32 under Triton's interpreter, whose
+    dot multiplies a bf16 tensor's raw bits (triton 3.6 interpreter.py create_dot): the CPU
+    tests then check the arithmetic without the operands' rounding, the GPU test with it."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return tl.float32
+    return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+
+
+def _check(name: str, tensor: torch.Tensor, dtypes, dims: int) -> None:
+    if tensor.dtype not in dtypes or tensor.dim() != dims:
+        allowed = " or ".join(str(t).removeprefix("torch.") for t in dtypes)
+        raise ValueError(
+            f"{name} must be a {dims}-D {allowed} tensor; got {tensor.dtype} {list(tensor.shape)}"
+        )
+
+
+def decode_attention(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    block_table: torch.Tensor,
+    side_k: torch.Tensor,
+    side_v: torch.Tensor,
+    side_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    num_splits: int,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    layout: TileLayout | None = None,
+) -> torch.Tensor:
+    """Attention of query [num_tokens, Hq, D] (bf16 or fp16; request r's queries are rows
+    query_start_loc[r] .. query_start_loc[r + 1] - 1, at most max_query_len of them, the last
+    of its seq_lens[r] tokens) over the KVarN cache described in the module docstring, into
+    out [num_tokens, Hq, D] (query's dtype). num_splits: how many programs share each
+    request's quantized blocks per KV head (a fixed number keeps the launch graph-capturable;
+    splits with no blocks write empty partials). Indices are not checked on the GPU."""
+    _check("query", query, (torch.bfloat16, torch.float16), 3)
+    num_tokens, heads, d = query.shape
+    layout = layout or TileLayout(head_dim=d)
+    layout.check_pool(pool)
+    kv_heads = pool.shape[1]
+    if layout.head_dim != d or heads % kv_heads:
+        raise ValueError(
+            f"query [{num_tokens}, {heads}, {d}] does not fit a pool of {kv_heads} KV heads of "
+            f"head_dim {layout.head_dim}: query heads must be a multiple of KV heads"
+        )
+    for name, side in (("side_k", side_k), ("side_v", side_v)):
+        _check(name, side, (query.dtype,), 4)
+        if side.shape[1:] != (layout.tokens, kv_heads, d) or side.stride(3) != 1:
+            raise ValueError(
+                f"{name} must be [num_side_blocks, {layout.tokens}, {kv_heads}, {d}] contiguous "
+                f"along head_dim; got {list(side.shape)} stride {side.stride()}"
+            )
+    num_reqs = seq_lens.shape[0]
+    for name, table in (("block_table", block_table), ("side_table", side_table)):
+        _check(name, table, (torch.int32,), 2)
+        if table.shape[0] != num_reqs or table.stride(1) != 1:
+            raise ValueError(f"{name} must be int32 [{num_reqs}, max_blocks], rows contiguous")
+    _check("seq_lens", seq_lens, (torch.int32,), 1)
+    _check("query_start_loc", query_start_loc, (torch.int32,), 1)
+    if query_start_loc.shape[0] != num_reqs + 1 or not 1 <= max_query_len <= layout.tokens:
+        raise ValueError(
+            f"query_start_loc must be int32 [{num_reqs + 1}] and 1 <= max_query_len <= "
+            f"{layout.tokens}; got {list(query_start_loc.shape)}, {max_query_len}"
+        )
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits}: at least one program per KV head")
+    if out is None:
+        out = torch.empty_like(query)
+    if out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be {query.dtype} {list(query.shape)}, contiguous along D")
+    if num_tokens == 0:
+        return out
+
+    group = heads // kv_heads
+    partials = num_splits + 1
+    part_o = torch.empty(num_tokens, heads, partials, d, dtype=torch.float32, device=query.device)
+    part_ml = torch.empty(num_tokens, heads, partials, 2, dtype=torch.float32, device=query.device)
+    scale = scale if scale is not None else 1 / math.sqrt(d)
+    _partition_kernel[(num_reqs, kv_heads, partials)](
+        query, pool, block_table, side_k, side_v, side_table, seq_lens, query_start_loc,
+        part_o, part_ml, scale, num_splits,
+        query.stride(0), query.stride(1), pool.stride(0), pool.stride(1),
+        block_table.stride(0), side_table.stride(0),
+        *side_k.stride()[:3], *side_v.stride()[:3],
+        *part_o.stride()[:3], *part_ml.stride()[:3],
+        G=group, BLOCK_M=max(16, triton.next_power_of_2(max_query_len * group)),
+        BLOCK_N=BLOCK_N, T=layout.tokens, D=d, AT=layout.offsets, DOT=dot_operands(query.dtype),
+        num_warps=PARTITION_WARPS, num_stages=1,
+    )  # fmt: skip
+    _merge_kernel[(num_tokens, kv_heads)](
+        part_o, part_ml, out, num_splits,
+        *part_o.stride()[:3], *part_ml.stride()[:3], out.stride(0), out.stride(1),
+        G=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=d, num_warps=MERGE_WARPS,
+    )  # fmt: skip
+    return out
