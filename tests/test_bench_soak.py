@@ -108,6 +108,14 @@ def test_a_sound_server_loses_nothing_and_every_kind_is_sent(serve) -> None:
     assert samples[-1] == report["memory_at_end"]
     assert [sample["at_s"] for sample in samples] == sorted(sample["at_s"] for sample in samples)
     assert all(sample["api_rss_mib"] > 0 for sample in samples)
+    # A latency per answered request: as many as the ok outcomes, per kind and over all.
+    latency = report["latency_s"]
+    answered = {kind: ok["ok"] for kind, ok in outcomes.items() if "ok" in ok}
+    assert {kind: row["n"] for kind, row in latency.items()} == {
+        **answered,
+        "all": report["totals"]["ok"],
+    }
+    assert all(0 < row["p50"] <= row["p99"] for row in latency.values())
 
 
 def test_cut_streams_and_hangs_are_lost_and_fail_the_command(serve, tmp_path, capsys) -> None:

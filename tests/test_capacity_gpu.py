@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ import requests
 from gpu_server import ROOT, TRITON_GDN, chat, hyperqwen_server, log_dir, require_gpu
 
 from hyperqwen.capacity import (
+    PREPARED_27B_WEIGHT_BYTES,
     CacheSetup,
     Capacity,
     GiB,
@@ -178,7 +180,12 @@ def test_the_reserve_estimate_never_promises_more_than_vllm_finds(prepared_27b, 
     log = served_until_sized(env, log_file)
     available = float(logged(AVAILABLE_LINE, log, log_file)) * GiB
     settings = load_settings(env, env_file=tmp_path / "none.env").settings
-    machine = probe_machine(settings, prepared_27b / "q27p", [gpu])
+    # Served with dummy weights, the folder holds the draft head alone: the probe would count
+    # only that (H200, 2026-12-02: 0.39 GiB), vLLM loads the whole prepared 27B.
+    machine = replace(
+        probe_machine(settings, prepared_27b / "q27p", [gpu]),
+        weight_bytes=PREPARED_27B_WEIGHT_BYTES,
+    )
     predicted, how = card_pool_bytes(
         machine, settings.GPU_UTIL, SINGLE_PROFILES["huge"].max_batched_tokens
     )

@@ -16,7 +16,8 @@ arrives at once. Every request ends in one outcome:
 A valid request that gets a 4xx, or a malformed one that gets an answer, also counts as
 `unexpected` (must be 0). The API process's RSS (--api-pid) and the GPU memory of its process
 tree (nvidia-smi; the whole GPU's where nvidia-smi does not list those processes, as the report's
-gpu_scope says) are sampled after --warmup-s and at the end.
+gpu_scope says) are sampled after --warmup-s and at the end. Each answered (ok) request's time
+from send to its last byte goes into `latency_s`: p50 and p99 per kind and over all kinds.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import requests
 from hyperqwen.bench.client import CONNECT_TIMEOUT_S, BenchClient, BenchError, SseDecoder
 from hyperqwen.bench.header import git_commit, gpu_facts
 from hyperqwen.bench.options import DATE_FORMAT, local_server
+from hyperqwen.bench.rows import percentile
 from hyperqwen.bench.run import served_model
 from hyperqwen.checkpoint.shards import atomic_file
 from hyperqwen.settings import SettingsError, load_settings
@@ -259,12 +261,29 @@ class Tally:
         self._lock = threading.Lock()
         self.counts: dict[str, Counter] = {}
         self.unexpected: Counter = Counter()
+        self.answer_s: dict[str, list[float]] = {}
 
-    def add(self, kind: str, outcome: str) -> None:
+    def add(self, kind: str, outcome: str, seconds: float) -> None:
         with self._lock:
             self.counts.setdefault(kind, Counter())[outcome] += 1
             if unexpected(kind, outcome):
                 self.unexpected[kind] += 1
+            if outcome == "ok":
+                self.answer_s.setdefault(kind, []).append(seconds)
+
+    def latency(self) -> dict[str, dict]:
+        """p50 and p99 of the answered requests' seconds, per kind and over all ("all")."""
+        with self._lock:
+            groups = {**self.answer_s, "all": [s for kind in self.answer_s.values() for s in kind]}
+        return {
+            kind: {
+                "n": len(seconds),
+                "p50": round(percentile(seconds, 50), 3),
+                "p99": round(percentile(seconds, 99), 3),
+            }
+            for kind, seconds in sorted(groups.items())
+            if seconds
+        }
 
     def total(self, outcome: str) -> int:
         with self._lock:
@@ -299,10 +318,15 @@ def soak(
         rng = random.Random(seed * 1000 + index)
         while time.monotonic() < deadline:
             kind = rng.choices(kinds, weights)[0]
-            tally.add(kind, send(kind, target, rng))
+            timed_send(kind, rng)
+
+    def timed_send(kind: str, rng: random.Random) -> None:
+        sent = time.monotonic()
+        outcome = send(kind, target, rng)
+        tally.add(kind, outcome, time.monotonic() - sent)
 
     def one_burst_request(rng: random.Random) -> None:
-        tally.add("burst", send("burst", target, rng))
+        timed_send("burst", rng)
 
     def bursts() -> None:
         rng = random.Random(seed * 1000 - 1)
@@ -356,6 +380,7 @@ def soak(
         "outcomes": {kind: dict(counter) for kind, counter in sorted(tally.counts.items())},
         "totals": {name: tally.total(name) for name in OUTCOMES},
         "unexpected": dict(tally.unexpected),
+        "latency_s": tally.latency(),
         "memory_after_warmup": memory_start,
         "memory_at_end": memory_end,
         "memory_samples": samples,
@@ -399,6 +424,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
     print(f"done: {sum(report['totals'].values())} requests; lost {lost}, unexpected {odd}")
     start, end = report["memory_after_warmup"], report["memory_at_end"]
     print(f"memory after warm-up {start}, at the end {end}")
+    if overall := report["latency_s"].get("all"):
+        print(f"answered in {overall['p50']} s (p50), {overall['p99']} s (p99)")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
