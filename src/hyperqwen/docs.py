@@ -69,7 +69,7 @@ def feature_table() -> str:
     rows = [
         FEATURE_TABLE_BEGIN,
         "",
-        "| feature | module | hook | knob (env) | modes | compile key | status |",
+        "| feature | module | seams | knob (env) | modes | compile key | status |",
         "|---|---|---|---|---|---|---|",
     ]
     for feature in FEATURES:
@@ -79,7 +79,7 @@ def feature_table() -> str:
                 [
                     feature.name,
                     f"`{module}`",
-                    feature.seam,
+                    ", ".join(f"`{seam.name}` ({seam.where})" for seam in feature.seams),
                     f"{feature.knob} ({feature.env})",
                     "/".join(feature.modes),
                     "yes" if feature.changes_compiled_graph else "no",

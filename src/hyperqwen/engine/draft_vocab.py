@@ -3,7 +3,8 @@
 vLLM's MTP proposer shares the target's full lm_head (248,320 rows, 2.5 GB in bf16) with the
 drafter, so each draft token reads the whole head. `hyperqwen prepare` writes the rows of the
 draft vocabulary's ids (40,960 by default; drafter/README.md) as hyperqwen-draft-head.safetensors
-beside the checkpoint. `install` swaps them in after vLLM has loaded the drafter:
+beside the checkpoint. `install` swaps them in after vLLM has loaded the drafter (the
+proposer_loaded seam, seams.py):
 
 - greedy drafts (`draft_sample_method: greedy`) go through vLLM's own LocalArgmaxMixin seam of
   Qwen3_5MTP: the argmax over the draft rows, index k, becomes target id k +
@@ -102,6 +103,10 @@ def full_vocab_logits(draft_logits: torch.Tensor, token_ids: torch.Tensor, vocab
     full = draft_logits.new_full((draft_logits.shape[0], vocab_size), float("-inf"))
     full[:, token_ids] = draft_logits
     return full
+
+
+def proposer_loaded(proposer) -> None:
+    install(proposer)
 
 
 def install(proposer) -> bool:

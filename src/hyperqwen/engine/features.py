@@ -1,13 +1,16 @@
 """HyperQwen's engine features, each declared once.
 
 A feature is code HyperQwen runs inside vLLM's processes (a module here, over a kernel in
-../kernels), called from one seam in vLLM (a hook in patches/), switched by one knob that the
-launcher turns into one environment variable. Its declaration below is all the rest of the
-project knows of it: Settings builds the knob from it, the launcher sets the variable with it,
-vLLM's compile cache key, `hyperqwen doctor`, the generated knob tables and engine/README.md's
-table read it, and the module asks `enabled(FEATURE)` or `env_value(FEATURE)` in vLLM's process.
+../kernels), called at one or more seams of vLLM (a `Seam` below: a hook in patches/ that calls
+the function of that name in seams.py, which calls the same-named function of each feature
+module on it that is switched on), switched by one knob that the launcher turns into one
+environment variable. Its declaration below is all the rest of the project knows of it: Settings
+builds the knob from it, the launcher sets the variable with it, vLLM's compile cache key,
+`hyperqwen doctor`, the generated knob tables and engine/README.md's table read it, and the
+module asks `enabled(FEATURE)` or `env_value(FEATURE)` in vLLM's process.
 
-Adding a kernel or drafter: its module, one `Feature` in FEATURES, its hook and its tests.
+Adding a kernel or drafter: its module (a function per seam it hooks), one `Feature` in
+FEATURES, its tests; a new seam only where vLLM has none of the seams below to offer.
 
 This module runs inside vLLM: it imports the standard library only (no settings, no pydantic).
 A `launch` or `ignored` function gets the Settings object and reads its knobs by attribute.
@@ -43,6 +46,38 @@ class Knob:
     modes: tuple[str, ...] = BOTH_MODES
 
 
+@dataclass(frozen=True)
+class Seam:
+    """A place in vLLM with no extension point, where a patch calls seams.NAME."""
+
+    name: str
+    """The function of engine/seams.py the hook calls, and of each feature module on it."""
+    patch: str
+    where: str
+    """Where in vLLM, in words (engine/README.md's table)."""
+
+
+GDN_MODULE_LOADED = Seam("gdn_module_loaded", "gdn-layer.patch", "the GDN layer module loads")
+GDN_LAYER_BUILT = Seam("gdn_layer_built", "gdn-layer.patch", "a GDN layer is built")
+GDN_MIXED_QKV = Seam("gdn_mixed_qkv", "gdn-layer.patch", "the GDN layer's `rearrange_mixed_qkv`")
+LINEAR_KERNELS = Seam(
+    "linear_kernels", "linear-kernels.patch", "vLLM's choice of mixed-precision linear kernel"
+)
+PROPOSER_LOADED = Seam(
+    "proposer_loaded", "proposer-loaded.patch", "a speculative proposer's model is loaded, V1/V2"
+)
+NGRAM_DRAFTS = Seam("ngram_drafts", "ngram-drafts.patch", "vLLM's CPU n-gram proposer")
+RUNNER_DRAFTER_BUILT = Seam("runner_drafter_built", "v1-runner.patch", "V1 runner: drafter built")
+RUNNER_KEEPS_NGRAM_BUFFER = Seam(
+    "runner_keeps_ngram_buffer", "v1-runner.patch", "V1 runner: n-gram token buffer kept"
+)
+RUNNER_STEP_BEGINS = Seam("runner_step_begins", "v1-runner.patch", "V1 runner: a step begins")
+RUNNER_COUNTS_ON_GPU = Seam(
+    "runner_counts_on_gpu", "v1-runner.patch", "V1 runner: accepted counts taken on the GPU"
+)
+RUNNER_DRAFTED = Seam("runner_drafted", "v1-runner.patch", "V1 runner: after the drafter")
+
+
 def _never(settings: Any, mode: str) -> str | None:
     return None
 
@@ -51,8 +86,8 @@ def _never(settings: Any, mode: str) -> str | None:
 class Feature:
     name: str
     """Its module's name: engine/NAME.py."""
-    seam: str
-    """The hook in vLLM that calls it: the patch and where."""
+    seams: tuple[Seam, ...]
+    """Where vLLM calls it: its module defines a function of each seam's name."""
     env: str
     """The environment variable the launcher sets and the engine reads."""
     knob: str
@@ -127,6 +162,11 @@ def enabled(feature: Feature) -> bool:
     return env_value(feature) == ON
 
 
+def switched_on(feature: Feature) -> bool:
+    """Whether seams.py calls the feature: any value but 0 or off (draft_vocab's auto too)."""
+    return env_value(feature) not in (OFF, "off")
+
+
 def _lookup_ignored(settings: Any, mode: str) -> str | None:
     if mode != "single" or settings.LOOKUP != ON:
         return None
@@ -142,7 +182,7 @@ def _lookup_ignored(settings: Any, mode: str) -> str | None:
 
 GDN_RECURRENT = Feature(
     name="gdn_recurrent",
-    seam="`gdn-recurrent.patch` (the GDN layer module, when it loads)",
+    seams=(GDN_MODULE_LOADED,),
     env="HYPERQWEN_GDN_RECURRENT",
     knob="GDN_RECURRENT",
     owned_knob=Knob(
@@ -161,7 +201,7 @@ GDN_RECURRENT = Feature(
 
 GDN_BA = Feature(
     name="gdn_ba",
-    seam="`gdn-ba.patch` (the GDN layer: decided when built, used in its CUDA forward)",
+    seams=(GDN_LAYER_BUILT,),
     env="HYPERQWEN_GDN_BA",
     knob="GDN_BA",
     owned_knob=Knob(
@@ -180,7 +220,7 @@ GDN_BA = Feature(
 
 SPLIT_QKV = Feature(
     name="split_qkv",
-    seam="`gdn-split-qkv.patch` (the GDN layer's `rearrange_mixed_qkv`)",
+    seams=(GDN_MIXED_QKV,),
     env="HYPERQWEN_GDN_SPLIT_QKV",
     knob="GDN_SPLIT_QKV",
     unset=ON,
@@ -202,7 +242,7 @@ SPLIT_QKV = Feature(
 
 W4A16_LINEAR = Feature(
     name="w4a16_linear",
-    seam="`w4a16-linear.patch` (vLLM's choice of mixed-precision linear kernel)",
+    seams=(LINEAR_KERNELS,),
     env="HYPERQWEN_W4A16",
     knob="LINEAR_BACKEND",
     turned_on_by=f"LINEAR_BACKEND={OUR_LINEAR_BACKEND}",
@@ -216,7 +256,7 @@ W4A16_LINEAR = Feature(
 
 DRAFT_VOCAB = Feature(
     name="draft_vocab",
-    seam="`mtp-draft-vocab.patch` (MTP proposer after load, V1 and V2 runners)",
+    seams=(PROPOSER_LOADED,),
     env="HYPERQWEN_DRAFT_VOCAB",
     knob="DRAFT_VOCAB",
     unset="auto",
@@ -236,7 +276,7 @@ DRAFT_VOCAB = Feature(
 
 ALIGN_OVERLAP = Feature(
     name="align_overlap",
-    seam="`align-overlap.patch` (V1 runner, prefix caching)",
+    seams=(RUNNER_STEP_BEGINS, RUNNER_COUNTS_ON_GPU),
     env="HYPERQWEN_ALIGN_OVERLAP",
     knob="PREFIX_CACHE_OVERLAP",
     owned_knob=Knob(
@@ -265,7 +305,7 @@ ALIGN_OVERLAP = Feature(
 
 LOOKUP = Feature(
     name="lookup",
-    seam="`lookup-search.patch` (vLLM's CPU n-gram proposer), `lookup-mtp.patch` (V1 runner)",
+    seams=(NGRAM_DRAFTS, RUNNER_DRAFTER_BUILT, RUNNER_KEEPS_NGRAM_BUFFER, RUNNER_DRAFTED),
     env="HYPERQWEN_LOOKUP",
     knob="LOOKUP",
     owned_knob=Knob(
@@ -310,6 +350,13 @@ def launch_env(settings: Any, mode: str) -> dict[str, str]:
     """The variables `hyperqwen serve MODE` sets for these settings."""
     values = {feature.env: feature.env_for(settings, mode) for feature in FEATURES}
     return {name: value for name, value in values.items() if value is not None}
+
+
+def check_environment() -> None:
+    """Every feature's variable in this process is one its feature takes; else the
+    FeatureSwitchError names it (the vLLM plugin runs this before the model loads)."""
+    for feature in FEATURES:
+        env_value(feature)
 
 
 def compile_factors() -> dict[str, str | None]:

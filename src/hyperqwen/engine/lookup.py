@@ -3,20 +3,20 @@
 Two uses, both switched on by HYPERQWEN_LOOKUP=1 (the launcher sets it):
 
 - SPEC=lookup: vLLM 0.26's CPU `ngram` proposer asks `propose` here for each request
-  (patches/lookup-search.patch) instead of its own search: the longest, then most recent earlier
+  (the ngram_drafts seam, seams.py) instead of its own search: the longest, then most recent earlier
   occurrence of the context's last 3-12 tokens (kernels/lookup.py, `suffix_match_on_host`), whose
   continuation is what the text did last time, extended periodically when it runs into the
   present, and as many drafts as the match supports. vLLM's `ngram_gpu` path was the first home
   of this: on the H200 (SmolLM2-135M, 2026-12-01) it drafted at 0.47-0.49x the tokens/s of
   vLLM's CPU `ngram` on copy and chat prompts at C1 (0.22 against 0.88 first-draft acceptance
   while copying), the async-scheduling loss vllm-project/vllm#37150 reports for that path.
-- SPEC=mtp with LOOKUP=1 (`fused`): the V1 runner keeps the GPU token buffer of vLLM's
-  `ngram_gpu` path for MTP (patches/lookup-mtp.patch; its upkeep under async scheduling is the
-  path above, so its acceptance is to be measured before it is recommended) and, after MTP has
-  drafted, `fuse_into_mtp` writes the new tokens into it and puts a copy in MTP's draft slots
-  where the match is long (LONG_MATCH tokens) or where MTP's first draft agrees with it. Only
-  with greedy drafts: a copied draft is a point mass, and MTP's draft probabilities would no
-  longer describe it.
+- SPEC=mtp with LOOKUP=1 (`runner_keeps_ngram_buffer`): the V1 runner keeps the GPU token
+  buffer of vLLM's `ngram_gpu` path for MTP (the V1 runner's seams; its upkeep under async
+  scheduling is the path above, so its acceptance is to be measured before it is recommended)
+  and, after MTP has drafted (runner_drafted), `fuse_into_mtp` writes the new tokens into it and
+  puts a copy in MTP's draft slots where the match is long (LONG_MATCH tokens) or where MTP's first
+  draft agrees with it. Only with greedy drafts: a copied draft is a point mass, and MTP's draft
+  probabilities would no longer describe it.
 
 Verification is vLLM's, so the output is the model's either way; only which drafts are proposed
 (and so how many are accepted) changes.
@@ -38,11 +38,6 @@ LONG_MATCH = 6
 SHORT_MATCH_DRAFTS = 4
 
 
-def enabled() -> bool:
-    """Whether HyperQwen's search drafts (lookup-search.patch asks it) and fuses with MTP."""
-    return features.enabled(features.LOOKUP)
-
-
 def propose(
     context: np.ndarray, min_n: int, max_n: int, num_drafts: int, max_model_len: int
 ) -> list[int]:
@@ -60,10 +55,25 @@ def propose(
     return context[start + np.arange(count) % (length - start)].tolist()
 
 
-def fused(speculative_config) -> bool:
+def ngram_drafts(
+    proposer, num_requests: int, valid_ngram_requests: list, num_tokens_no_spec, token_ids_cpu, k
+) -> list[list[int]]:
+    """vLLM's CPU n-gram proposer's drafts (batch_propose's arguments): `propose`'s for each
+    valid request, none for the others."""
+    valid = set(valid_ngram_requests)
+    return [
+        propose(token_ids_cpu[i, : num_tokens_no_spec[i]], proposer.min_n, proposer.max_n, k,
+                proposer.max_model_len)
+        if i in valid
+        else []
+        for i in range(num_requests)
+    ]  # fmt: skip
+
+
+def runner_keeps_ngram_buffer(speculative_config) -> bool:
     """Lookup drafts go into MTP's draft slots (greedy MTP drafts only)."""
     return (
-        enabled()
+        features.enabled(features.LOOKUP)
         and speculative_config.method == "mtp"
         and speculative_config.draft_sample_method == "greedy"
     )
@@ -84,6 +94,27 @@ def allocate_token_buffer(runner) -> None:
     )
     runner._ngram_pinned_val_buf = torch.zeros(
         runner.max_num_reqs, dtype=torch.int32, pin_memory=True
+    )
+
+
+def runner_drafter_built(runner) -> None:
+    if runner_keeps_ngram_buffer(runner.speculative_config):
+        allocate_token_buffer(runner)
+
+
+def runner_drafted(runner, draft_token_ids, sampled_token_ids):
+    """MTP's drafts with copies from the context (fuse_into_mtp), where fused with MTP."""
+    if not runner_keeps_ngram_buffer(runner.speculative_config) or not isinstance(
+        sampled_token_ids, torch.Tensor
+    ):
+        return draft_token_ids
+    return fuse_into_mtp(
+        draft_token_ids,
+        sampled_token_ids,
+        runner.discard_request_mask.gpu,
+        runner.token_ids_gpu_tensor,
+        runner.num_tokens_no_spec_gpu,
+        runner.input_batch.vocab_size,
     )
 
 
