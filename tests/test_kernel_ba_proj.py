@@ -81,16 +81,13 @@ def test_the_op_is_opaque_to_torch_compile_and_its_fake_agrees():
     torch.library.opcheck(torch.ops.hyperqwen.gdn_ba, (x, weight))
 
 
-def test_it_takes_a_plain_bf16_layer_only_when_asked(monkeypatch):
+def test_it_takes_a_plain_bf16_layer_only():
     """`takes` on a bf16 projection with vLLM's UnquantizedLinearMethod as in_proj_ba."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     projection = torch.nn.Linear(256, 12, bias=False, dtype=torch.bfloat16)
     projection.quant_method = UnquantizedLinearMethod()
     layer = SimpleNamespace(gqa_interleaved_layout=False, tp_size=1, in_proj_ba=projection)
-    monkeypatch.delenv(GDN_BA.env, raising=False)
-    assert not gdn_ba.takes(layer)
-    monkeypatch.setenv(GDN_BA.env, "1")
     assert gdn_ba.takes(layer)
     for other in [{"gqa_interleaved_layout": True}, {"tp_size": 2}, {"in_proj_qkv": object()}]:
         assert not gdn_ba.takes(SimpleNamespace(**{**vars(layer), **other}))

@@ -21,8 +21,6 @@ import logging
 
 import torch
 
-from hyperqwen.engine.features import ALIGN_OVERLAP, enabled
-
 log = logging.getLogger("vllm.hyperqwen.align_overlap")
 _announced = False
 
@@ -61,7 +59,7 @@ def step_is_safe(
 
 def runner_step_begins(runner, scheduler_output) -> bool:
     """Whether this step of vLLM's GPU model runner skips the wait."""
-    if not enabled(ALIGN_OVERLAP) or runner.cache_config.mamba_cache_mode != "align":
+    if runner.cache_config.mamba_cache_mode != "align":
         return False
     if not runner.use_async_scheduling or runner.speculative_config is None:
         return False

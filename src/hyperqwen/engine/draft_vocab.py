@@ -31,7 +31,7 @@ from safetensors import safe_open
 
 from hyperqwen.checkpoint import w4a16 as checkpoint_format
 from hyperqwen.drafter.head import PREFIX
-from hyperqwen.engine.features import DRAFT_VOCAB, env_value
+from hyperqwen.engine.features import DRAFT_VOCAB
 from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
 
 log = logging.getLogger("vllm.hyperqwen.draft_vocab")
@@ -117,7 +117,7 @@ def install(proposer) -> bool:
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     config = proposer.vllm_config
-    if env_value(DRAFT_VOCAB) == "off" or config.speculative_config.method != "mtp":
+    if config.speculative_config.method != "mtp":
         return False
     path = Path(config.model_config.model) / DRAFT_HEAD_FILE
     if not path.is_file():

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from hyperqwen.engine.features import GDN_BA, enabled
 from hyperqwen.kernels import ba_proj
 
 
 def takes(layer) -> bool:
     """Whether b and a of this GatedDeltaNet layer come from the op: from its structure only,
     when it is built, so torch.compile sees a constant."""
-    if not enabled(GDN_BA) or layer.gqa_interleaved_layout or layer.tp_size != 1:
+    if layer.gqa_interleaved_layout or layer.tp_size != 1:
         return False
     if hasattr(layer, "in_proj_qkv"):  # LoRA splits the projections
         return False

@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from hyperqwen.engine.features import GDN_RECURRENT, enabled
-
 MAX_TOKENS_PER_PASS = 16
 MAX_SEQUENCES = 2  # more go to vLLM's kernel: at four it was no faster (see above)
 VLLMS_UPDATE = "fused_sigmoid_gating_delta_rule_update"  # the name the layer module calls
@@ -35,10 +33,7 @@ def gdn_module_loaded(namespace: dict) -> None:
 
 
 def chosen(vllms: Callable) -> Callable:
-    """vLLM's function, or with GDN_RECURRENT=1 one that runs HyperQwen's kernel where it can."""
-    if not enabled(GDN_RECURRENT):
-        return vllms
-
+    """A function of vLLM's signature: HyperQwen's kernel where it can run, vLLM's otherwise."""
     from hyperqwen.kernels.gdn_recurrent import gdn_recurrent_update, unsupported
 
     def fused_sigmoid_gating_delta_rule_update(

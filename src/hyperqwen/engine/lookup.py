@@ -27,7 +27,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hyperqwen.engine import features
 from hyperqwen.kernels.lookup import find_suffix_match, fuse_with_mtp, suffix_match_on_host
 
 # Fused with MTP: matches of 2-12 tokens are found; one of LONG_MATCH or more is copied alone,
@@ -72,11 +71,7 @@ def ngram_drafts(
 
 def runner_keeps_ngram_buffer(speculative_config) -> bool:
     """Lookup drafts go into MTP's draft slots (greedy MTP drafts only)."""
-    return (
-        features.enabled(features.LOOKUP)
-        and speculative_config.method == "mtp"
-        and speculative_config.draft_sample_method == "greedy"
-    )
+    return speculative_config.method == "mtp" and speculative_config.draft_sample_method == "greedy"
 
 
 def allocate_token_buffer(runner) -> None:
