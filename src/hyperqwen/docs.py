@@ -90,7 +90,9 @@ def feature_table() -> str:
                 [
                     feature.name,
                     f"`{module}`",
-                    ", ".join(f"`{seam.name}` ({seam.where})" for seam in feature.seams),
+                    ", ".join(
+                        f"`{seam.name}` (`{seam.patch}`: {seam.where})" for seam in feature.seams
+                    ),
                     f"{feature.knob} ({feature.env})",
                     "/".join(feature.modes),
                     "yes" if feature.changes_compiled_graph else "no",

@@ -6,8 +6,8 @@ the function of that name in seams.py, which calls the same-named function of ea
 module on it that is switched on), switched by one knob that the launcher turns into one
 environment variable. Its declaration below is all the rest of the project knows of it: Settings
 builds the knob from it, the launcher sets the variable with it, vLLM's compile cache key,
-`hyperqwen doctor`, the generated knob tables and engine/README.md's table read it, and the
-module asks `enabled(FEATURE)` or `env_value(FEATURE)` in vLLM's process.
+`hyperqwen doctor`, the generated knob tables and engine/README.md's table read it, and in
+vLLM's process seams.py asks `switched_on(FEATURE)` before it calls the module.
 
 Adding a kernel or drafter: its module (a function per seam it hooks), one `Feature` in
 FEATURES, its tests; a new seam only where vLLM has none of the seams below to offer.
@@ -156,10 +156,6 @@ class Feature:
 def env_value(feature: Feature) -> str:
     """The feature's variable in this (vLLM's) process, unset read as the feature's default."""
     return feature.state(os.environ.get(feature.env))
-
-
-def enabled(feature: Feature) -> bool:
-    return env_value(feature) == ON
 
 
 def switched_on(feature: Feature) -> bool:
