@@ -20,6 +20,7 @@ if not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICE
 
 import pytest
 
+from hyperqwen.patches import series_status
 from hyperqwen.settings import PINNED_VLLM
 
 
@@ -56,6 +57,37 @@ def vllm_cpu_platform() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(platforms, "_current_platform", CpuPlatform())
         yield
+
+
+@pytest.fixture(scope="module")
+def vllm_serve(vllm_cpu_platform):
+    """vLLM's real `vllm serve` parser and validator, built on the CPU platform.
+
+    The launcher targets the patched vLLM (e.g. --sse-keep-alive-interval comes from the
+    series), so the importable vLLM must have the series applied, as install.sh does.
+    """
+    applied, detail = series_status()
+    if not applied:
+        pytest.fail(
+            f"the vLLM this Python imports is not patched ({detail}): "
+            "run `hyperqwen patches apply` (install.sh does)"
+        )
+    from vllm.entrypoints.cli import serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm")
+    subparsers = parser.add_subparsers(dest="subparser")
+    (command,) = serve.cmd_init()
+    command.subparser_init(subparsers)
+
+    def parse(argv: list[str]):
+        assert argv[0] == "vllm"
+        args = parser.parse_args(argv[1:])
+        command.validate(args)
+        return args
+
+    parse.parser = parser
+    return parse
 
 
 @pytest.fixture(scope="session")

@@ -3,21 +3,22 @@
 Run as `python openai_test_server.py --fake-config FILE --side SIDE serve MODEL --port P ...`:
 it reads the flags vLLM would (--port, --served-model-name, --max-model-len,
 --speculative-config) and ignores the others, then behaves as configured for SIDE in FILE
-({"stock": {...}, "patched": {...}}: startup_s, weight_gib, prefill_ms, step_ms). It sleeps
-startup_s before listening, logs its HYPERQWEN_* variables and vLLM's "Model loading took X GiB"
-line, and streams
-/v1/completions with one verify step every step_ms. It tokenizes one token per character (id =
-code point; beyond VOCAB_SIZE ids, UNKNOWN_ID) at /tokenize and, as vLLM, refuses a prompt with
-an id beyond its vocabulary. For the quality battery it answers non-streamed prompt_logprobs
-requests with prompt_logprob (from the config) for every token. Each step makes one token plus the
-drafts accepted: with synthetic_acceptance_rates r the mean is 1 + sum(r), as vLLM's synthetic
-rejection sampler, spread evenly (no randomness); the spec-decode counters count them. As
-vLLM, it keeps histograms of each streamed request's e2e latency and time per output token.
-With --profiler-config (vLLM's torch profiler) it serves /start_profile and /stop_profile, and
-stop writes a Chrome trace to torch_profiler_dir as vLLM's worker does: one
+({"stock": {...}, "patched": {...}}: startup_s, weight_gib, prefill_ms, step_ms; for chat
+answer_words and optionally changed_word). It sleeps startup_s before listening, logs its
+HYPERQWEN_* variables and vLLM's "Model loading took X GiB" line, and streams /v1/completions
+with one verify step every step_ms, and /v1/chat/completions the same way with an answer made of
+the words of the user's text (chat_completions says how). It tokenizes one token per character
+(id = code point; beyond VOCAB_SIZE ids, UNKNOWN_ID) at /tokenize and, as vLLM, refuses a prompt
+with an id beyond its vocabulary. For the quality battery it answers non-streamed
+prompt_logprobs requests with prompt_logprob (from the config) for every token. Each step makes
+one token plus the drafts accepted: with synthetic_acceptance_rates r the mean is 1 + sum(r), as
+vLLM's synthetic rejection sampler, spread evenly (no randomness); the spec-decode counters
+count them. As vLLM, it keeps histograms of each streamed request's e2e latency and time per
+output token. With --profiler-config (vLLM's torch profiler) it serves /start_profile and
+/stop_profile, and stop writes a Chrome trace to torch_profiler_dir as vLLM's worker does: one
 step range (execute_context_0(0)_generation_1(N), and its GPU copy) per step streamed while
-profiling (at most max_iterations)
-and per step the GPU kernels of the side's "kernels_us" ({kernel name: microseconds}).
+profiling (at most max_iterations) and per step the GPU kernels of the side's "kernels_us"
+({kernel name: microseconds}).
 
 Run as a process, it logs what it did and when, on CLOCK_MONOTONIC (one clock for every process
 of the machine, so a test compares these times with its own and with other processes'): lines
@@ -175,38 +176,62 @@ def build_app(
             choice = {"index": 0, "text": text, "finish_reason": None}
             return f"data: {json.dumps({'choices': [choice]})}\n\n"
 
-        async def events() -> AsyncIterator[str]:
-            arrived = time.monotonic()
-            await asyncio.sleep(behaviour["prefill_ms"] / 1000)
-            first_token = time.monotonic()
-            yield chunk("t ")
-            made, owed = 1, 0.0
-            while made < max_tokens:
-                await asyncio.sleep(behaviour["step_ms"] / 1000)
-                owed += accepted_per_step
-                accepted = min(int(owed), max_tokens - made - 1)
-                owed -= int(owed)
-                if drafts:
-                    counters["num_drafts"].inc()
-                    counters["num_draft_tokens"].inc(drafts)
-                    counters["num_accepted_tokens"].inc(accepted)
-                made += 1 + accepted
-                profiling["steps"] += profiling["active"]
-                yield chunk("t " * (1 + accepted))
-            finished = time.monotonic()
-            histograms["e2e_request_latency"].observe(finished - arrived)
-            if made > 1:
-                decode_s = finished - first_token
-                histograms["request_time_per_output_token"].observe(decode_s / (made - 1))
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": made}
-            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-            done = time.monotonic()
-            record(
-                "completion", arrived=arrived, first_sent=first_token, done_sent=done, tokens=made
-            )
-            yield "data: [DONE]\n\n"
+        answer = ["t"] * max_tokens
+        return StreamingResponse(stream(answer, len(prompt), chunk), media_type="text/event-stream")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        """The answer repeats the words of the user's text, answer_words of them (cycled):
+        what each request gets is fixed by its text, as greedy decoding is. changed_word
+        (where the side has one) replaces that word of every answer."""
+        body = await request.json()
+        content = body["messages"][-1]["content"]
+        words = content.split() or ["t"]
+        answer = [words[index % len(words)] for index in range(behaviour["answer_words"])]
+        if (changed := behaviour.get("changed_word")) is not None:
+            answer[changed] = "CHANGED"
+
+        def chunk(text: str) -> str:
+            choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
+            return f"data: {json.dumps({'choices': [choice]})}\n\n"
+
+        answer = answer[: body["max_tokens"]]
+        return StreamingResponse(
+            stream(answer, len(content), chunk), media_type="text/event-stream"
+        )
+
+    async def stream(
+        answer: list[str], prompt_tokens: int, chunk: Callable[[str], str]
+    ) -> AsyncIterator[str]:
+        """One token per word of `answer`: the first after prefill_ms, then a verify step every
+        step_ms making the bonus token and the drafts accepted."""
+        arrived = time.monotonic()
+        await asyncio.sleep(behaviour["prefill_ms"] / 1000)
+        first_token = time.monotonic()
+        yield chunk(answer[0] + " ")
+        made, owed = 1, 0.0
+        while made < len(answer):
+            await asyncio.sleep(behaviour["step_ms"] / 1000)
+            owed += accepted_per_step
+            accepted = min(int(owed), len(answer) - made - 1)
+            owed -= int(owed)
+            if drafts:
+                counters["num_drafts"].inc()
+                counters["num_draft_tokens"].inc(drafts)
+                counters["num_accepted_tokens"].inc(accepted)
+            profiling["steps"] += profiling["active"]
+            yield chunk("".join(word + " " for word in answer[made : made + 1 + accepted]))
+            made += 1 + accepted
+        finished = time.monotonic()
+        histograms["e2e_request_latency"].observe(finished - arrived)
+        if made > 1:
+            decode_s = finished - first_token
+            histograms["request_time_per_output_token"].observe(decode_s / (made - 1))
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": made}
+        yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+        done = time.monotonic()
+        record("completion", arrived=arrived, first_sent=first_token, done_sent=done, tokens=made)
+        yield "data: [DONE]\n\n"
 
     return app
 
@@ -226,7 +251,8 @@ def main() -> None:
         f"Model loading took {behaviour['weight_gib']:.2f} GiB memory and 0.5 seconds", flush=True
     )
     app = build_app(args, behaviour, record)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # the stdlib loop: uvloop's timers count whole milliseconds (tests/local_server.py)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", loop="asyncio")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import pytest
 
 from hyperqwen.capacity import (
     CUDA_GRAPH_BYTES,
-    KV_CACHE_DTYPES,
     NON_TORCH_BYTES,
     PREPARED_27B_WEIGHT_BYTES,
     CacheSetup,
@@ -29,6 +28,7 @@ from hyperqwen.capacity import (
     turboquant_slot_bytes,
 )
 from hyperqwen.checkpoint.geometry import PRESETS
+from hyperqwen.kv_choices import KV_CACHE_DTYPES
 
 G27 = PRESETS["27b"]
 MTP = CacheSetup("fp8", "float32", draft_tokens=3, mtp_layers=1, prefix_caching=True)

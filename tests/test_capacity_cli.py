@@ -8,17 +8,26 @@ import re
 import pytest
 from cli_runner import hyperqwen
 
-from hyperqwen.capacity import KV_CACHE_DTYPES
+from hyperqwen.kv_choices import KV_CACHE_DTYPES
 
 
 def table(text: str) -> dict[str, list[int]]:
     """KV dtype -> [block tokens, max len at 1, 2, 4 slots]."""
-    rows = {}
+    return {kv: [int(cell.replace(",", "")) for cell in cells[:-1]] for kv, cells in rows(text)}
+
+
+def serves(text: str) -> dict[str, str]:
+    """KV dtype -> the last column: whether it serves with the SPEC asked."""
+    return {kv: cells[-1] for kv, cells in rows(text)}
+
+
+def rows(text: str) -> list[tuple[str, list[str]]]:
+    found = []
     for line in text.splitlines():
-        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if cells[0] in KV_CACHE_DTYPES:
-            rows[cells[0]] = [int(cell.replace(",", "")) for cell in cells[1:]]
-    return rows
+            found.append((cells[0], cells[1:]))
+    return found
 
 
 def capacity(tmp_path, *args: str, **knobs: str) -> str:
@@ -46,6 +55,18 @@ def test_a_larger_card_and_a_larger_share_hold_more(tmp_path):
     shared = table(capacity(tmp_path, "--card-gib", "24", GPU_UTIL="0.8"))
     for kv in KV_CACHE_DTYPES:
         assert large[kv][1] > small[kv][1] > shared[kv][1], kv
+
+
+def test_turboquant_is_marked_refused_with_speculation_only(tmp_path):
+    with_mtp = capacity(tmp_path, "--card-gib", "24")
+    assert "| serves with SPEC=mtp |" in with_mtp
+    assert serves(with_mtp) == {
+        kv: "no: refused" if kv.startswith("turboquant_") else "yes" for kv in KV_CACHE_DTYPES
+    }
+    without = capacity(tmp_path, "--card-gib", "24", SPEC="off")
+    assert set(serves(without).values()) == {"yes"}
+    # no drafts: fewer state blocks a slot, so TurboQuant's one slot holds more than with MTP
+    assert table(without)["turboquant_4bit_nc"][1] > table(with_mtp)["turboquant_4bit_nc"][1]
 
 
 def test_what_speculation_and_ctx_change_is_said(tmp_path):

@@ -1,9 +1,13 @@
-"""On the GPU host: vLLM's own KV-cache sizing of the 27B geometry against capacity.py's
-(issue 25, item 1: "checked against what vLLM itself reports").
+"""On the GPU host: each KV choice serving, and vLLM's own KV-cache sizing of the 27B geometry
+against capacity.py's (issue 25, items 1 and 2: "checked against what vLLM itself reports").
+
+0. Each KV choice (kv_choices.py) starts through `hyperqwen serve single` with MTP and prefix
+   caching (TurboQuant: SPEC=off, the launcher refuses it with speculation) on a tiny model and
+   answers a chat; fp8_per_token_head is skipped on a card below sm89, where it is refused.
 
 1. With the pool pinned (KV_MEM), the token count vLLM logs must be the one capacity.py computes,
-   for every KV dtype the budget knows: the pool's layout (block size, groups, state blocks) is
-   then the only thing compared.
+   for a KV choice of each layout the budget knows: the pool's layout (block size, groups,
+   state blocks) is then the only thing compared.
 2. With the pool left to GPU_UTIL on a card the size of a 24 GB one (GPU_UTIL scaled to the
    H200), the pool vLLM finds must be at least the one capacity.py predicts: the launcher's
    reserve for activations, CUDA graphs and workspaces is an estimate, and an estimate that
@@ -26,7 +30,8 @@ import time
 from pathlib import Path
 
 import pytest
-from gpu_server import ROOT, TRITON_GDN, log_dir, require_gpu
+import requests
+from gpu_server import ROOT, TRITON_GDN, chat, hyperqwen_server, log_dir, require_gpu
 
 from hyperqwen.capacity import (
     CacheSetup,
@@ -37,12 +42,13 @@ from hyperqwen.capacity import (
 )
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.gpu import list_gpus
+from hyperqwen.kv_choices import KV_CACHE_DTYPES, KV_CHOICES, capability_refusal
 from hyperqwen.launch import SINGLE_PROFILES
 from hyperqwen.settings import load_settings
 
 pytestmark = pytest.mark.gpu
 
-KV_CHOICES = ("fp8", "auto", "int8_per_token_head", "int4_per_token_head", "turboquant_4bit_nc")
+SIZED_KVS = ("fp8", "auto", "int8_per_token_head", "int4_per_token_head", "turboquant_4bit_nc")
 POOL_BYTES = 3_943_652_394  # what capacity.py leaves CTX=huge on a 24 GB card at GPU_UTIL 0.9
 MAX_LEN = 32768  # fits every KV choice in that pool at one slot
 CARD_24GB_BYTES = 24 * GiB
@@ -105,27 +111,67 @@ def logged(pattern: re.Pattern, log: str, where: Path) -> str:
     return found[1]
 
 
-@pytest.mark.parametrize("kv", KV_CHOICES)
+def spec_for(kv: str) -> str:
+    """MTP, or no speculation for the KV choices the launcher refuses it with."""
+    return "mtp" if KV_CHOICES[kv].speculation else "off"
+
+
+@pytest.mark.parametrize("kv", KV_CACHE_DTYPES)
+def test_each_kv_choice_serves_a_chat(tiny_models_dir, tmp_path, kv):
+    if refusal := capability_refusal(kv, list_gpus()[:1]):
+        pytest.skip(refusal)
+    spec = spec_for(kv)
+    env = {
+        "MODELS_DIR": str(tiny_models_dir),
+        "MODEL": "tiny",
+        "GPU_UTIL": "0.12",  # a tiny model; the soaks may hold 0.4 of the GPU each
+        "PORT": "18072",
+        "KV": kv,
+        "SPEC": spec,
+        "EXTRA_ARGS": f"--load-format dummy --max-model-len 4096 {TRITON_GDN}",
+    }
+    log = log_dir(tmp_path) / f"serve-kv-{kv}.log"
+    with hyperqwen_server("single", env, log) as base:
+        answers = [chat(base, "tiny") for _ in range(2)]  # the second with the first cached
+        metrics = requests.get(f"{base}/metrics", timeout=10).text
+    (log_dir(tmp_path) / f"chat-kv-{kv}.json").write_text(json.dumps(answers, indent=1))
+    assert all(answer["usage"]["completion_tokens"] > 0 for answer in answers)
+    assert ("vllm:spec_decode_num_drafts" in metrics) is (spec == "mtp")
+    backend = KV_CHOICES[kv].attention_backend  # vLLM: "Using AttentionBackendEnum.X backend."
+    assert backend is None or f"Using AttentionBackendEnum.{backend} backend." in log.read_text()
+
+
+@pytest.mark.parametrize("kv", SIZED_KVS)
 def test_vllm_holds_the_tokens_capacity_computes(prepared_27b, tmp_path, kv):
-    extra = f"--load-format dummy --kv-cache-dtype {kv} {TRITON_GDN}"
+    spec = spec_for(kv)
+    extra = f"--load-format dummy {TRITON_GDN}"
     env = knobs(prepared_27b, KV_MEM=str(POOL_BYTES), MAX_LEN=str(MAX_LEN), EXTRA_ARGS=extra)
+    env.update(KV=kv, SPEC=spec)
+    env["GPU_UTIL"] = util_of_a_24gb_card()  # vLLM's start check only: the pool is pinned
     log_file = log_dir(tmp_path) / f"capacity-{kv}-server.log"
     log = served_until_sized(env, log_file)
     vllm_tokens = int(logged(SIZE_LINE, log, log_file).replace(",", ""))
     settings = load_settings(env, env_file=tmp_path / "none.env").settings
     machine = probe_machine(settings, prepared_27b / "q27p", list_gpus())
-    setup = CacheSetup(kv, SINGLE_PROFILES["huge"].ssm_cache_dtype, 3, 1, prefix_caching=True)
+    drafts = (3, 1) if spec == "mtp" else (0, 0)
+    setup = CacheSetup(kv, SINGLE_PROFILES["huge"].ssm_cache_dtype, *drafts, prefix_caching=True)
     capacity = Capacity(pool_layout(machine.geometry, setup), POOL_BYTES)
-    report = {"kv": kv, "pool_bytes": POOL_BYTES, "max_len": MAX_LEN, "vllm_tokens": vllm_tokens}
-    report["computed_tokens"] = capacity.vllm_tokens(MAX_LEN)
+    report = {"kv": kv, "spec": spec, "pool_bytes": POOL_BYTES, "max_len": MAX_LEN}
+    report |= {"vllm_tokens": vllm_tokens, "computed_tokens": capacity.vllm_tokens(MAX_LEN)}
     report["block_tokens"] = capacity.layout.block_tokens
     (log_dir(tmp_path) / f"capacity-{kv}.json").write_text(json.dumps(report, indent=1))
     assert vllm_tokens == report["computed_tokens"], report
 
 
+def util_of_a_24gb_card() -> str:
+    """GPU_UTIL that gives this GPU's server what 0.9 of a 24 GB card gives: the rest of the
+    card stays free for other servers (the soaks run beside these probes)."""
+    return f"{0.9 * CARD_24GB_BYTES / (list_gpus()[0].memory_gib * GiB):.4f}"
+
+
 def test_the_reserve_estimate_never_promises_more_than_vllm_finds(prepared_27b, tmp_path):
     gpu = list_gpus()[0]
-    util = f"{0.9 * CARD_24GB_BYTES / (gpu.memory_gib * GiB):.4f}"
+    util = util_of_a_24gb_card()
     extra = f"--load-format dummy {TRITON_GDN}"
     env = knobs(prepared_27b, GPU_UTIL=util, MAX_LEN=str(MAX_LEN), EXTRA_ARGS=extra)
     log_file = log_dir(tmp_path) / "capacity-reserve-server.log"

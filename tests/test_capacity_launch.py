@@ -4,6 +4,7 @@ the machine probe (GPU memory, config.json, safetensors headers) and `hyperqwen 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from cli_runner import hyperqwen
@@ -24,6 +25,7 @@ from hyperqwen.capacity_probe import loaded_weight_bytes, probe_machine
 from hyperqwen.checkpoint.config_json import build_config
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.gpu import Gpu
+from hyperqwen.kv_choices import KV_CACHE_DTYPES, KV_CHOICES
 from hyperqwen.launch import SINGLE_PROFILES, build_launch
 from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
 from hyperqwen.settings import LoadedSettings, Settings
@@ -43,11 +45,13 @@ def flag(argv: list[str], name: str) -> str:
 
 
 def capacity_for(machine: Machine, ctx: str, **setup) -> Capacity:
-    """What the launch should size from: CTX's profile, MTP with 3 drafts, prefix caching."""
+    """What the launch should size from: CTX's profile, MTP with 3 drafts, prefix caching,
+    unless `setup` says otherwise."""
     from hyperqwen.capacity import CacheSetup
 
     profile = SINGLE_PROFILES[ctx]
-    cache = CacheSetup(profile.kv_cache_dtype, profile.ssm_cache_dtype, 3, 1, True, **setup)
+    cache = CacheSetup(profile.kv_cache_dtype, profile.ssm_cache_dtype, 3, 1, True)
+    cache = replace(cache, **setup)
     pool, _ = card_pool_bytes(machine, 0.9, profile.max_batched_tokens)
     return Capacity(pool_layout(G27, cache), pool)
 
@@ -89,6 +93,18 @@ def test_huge_on_a_24_gb_card_takes_what_fits():
     # everything else is CTX=huge's
     plain = build_launch(loaded(CTX="huge"), "single", api_key=None).argv
     assert [t for t in argv if t != str(fits)] == [t for t in plain if t != "262144"]
+
+
+@pytest.mark.parametrize("kv", KV_CACHE_DTYPES)
+def test_huge_sizes_with_the_chosen_kv(kv):
+    """KV= shapes the pool CTX=huge is fitted to: its bytes a token (capacity.py's
+    attention_token_bytes) and, for TurboQuant, no drafts (it serves only with SPEC=off)."""
+    spec = "mtp" if KV_CHOICES[kv].speculation else "off"
+    argv = build_launch(loaded(CTX="huge", KV=kv, SPEC=spec), "single", None, machine=RTX_4090).argv
+    drafts = {} if spec == "mtp" else dict(draft_tokens=0, mtp_layers=0)
+    capacity = capacity_for(RTX_4090, "huge", kv_cache_dtype=kv, **drafts)
+    assert flag(argv, "--max-model-len") == str(min(262_144, capacity.max_len(1) // 1024 * 1024))
+    assert flag(argv, "--kv-cache-dtype") == kv
 
 
 def test_long_trades_slots_before_length():

@@ -17,7 +17,7 @@ from test_kernel_lookup import reference_drafts, reference_match
 
 from hyperqwen.engine import lookup as engine_lookup
 from hyperqwen.engine import seams
-from hyperqwen.engine.features import LOOKUP
+from hyperqwen.engine.features import LOOKUP, FeatureSwitchError
 from hyperqwen.launch import LOOKUP_MATCH
 
 DRAFTS = 4
@@ -96,6 +96,8 @@ def test_lookup_drafts_only_with_the_env(monkeypatch):
     assert seams.ngram_drafts(*arguments) is None
     monkeypatch.setenv(LOOKUP.env, "1")
     assert seams.ngram_drafts(*arguments) == [[4, 9]]
+    monkeypatch.setenv(LOOKUP.env, "auto")  # auto leaves vLLM's own n-gram search alone
+    assert seams.ngram_drafts(*arguments) is None
 
 
 def test_fused_with_mtp_the_accepted_tokens_land_and_copies_fill_the_slots():
@@ -126,8 +128,9 @@ def test_fused_with_mtp_the_accepted_tokens_land_and_copies_fill_the_slots():
     assert drafts.tolist() == [[48, 9, 9], [7, 1, 2], [5, 8, 9], [1, 2, 3]]
 
 
-def test_fusion_needs_mtp_with_greedy_drafts(monkeypatch):
-    monkeypatch.setenv(LOOKUP.env, "1")
+@pytest.mark.parametrize("value", ["1", "auto"])
+def test_fusion_needs_mtp_with_greedy_drafts(monkeypatch, value):
+    monkeypatch.setenv(LOOKUP.env, value)
     greedy = types.SimpleNamespace(method="mtp", draft_sample_method="greedy")
     assert seams.runner_keeps_ngram_buffer(greedy)
     assert not seams.runner_keeps_ngram_buffer(
@@ -136,21 +139,37 @@ def test_fusion_needs_mtp_with_greedy_drafts(monkeypatch):
     assert not seams.runner_keeps_ngram_buffer(
         types.SimpleNamespace(method="ngram_gpu", draft_sample_method="greedy")
     )
+    monkeypatch.setenv(LOOKUP.env, "0")
+    assert not seams.runner_keeps_ngram_buffer(greedy)
     monkeypatch.delenv(LOOKUP.env)
     assert not seams.runner_keeps_ngram_buffer(greedy)
+    monkeypatch.setenv(LOOKUP.env, "true")  # refused by name, never read as off
+    with pytest.raises(FeatureSwitchError, match="HYPERQWEN_LOOKUP='true'"):
+        seams.runner_keeps_ngram_buffer(greedy)
 
 
 def test_the_runner_keeps_the_token_buffer_and_fuses_after_mtp(patched_vllm):
     """patches/v1-runner.patch: the buffer is allocated with the MTP drafter, its upkeep is
-    vLLM's n-gram flag, and the fusion runs on MTP's drafts before anything reads them."""
+    vLLM's n-gram flag, MTP is asked for the seam's count, the drafts are amended before anything
+    reads them, and quoting's seams sit where vLLM's GPU n-gram drafter has its own hooks
+    (after the CUDA graph dispatcher, a private scheduler output, the cut before the draft
+    counts are restored)."""
     source = (patched_vllm / "v1" / "worker" / "gpu_model_runner.py").read_text()
     allocated = source.index("seams.runner_drafter_built(self)")
     assert source.rindex("self.drafter = EagleProposer(", 0, allocated) > allocated - 400
     assert "or seams.runner_keeps_ngram_buffer(self.speculative_config)" in source  # is_ngram_gpu
     mtp_call = "draft_token_ids = self.drafter.propose(\n" + " " * 16 + "num_speculative_tokens="
-    proposed = source.index(mtp_call + "num_spec_tokens_to_schedule,")
+    proposed = source.index(mtp_call + "seams.runner_draft_count(")
     fused = source.index("draft_token_ids = seams.runner_drafted(", proposed)
     assert fused < source.index("return draft_token_ids", proposed)
+
+    dispatcher = source.index("self.cudagraph_dispatcher = CudagraphDispatcher(self.vllm_config)")
+    assert source.index("seams.runner_graphs_dispatched(self)") - dispatcher < 300
+    copied = ") or seams.runner_copies_scheduler_output(self):"
+    assert "and self.speculative_config.use_ngram_gpu()\n        " + copied in source
+    cut = source.index("original_num_spec_per_req.update(seams.runner_cut_drafts(self, sched")
+    assert source.index("update_scheduler_for_invalid_drafts(") < cut
+    assert cut < source.index("orig = original_num_spec_per_req.get(req_id, 0)")
 
 
 def test_a_long_block_is_proposed_only_for_a_long_match():

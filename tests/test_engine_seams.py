@@ -59,6 +59,7 @@ layer = type("Layer", (), {})()
 seams.gdn_layer_built(layer)
 seams.proposer_loaded(runner)
 seams.runner_drafter_built(runner)
+seams.runner_graphs_dispatched(runner)
 seams.runner_counts_on_gpu(runner, 4)
 print(json.dumps({
     "namespace": namespace,
@@ -68,6 +69,9 @@ print(json.dumps({
     "ngram": seams.ngram_drafts(runner, 1, [0], None, None, 3),
     "buffer": seams.runner_keeps_ngram_buffer(None),
     "step": seams.runner_step_begins(runner, None),
+    "copies": seams.runner_copies_scheduler_output(runner),
+    "cut": seams.runner_cut_drafts(runner, None),
+    "count": seams.runner_draft_count(runner, 3),
     "drafts": seams.runner_drafted(runner, "MTP's", None),
     "imported": sorted(m for m in sys.modules if m.startswith("hyperqwen.engine.")),
 }))
@@ -87,6 +91,9 @@ def test_with_every_feature_off_each_seam_is_vllms_path_and_imports_nothing():
         "ngram": None,
         "buffer": False,
         "step": False,
+        "copies": False,
+        "cut": {},
+        "count": 3,
         "drafts": "MTP's",
         "imported": ["hyperqwen.engine.features", "hyperqwen.engine.seams"],
     }

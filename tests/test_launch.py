@@ -17,44 +17,12 @@ from hyperqwen.engine.features import (
     W4A16_LINEAR,
 )
 from hyperqwen.launch import LOOKUP_MATCH, build_launch, redact_argv
-from hyperqwen.patches import series_status
 from hyperqwen.settings import LinearBackend, LoadedSettings, Settings
 from hyperqwen.vllm_flags import FLAG_ALIASES, FlagToken, flag_keys, flag_value, read_flag
 
 
 def loaded(**values: str) -> LoadedSettings:
     return LoadedSettings(Settings.model_validate(values), frozenset(values))
-
-
-@pytest.fixture(scope="module")
-def vllm_serve(vllm_cpu_platform):
-    """vLLM's real `vllm serve` parser and validator, built on the CPU platform.
-
-    The launcher targets the patched vLLM (e.g. --sse-keep-alive-interval comes from the
-    series), so the importable vLLM must have the series applied, as install.sh does.
-    """
-    applied, detail = series_status()
-    if not applied:
-        pytest.fail(
-            f"the vLLM this Python imports is not patched ({detail}): "
-            "run `hyperqwen patches apply` (install.sh does)"
-        )
-    from vllm.entrypoints.cli import serve
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser(prog="vllm")
-    subparsers = parser.add_subparsers(dest="subparser")
-    (command,) = serve.cmd_init()
-    command.subparser_init(subparsers)
-
-    def parse(argv: list[str]):
-        assert argv[0] == "vllm"
-        args = parser.parse_args(argv[1:])
-        command.validate(args)
-        return args
-
-    parse.parser = parser
-    return parse
 
 
 SINGLE_COMBOS = [
@@ -248,7 +216,6 @@ def test_bind_and_key_matrix(values, key, container, host, warns):
     [
         ("batch", {"SPEC": "ngram"}, "SPEC is a single-mode knob; ignored in batch mode."),
         ("batch", {"CTX": "long"}, "CTX is a single-mode knob; ignored in batch mode."),
-        ("single", {"KV": "auto"}, "KV is a batch-mode knob; ignored in single mode."),
         ("single", {"SPEC": "off", "DRAFT_TOKENS": "2"}, "DRAFT_TOKENS is ignored with SPEC=off."),
         ("single", {"TOOLS": "0", "TOOL_PARSER": "hermes"}, "TOOL_PARSER is ignored with TOOLS=0."),
         (
@@ -271,6 +238,20 @@ def test_bind_and_key_matrix(values, key, container, host, warns):
 )
 def test_ignored_knobs_warn(mode, values, expected):
     assert expected in build_launch(loaded(**values), mode, None).warnings
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"SPEC": "ngram", "LOOKUP": "auto"},
+        {"SPEC": "off", "LOOKUP": "auto"},
+        {"LOOKUP": "auto", "DRAFT_SAMPLE": "probabilistic"},
+    ],
+)
+def test_lookup_auto_is_silent_where_it_does_not_apply(values):
+    """auto means "where it applies": only an explicit LOOKUP=1 that cannot apply warns."""
+    warnings = build_launch(loaded(**values), "single", None).warnings
+    assert not [w for w in warnings if w.startswith("LOOKUP")]
 
 
 def test_defaults_warn_about_nothing():
@@ -358,6 +339,12 @@ def test_linear_backend_values_are_vllms_but_ours():
     [
         ("single", {"SPEC": "lookup"}, "1"),
         ("single", {"LOOKUP": "1"}, "1"),  # fused into MTP's drafts
+        ("single", {"LOOKUP": "auto"}, "auto"),  # the engine decides: MTP with greedy drafts
+        ("single", {"LOOKUP": "auto", "DRAFT_SAMPLE": "probabilistic"}, "auto"),  # engine: off
+        ("single", {"LOOKUP": "auto", "SPEC": "ngram"}, None),  # vLLM's own n-gram search
+        ("single", {"LOOKUP": "auto", "SPEC": "off"}, None),
+        ("single", {"LOOKUP": "0", "SPEC": "lookup"}, "1"),  # SPEC=lookup is the search itself
+        ("batch", {"LOOKUP": "auto"}, None),
         ("single", {"SPEC": "ngram"}, None),  # vLLM's own n-gram search
         ("single", {}, None),
         ("batch", {"SPEC": "lookup"}, None),  # batch never drafts

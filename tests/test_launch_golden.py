@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from hyperqwen.engine.features import LOOKUP
+from hyperqwen.kv_choices import KV_CHOICES
 from hyperqwen.launch import build_launch
 from hyperqwen.settings import LoadedSettings, Settings
 
@@ -30,6 +32,10 @@ SWITCH_VARIANTS: dict[str, dict[str, str]] = {
     "linear-hyperqwen": {"LINEAR_BACKEND": "hyperqwen"},
     "linear-machete": {"LINEAR_BACKEND": "machete"},
     "lookup": {"LOOKUP": "1"},
+    # LOOKUP=auto (issue 24) added these cases; they differ from their base case only in
+    # LOOKUP's own variable (test_lookup_auto_changes_only_its_own_variable)
+    "lookup-auto": {"LOOKUP": "auto"},
+    "lookup-auto-probabilistic": {"LOOKUP": "auto", "DRAFT_SAMPLE": "probabilistic"},
     "lookup-probabilistic": {"LOOKUP": "1", "DRAFT_SAMPLE": "probabilistic"},
     "overlap-off": {"PREFIX_CACHE_OVERLAP": "0"},
     "prefix-cache-off": {"PREFIX_CACHE": "0"},
@@ -50,7 +56,7 @@ SPECS = ("mtp", "ngram", "lookup", "off")
 
 def cases() -> dict[str, tuple[str, dict[str, str]]]:
     """case id -> (mode, knob values): single mode at every CTX x SPEC, batch at every SPEC (a
-    single-mode knob there only warns), each with every switch variant."""
+    single-mode knob there only warns), each with every switch variant; then every KV choice."""
     found = {}
     profiles = [("single", {"CTX": ctx}) for ctx in ("fast", "long", "huge")] + [("batch", {})]
     for (mode, profile), spec, (variant, switches) in itertools.product(
@@ -58,6 +64,13 @@ def cases() -> dict[str, tuple[str, dict[str, str]]]:
     ):
         values = {**profile, "SPEC": spec, **switches}
         found["-".join([mode, *profile.values(), spec, variant])] = (mode, values)
+    # Each KV choice set explicitly: single mode at fast and huge with MTP (SPEC=off for
+    # TurboQuant, which refuses to speculate) and batch.
+    for kv, choice in KV_CHOICES.items():
+        spec = "mtp" if choice.speculation else "off"
+        for ctx in ("fast", "huge"):
+            found[f"single-{ctx}-{spec}-kv-{kv}"] = ("single", {"CTX": ctx, "SPEC": spec, "KV": kv})
+        found[f"batch-kv-{kv}"] = ("batch", {"KV": kv})
     return found
 
 
@@ -88,6 +101,24 @@ def test_launch_matches_the_golden_file(golden, case, mode_values):
     # "X is a single-mode knob" warnings come in knob declaration order, which the engine
     # features' own knobs changed (they follow the others); the warnings themselves may not
     assert sorted(now["warnings"]) == sorted(then["warnings"])
+
+
+@pytest.mark.parametrize("case", [c for c in cases() if "-lookup-auto" in c])
+def test_lookup_auto_changes_only_its_own_variable(golden, case):
+    """LOOKUP=auto reaches vLLM through HYPERQWEN_LOOKUP alone: the same argv and warnings as
+    the case without it (defaults, or probabilistic drafts alone), but for batch mode's
+    "single-mode knob" warning every explicit single-mode knob gets."""
+    mode, values = cases()[case]
+    base = launched(mode, {k: v for k, v in values.items() if k != "LOOKUP"})
+    now = golden[case]
+    assert now["argv"] == base["argv"]
+    own = ["LOOKUP is a single-mode knob; ignored in batch mode."] if mode == "batch" else []
+    assert sorted(now["warnings"]) == sorted(base["warnings"] + own)
+    others = {name: value for name, value in now["env"].items() if name != LOOKUP.env}
+    assert others == {name: v for name, v in base["env"].items() if name != LOOKUP.env}
+    single_mtp = mode == "single" and values["SPEC"] == "mtp"
+    expected = "1" if mode == "single" and values["SPEC"] == "lookup" else None
+    assert now["env"].get(LOOKUP.env) == ("auto" if single_mtp else expected)
 
 
 if __name__ == "__main__":

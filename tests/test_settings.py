@@ -40,9 +40,18 @@ def test_unknown_variables_are_ignored_and_defaults_hold():
         ("CTX", "medium", "fast | long | huge"),
         ("PORT", "70000", "integer >= 1, <= 65535"),
         ("GPU_UTIL", "1.5", "number > 0.05, <= 0.99"),
-        ("KV", "int4", "auto | fp8"),
+        (
+            "KV",
+            "nvfp4",
+            "auto | fp8 | fp8_e4m3 | fp8_e5m2 | int8_per_token_head | fp8_per_token_head | "
+            "int4_per_token_head | turboquant_k8v4 | turboquant_4bit_nc | turboquant_k3v4_nc | "
+            "turboquant_3bit_nc. Fix",
+        ),
         ("KV_MEM", "6GiB", "bytes, e.g. 6G"),
         ("TOOLS", "true", "0 | 1"),
+        # the public project's lookup knob read "true" as off; here it is refused
+        ("LOOKUP", "true", "auto | 0 | 1"),
+        ("LOOKUP", "on", "auto | 0 | 1"),
         ("HOST", " ", "text"),
     ],
 )

@@ -47,7 +47,8 @@ def test_flashinfer_attention_builds_with_the_venvs_toolkit(tiny_models_dir, tmp
     workspace = tmp_path / "flashinfer"
     env = serve_env(
         tiny_models_dir,
-        PORT="18051",
+        PORT="18061",  # the soaks' ports are 18051-18052; this runs beside them
+        GPU_UTIL="0.12",  # a tiny model; the soaks hold 0.4 of the GPU each
         CUDA_HOME="",
         PATH=no_nvcc,
         FLASHINFER_WORKSPACE_BASE=str(workspace),

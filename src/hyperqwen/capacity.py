@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 
 from hyperqwen.checkpoint.geometry import Geometry
+from hyperqwen.kv_choices import KV_CACHE_DTYPES
 from hyperqwen.settings import Settings, SettingsError
 
 KiB = 1 << 10
@@ -49,16 +50,6 @@ TURBOQUANT_BITS = {
     "turboquant_k3v4_nc": (3, 4),
     "turboquant_3bit_nc": (3, 3),
 }
-KV_CACHE_DTYPES = (
-    "auto",
-    "fp8",
-    "fp8_e4m3",
-    "fp8_e5m2",
-    "int8_per_token_head",
-    "fp8_per_token_head",
-    "int4_per_token_head",
-    *TURBOQUANT_BITS,
-)
 
 # The card PRINT_ARGV and a machine without a visible GPU size for: the smallest card the
 # 27B model serves on (gpu.MIN_MEMORY_GIB_27B).

@@ -15,7 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from hyperqwen.capacity import (
-    KV_CACHE_DTYPES,
     CacheSetup,
     Capacity,
     GiB,
@@ -25,6 +24,7 @@ from hyperqwen.capacity import (
 )
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.gpu import NoGpu, list_gpus
+from hyperqwen.kv_choices import KV_CACHE_DTYPES, speculation_refusal
 from hyperqwen.launch import SINGLE_PROFILES, cache_setup, model_path
 from hyperqwen.settings import SettingsError, load_settings
 
@@ -32,23 +32,26 @@ EXIT_BAD_INPUT = 2
 SLOT_COUNTS = (1, 2, 4)
 
 
-def capacity_table(machine: Machine, setup: CacheSetup, gpu_util: float, batched: int) -> str:
-    """A markdown table: per KV dtype, the pool's block and the longest request at 1, 2, 4
-    slots."""
+def capacity_table(
+    machine: Machine, setup: CacheSetup, gpu_util: float, batched: int, spec: str
+) -> str:
+    """A markdown table: per KV choice, the pool's block, the longest request at 1, 2, 4 slots
+    and whether it serves with this SPEC (single mode refuses TurboQuant with speculation)."""
     pool, how = card_pool_bytes(machine, gpu_util, batched, setup.tensor_parallel)
-    head = "| KV dtype | block (tokens) | " + " | ".join(f"max len at {n}" for n in SLOT_COUNTS)
+    head = "| KV | block (tokens) | " + " | ".join(f"max len at {n}" for n in SLOT_COUNTS)
     lines = [
         f"{how}: {pool / GiB:.2f} GiB for KV cache and recurrent state "
         f"({setup.draft_tokens} draft tokens, prefix caching "
         f"{'on' if setup.prefix_caching else 'off'}, {setup.ssm_dtype} state).",
         "",
-        head + " |",
-        "|---|---:|" + "---:|" * len(SLOT_COUNTS),
+        f"{head} | serves with SPEC={spec} |",
+        "|---|---:|" + "---:|" * len(SLOT_COUNTS) + "---|",
     ]
     for kv in KV_CACHE_DTYPES:
         capacity = Capacity(pool_layout(machine.geometry, replace(setup, kv_cache_dtype=kv)), pool)
         lengths = " | ".join(f"{capacity.max_len(n):,}" for n in SLOT_COUNTS)
-        lines.append(f"| {kv} | {capacity.layout.block_tokens:,} | {lengths} |")
+        serves = "no: refused" if speculation_refusal(kv, spec) else "yes"
+        lines.append(f"| {kv} | {capacity.layout.block_tokens:,} | {lengths} | {serves} |")
     return "\n".join(lines)
 
 
@@ -72,7 +75,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                           machine.weight_bytes, machine.weight_source)  # fmt: skip
     profile = SINGLE_PROFILES[settings.CTX]
     setup = cache_setup(settings, profile, machine)
-    print(capacity_table(machine, setup, settings.GPU_UTIL, profile.max_batched_tokens))
+    batched = profile.max_batched_tokens
+    print(capacity_table(machine, setup, settings.GPU_UTIL, batched, settings.SPEC))
     return 0
 
 

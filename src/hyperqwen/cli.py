@@ -13,6 +13,7 @@ from hyperqwen import bench, capacity_cli, docs, doctor, patches, synth
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.drafter import cli as drafter_cli
 from hyperqwen.gpu import REQUIREMENT, NoGpu, list_gpus
+from hyperqwen.kv_choices import capability_refusal
 from hyperqwen.launch import build_launch, effective_config_lines, model_path, redact_argv
 from hyperqwen.parallel import tensor_parallel_refusal
 from hyperqwen.prepare import cli as prepare_cli
@@ -45,6 +46,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gpus, no_gpu = list_gpus(), None
     except NoGpu as reason:
         gpus, no_gpu = [], reason
+    kv = loaded.settings.KV
+    if kv and (refusal := capability_refusal(kv, gpus[: loaded.settings.GPU_COUNT])):
+        print(f"hyperqwen serve {args.mode}: refusing to start: {refusal}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
     machine = probe_machine(loaded.settings, model_path(loaded.settings), gpus)
     try:
         plan = build_launch(loaded, args.mode, api_key, in_container(environ), machine)

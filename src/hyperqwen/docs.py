@@ -10,7 +10,10 @@ import os
 import textwrap
 from pathlib import Path
 
+from hyperqwen.capacity import attention_token_bytes
+from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.engine.features import FEATURES
+from hyperqwen.kv_choices import KV_CHOICES
 from hyperqwen.launch import BATCH_PROFILE, DEFAULT_DRAFT_TOKENS, SINGLE_PROFILES
 from hyperqwen.settings import Mode, knobs
 
@@ -33,6 +36,12 @@ HOST_ONLY_KNOBS = {
     "API_KEY_FILE": "a host path; the container takes VLLM_API_KEY",
 }
 COMPOSE_WITH_DEFAULTS = ("PORT", "BIND")
+KV_TABLE_BEGIN = (
+    "<!-- KV table: generated from kv_choices.py by `hyperqwen settings --write-docs`; "
+    "do not edit -->"
+)
+KV_TABLE_END = "<!-- end of KV table -->"
+KV_TABLE_FILES = ("docs/long-context.md", "single-user/README.md")
 
 
 def _shown_default(value: object) -> str:
@@ -111,6 +120,40 @@ def compose_knobs() -> str:
     return "\n".join([COMPOSE_BEGIN, *(f"    {name}:" for name in names), COMPOSE_END, ""])
 
 
+def kv_table() -> str:
+    """The KV choices: the attention each runs per architecture, what the launcher adds for it,
+    the bytes a token takes in one attention layer of the 27B, and what is refused."""
+    g = PRESETS["27b"]
+    rows = [
+        KV_TABLE_BEGIN,
+        "",
+        "| KV | Ampere/Ada (sm80/86/89) | Hopper (sm90) | the launcher adds | bytes a token "
+        "and layer (27B) | SPEC in single mode | refused |",
+        "|---|---|---|---|---:|---|---|",
+    ]
+    for kv, choice in KV_CHOICES.items():
+        adds = " ".join(f"`{flag} {value}`" for flag, value in choice.launch_flags())
+        refused = []
+        if not choice.speculation:
+            refused.append("SPEC other than off: vLLM 0.26's TurboQuant has no verify path")
+        if choice.min_capability > (8, 0):
+            refused.append("GPUs below sm89: Triton stores fp8 only from sm89")
+        rows.append(
+            _table_row(
+                [
+                    kv,
+                    choice.paths[0],
+                    choice.paths[1],
+                    adds or "nothing (vLLM's selector)",
+                    str(attention_token_bytes(kv, g.num_key_value_heads, g.head_dim)),
+                    "mtp, ngram, lookup, off" if choice.speculation else "off",
+                    "; ".join(refused) or "-",
+                ]
+            )
+        )
+    return "\n".join([*rows, KV_TABLE_END, ""])
+
+
 def _profile_table(mode: Mode) -> str:
     header = (
         "| profile | max len | slots | KV cache | batched tokens | GDN state |\n"
@@ -126,14 +169,9 @@ def _profile_table(mode: Mode) -> str:
         f"| {p.ssm_cache_dtype} |\n"
         for name, p in profiles.items()
     )
-    note = (
-        "\nDraft tokens by default: "
-        + ", ".join(f"{k} {v}" for k, v in DEFAULT_DRAFT_TOKENS.items())
-        + ".\n"
-        if mode == "single"
-        else "\nThe KV cache dtype in batch mode is the KV knob.\n"
-    )
-    return header + body + note
+    drafts = ", ".join(f"{k} {v}" for k, v in DEFAULT_DRAFT_TOKENS.items())
+    note = f"Draft tokens by default: {drafts}. " if mode == "single" else ""
+    return f"{header}{body}\n{note}KV, when set, replaces the profile's KV cache dtype.\n"
 
 
 README_OF_MODE: dict[Mode, str] = {"single": "single-user/README.md", "batch": "batch/README.md"}
@@ -148,7 +186,8 @@ def _replace_between(path: Path, begin: str, end: str, table: str) -> Path:
 
 def write_docs(root: Path) -> list[Path]:
     """Rewrite .env.example, the knob table of each mode's README, engine/README.md's feature
-    table and docker-compose.yml's knob list under `root`."""
+    table, docker-compose.yml's knob list and the KV table of docs/long-context.md and
+    single-user/README.md under `root`."""
     written = [root / ".env.example"]
     written[0].write_text(env_example())
     for mode, relative in README_OF_MODE.items():
@@ -160,4 +199,6 @@ def write_docs(root: Path) -> list[Path]:
     )
     compose = _replace_between(root / COMPOSE_FILE, COMPOSE_BEGIN, COMPOSE_END, compose_knobs())
     written.append(compose)
+    for relative in KV_TABLE_FILES:
+        written.append(_replace_between(root / relative, KV_TABLE_BEGIN, KV_TABLE_END, kv_table()))
     return written

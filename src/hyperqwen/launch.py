@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hyperqwen.capacity import CacheSetup, CapacityRefusal, Machine, fit_to_card
-from hyperqwen.engine.features import FEATURES, OUR_LINEAR_BACKEND, launch_env
+from hyperqwen.engine.features import FEATURES, MTP_DRAFTS, OUR_LINEAR_BACKEND, launch_env
+from hyperqwen.kv_choices import KV_CHOICES, speculation_refusal
 from hyperqwen.settings import (
     NO_REASONING_PARSER,
     LoadedSettings,
     Mode,
     Settings,
+    SettingsError,
     knobs,
 )
 from hyperqwen.vllm_flags import flag_name
@@ -49,7 +51,10 @@ SINGLE_PROFILES: dict[str, Profile] = {
     "huge": Profile(262144, 1, "fp8", 4096, "float32", "marlin", "tp"),
 }
 BATCH_PROFILE = Profile(150000, 64, "fp8", 8192, "bfloat16", "auto", "dp")
-DEFAULT_DRAFT_TOKENS = {"mtp": 3, "ngram": 4, "lookup": 4}
+DEFAULT_DRAFT_TOKENS = {"mtp": MTP_DRAFTS, "ngram": 4, "lookup": 4}
+# SPEC=ngram's match lengths: 2-5 token n-grams of the prompt, long enough to avoid spurious
+# copies (vLLM's own default, 5-5, finds fewer)
+NGRAM_MATCH = (2, 5)
 # SPEC=lookup's match lengths: at least 3 tokens (shorter repeats are mostly chance), at most 12
 # compared (longer agreement says nothing more about what comes next).
 LOOKUP_MATCH = (3, 12)
@@ -64,6 +69,15 @@ def profile_for(settings: Settings, mode: Mode) -> Profile:
     if mode == "single":
         return SINGLE_PROFILES[settings.CTX]
     return BATCH_PROFILE
+
+
+def kv_cache_dtype(settings: Settings, profile: Profile) -> str:
+    """KV, else the profile's dtype."""
+    return settings.KV or profile.kv_cache_dtype
+
+
+class KvRefusal(SettingsError):
+    """A KV choice that cannot serve with the other knobs; the message names both and the fix."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +117,7 @@ def speculative_config(settings: Settings) -> dict | None:
         "num_speculative_tokens": settings.DRAFT_TOKENS or DEFAULT_DRAFT_TOKENS[settings.SPEC],
     }
     if settings.SPEC == "ngram":
-        # Match 2-5 token n-grams of the prompt: long enough to avoid spurious copies.
-        config.update(prompt_lookup_min=2, prompt_lookup_max=5)
+        config.update(prompt_lookup_min=NGRAM_MATCH[0], prompt_lookup_max=NGRAM_MATCH[1])
     elif settings.SPEC == "lookup":
         # vLLM's CPU n-gram proposer, searching with HyperQwen's match (an engine feature)
         config.update(
@@ -143,7 +156,7 @@ def cache_setup(
     """The single-mode launch choices that shape vLLM's KV-cache pool (capacity.py)."""
     spec = speculative_config(settings)
     return CacheSetup(
-        profile.kv_cache_dtype,
+        kv_cache_dtype(settings, profile),
         profile.ssm_cache_dtype,
         draft_tokens=spec["num_speculative_tokens"] if spec else 0,
         mtp_layers=machine.geometry.mtp_num_hidden_layers if settings.SPEC == "mtp" else 0,
@@ -201,7 +214,9 @@ def build_launch(
     warnings += host_warnings
     path = model_path(settings)
     served_name = path.name
-    kv_dtype = settings.KV if mode == "batch" else profile.kv_cache_dtype
+    kv_dtype = kv_cache_dtype(settings, profile)
+    if mode == "single" and (refusal := speculation_refusal(kv_dtype, settings.SPEC)):
+        raise KvRefusal(refusal)
     split = settings.GPU_SPLIT or profile.gpu_split
     tensor_parallel = settings.GPU_COUNT if split == "tp" else 1
     spec = speculative_config(settings) if mode == "single" else None
@@ -225,7 +240,8 @@ def build_launch(
         ),
         ("--gpu-memory-utilization", f"{settings.GPU_UTIL:g}", "GPU_UTIL"),
         ("--tensor-parallel-size", str(tensor_parallel), "GPU_COUNT"),
-        ("--kv-cache-dtype", kv_dtype, "KV" if mode == "batch" else "CTX"),
+        ("--kv-cache-dtype", kv_dtype, "KV" if settings.KV or mode == "batch" else "CTX"),
+        *((flag, value, "KV") for flag, value in KV_CHOICES[kv_dtype].launch_flags()),
         ("--mamba-ssm-cache-dtype", profile.ssm_cache_dtype, f"mode {mode}"),
         ("--linear-backend", vllm_linear_backend(linear_backend), "LINEAR_BACKEND"),
         (

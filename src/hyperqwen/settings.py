@@ -23,16 +23,15 @@ from dotenv import dotenv_values
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from hyperqwen.engine.features import FEATURES, W4A16_LINEAR, Knob
+from hyperqwen.kv_choices import KvCacheDtype
 
 Mode = Literal["single", "batch"]
 MODES: tuple[Mode, ...] = ("single", "batch")
 BOTH: tuple[Mode, ...] = MODES
 SINGLE: tuple[Mode, ...] = ("single",)
-BATCH: tuple[Mode, ...] = ("batch",)
 
 SpecMethod = Literal["mtp", "ngram", "lookup", "off"]
 ContextProfile = Literal["fast", "long", "huge"]
-KvCacheDtype = Literal["auto", "fp8"]
 DraftSample = Literal["greedy", "probabilistic"]
 Switch = Literal["0", "1"]
 # hyperqwen: engine.features.OUR_LINEAR_BACKEND (vLLM gets marlin)
@@ -143,6 +142,17 @@ class ServingKnobs(BaseModel):
         "--kv-cache-memory-bytes",
         pattern=r"^(\d+[KMGT]?|\d+(\.\d+)?[kmgt])$",
     )
+    KV: KvCacheDtype | None = knob(
+        None,
+        "KV-cache dtype: vLLM 0.26's own choices that serve this hybrid model. Default: "
+        "single: CTX's (fast auto = bf16, long/huge fp8); batch fp8. fp8 halves the cache "
+        "(fp8_e4m3 is the same; fp8_e5m2 keeps less precision); *_per_token_head add a scale "
+        "per token and head (int4 halves fp8 again) and run Triton attention, fp8_per_token_head "
+        "on sm89+ only; turboquant_* (3-4 bit) run TurboQuant, never with SPEC other than off. "
+        "Which works with what, and what a card holds with each: docs/long-context.md; "
+        "batch/README.md has fp8's measured cost.",
+        "--kv-cache-dtype (with --attention-backend where the dtype needs one)",
+    )
     GPU_COUNT: int = knob(
         1,
         "GPUs to serve on; how they are used: GPU_SPLIT. docker-compose.yml reserves one GPU; "
@@ -250,7 +260,10 @@ class ServingKnobs(BaseModel):
         "Tokens drafted per step. Default: 3 for mtp, 4 for ngram and lookup. With lookup, a "
         "match of 6+ tokens proposes all of them and a shorter one at most 4, and only proposed "
         "drafts are verified, so a long block (e.g. 15) costs verify work only while the answer "
-        "copies its context (speed not measured yet).",
+        "copies its context (speed not measured yet). With SPEC=mtp and LOOKUP=auto or 1, more "
+        "than 3 is the longest block a copy from the context fills; MTP still drafts 3 and a "
+        "step without a match verifies those (src/hyperqwen/engine/quoting.md; not run on a GPU "
+        "yet). Each draft slot holds a GDN state per request: see hyperqwen capacity.",
         "--speculative-config num_speculative_tokens",
         modes=SINGLE,
         ge=1,
@@ -262,16 +275,6 @@ class ServingKnobs(BaseModel):
         "more at temperature > 0, costs memory for draft logits).",
         "--speculative-config draft_sample_method",
         modes=SINGLE,
-    )
-
-    # --- batch mode ----------------------------------------------------------------------
-    KV: KvCacheDtype = knob(
-        "fp8",
-        "KV-cache dtype in batch mode. fp8 halves cache memory (more concurrent context); "
-        "auto keeps the model dtype (bf16). batch/README.md has fp8's measured cost in "
-        "perplexity and speed.",
-        "--kv-cache-dtype",
-        modes=BATCH,
     )
 
     @field_validator("HOST")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hyperqwen.bench.ab_plan import SIDES, ABError, ABPlan
 from hyperqwen.bench.options import DEFAULT_COHORTS, _int_list
-from hyperqwen.bench.profile import profiler_flags
+from hyperqwen.bench.profile import PROFILE_DELAY_STEPS, profiler_flags
 from hyperqwen.bench.server_process import SERVER_HOST
 from hyperqwen.launch import LaunchPlan, build_launch
 from hyperqwen.settings import LoadedSettings, SettingsError, knobs, load_settings
@@ -32,8 +32,6 @@ from hyperqwen.vllm_flags import (
 )
 
 PREVIEW_PORT = 8000  # any valid port: the argv is only inspected, never run
-# engine steps the profiler lets pass before recording: the prefill and the first decodes
-PROFILE_DELAY_STEPS = 3
 MAX_NUM_SEQS = "--max-num-seqs"
 
 
@@ -47,32 +45,47 @@ def _profile_overrides(model: Path, port: int) -> dict[str, str]:
     return {"MODEL": str(model), "PORT": str(port), "HOST": SERVER_HOST}
 
 
-def _load_profile(model: Path, port: int, env_file: str | None) -> LoadedSettings:
-    environ = {**os.environ, **_profile_overrides(model, port)}
+def _load_profile(
+    model: Path, port: int, env_file: str | None, knob_values: dict[str, str] | None = None
+) -> LoadedSettings:
+    environ = {**os.environ, **(knob_values or {}), **_profile_overrides(model, port)}
     try:
         return load_settings(environ, Path(env_file) if env_file else None)
     except SettingsError as error:
         raise ABError(f"the project's profile cannot be built:\n{error}") from None
 
 
-def profile_launch(model: Path, port: int, mode: str, env_file: str | None) -> LaunchPlan:
-    """What `hyperqwen serve MODE` would run for this model (knobs from env/.env), local."""
-    return build_launch(_load_profile(model, port, env_file), mode, api_key=None)
+def profile_launch(
+    model: Path,
+    port: int,
+    mode: str,
+    env_file: str | None,
+    knob_values: dict[str, str] | None = None,
+) -> LaunchPlan:
+    """What `hyperqwen serve MODE` would run for this model (knobs from env/.env, then
+    `knob_values` over them), local."""
+    return build_launch(_load_profile(model, port, env_file, knob_values), mode, api_key=None)
 
 
 def profile_serve_argv(model: Path, port: int, mode: str, env_file: str | None) -> list[str]:
     return profile_launch(model, port, mode, env_file).argv[1:]  # drop "vllm"
 
 
-def side_environment(side: str, plan: ABPlan, port: int, parent: Path) -> dict:
-    """The server's environment: this one's (less the key), with the side's vllm/ first on
-    PYTHONPATH; the patched side adds the launcher's variables (the engine features' switches,
-    engine/features.py, travel there as in `hyperqwen serve`)."""
+def server_environment(parent: Path, launcher_env: dict[str, str] | None = None) -> dict:
+    """A server's environment: this one's (less the key), with parent's vllm/ first on
+    PYTHONPATH, and the launcher's variables where it runs the project's profile (the engine
+    features' switches, engine/features.py, travel there as in `hyperqwen serve`)."""
     env = {key: value for key, value in os.environ.items() if key != "VLLM_API_KEY"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(parent), env.get("PYTHONPATH")]))
-    if side == "patched":
-        env.update(profile_launch(Path(plan.model), port, plan.mode, plan.env_file).env)
-    return env
+    return {**env, **(launcher_env or {})}
+
+
+def side_environment(side: str, plan: ABPlan, port: int, parent: Path) -> dict:
+    """One side's server environment; the patched side's carries the launcher's variables."""
+    if side != "patched":
+        return server_environment(parent)
+    launch = profile_launch(Path(plan.model), port, plan.mode, plan.env_file)
+    return server_environment(parent, launch.env)
 
 
 def environment_knobs(model: Path, env_file: str | None) -> dict[str, str]:
@@ -99,7 +112,7 @@ def server_command(template: str, side: str, argv: list[str], port: int) -> list
 # --- speculation -----------------------------------------------------------------------------
 
 
-def _compact(config: dict) -> str:
+def compact(config: dict) -> str:
     """A --speculative-config value as vLLM's own help writes one: JSON without spaces."""
     return json.dumps(config, separators=(",", ":"))
 
@@ -138,7 +151,7 @@ def with_synthetic_acceptance(argv: list[str], rates: tuple[float, ...]) -> list
                 f"drafts {drafts} tokens: give that many rates, each in [0, 1], non-increasing)"
             ) from None
         config.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=list(rates))
-        patched[index] = prefix + _compact(config)
+        patched[index] = prefix + compact(config)
     return patched
 
 
@@ -188,7 +201,7 @@ def stock_speculation(plan: ABPlan) -> list[str]:
     if plan.stock_vllm:  # absent in --phase patched, which does not start the stock side
         accepted = spec_fields(Path(plan.stock_vllm))
         config = {key: value for key, value in config.items() if key.replace("-", "_") in accepted}
-    return [SPECULATIVE_CONFIG, _compact(config)]
+    return [SPECULATIVE_CONFIG, compact(config)]
 
 
 # --- each side's argv ------------------------------------------------------------------------
@@ -308,11 +321,11 @@ def baseline_note(commands: dict[str, list[str]]) -> str:
             "speculates: these ratios include speculation's gain."
         )
     if patched is None:
-        return f"The stock side speculates ({_compact(stock)}), the patched side does not."
+        return f"The stock side speculates ({compact(stock)}), the patched side does not."
     if not stock.items() <= patched.items():
         return (
-            f"The stock side speculates with its own --speculative-config ({_compact(stock)}, "
-            f"from --stock-args), the patched side with {_compact(patched)}."
+            f"The stock side speculates with its own --speculative-config ({compact(stock)}, "
+            f"from --stock-args), the patched side with {compact(patched)}."
         )
     note = (
         "The stock side speculates with the patched side's --speculative-config (same method, "

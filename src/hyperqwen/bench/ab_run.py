@@ -14,7 +14,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from hyperqwen.bench.ab_argv import (
-    PROFILE_DELAY_STEPS,
     environment_knobs,
     serve_argv,
     server_command,
@@ -26,7 +25,7 @@ from hyperqwen.bench.client import BenchClient
 from hyperqwen.bench.copy_tasks import copy_prompts
 from hyperqwen.bench.header import server_version
 from hyperqwen.bench.options import DATE_FORMAT, build_plan
-from hyperqwen.bench.profile import load_trace, newest_trace, summarize
+from hyperqwen.bench.profile import load_trace, profile_one_request, summarize
 from hyperqwen.bench.quality import (
     QUALITY_SCHEMA,
     battery_options,
@@ -43,7 +42,7 @@ from hyperqwen.bench.server_process import (
     running_server,
     weight_gib,
 )
-from hyperqwen.bench.workload import RequestFactory, Workload, served_token_ids
+from hyperqwen.bench.workload import RequestFactory, served_token_ids
 from hyperqwen.patches import PatchSeriesError, PatchState, check_series, load_series, series_status
 
 
@@ -194,14 +193,9 @@ def run_side(side: str, plan: ABPlan, sharegpt_prompts: Sequence[str] | None) ->
 
 def profile_side(client: BenchClient, factory: RequestFactory, plan: ABPlan, side: str) -> dict:
     """One C1 request between /start_profile and /stop_profile; the trace's step summary."""
-    steps = plan.profile_steps
-    # long enough to outlast the delay and the window even if every draft is accepted
-    workload = Workload("random", False, plan.input_len, (PROFILE_DELAY_STEPS + steps + 2) * 17)
-    since = time.time()
-    client.post("/start_profile")
-    client.stream_many(factory.requests(workload, 1), 1)
-    client.post("/stop_profile")
-    trace = newest_trace(trace_dir(plan, side), since)
+    trace = profile_one_request(
+        client, factory, plan.input_len, plan.profile_steps, trace_dir(plan, side)
+    )
     summary = {"trace": str(trace), **summarize(load_trace(trace))}
     print(
         f"   profile: {summary['steps']} steps, {summary['gpu_ms_per_step']} GPU ms per step: "

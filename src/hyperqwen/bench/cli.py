@@ -23,10 +23,12 @@ from hyperqwen.bench.options import (
 )
 from hyperqwen.bench.plot import PlotUnavailable, write_plot
 from hyperqwen.bench.quality import add_quality_subcommands
+from hyperqwen.bench.quoting import add_subcommands as add_quoting_subcommands
 from hyperqwen.bench.rows import Row, format_row
 from hyperqwen.bench.run import run_bench, served_model, write_results
 from hyperqwen.bench.sass import add_subcommand as add_sass_subcommand
 from hyperqwen.bench.soak import add_subcommand as add_soak_subcommand
+from hyperqwen.bench.stepmap_cli import add_subcommand as add_stepmap_subcommand
 from hyperqwen.bench.workload import (
     SALT_TOKENS,
     DatasetMissing,
@@ -203,3 +205,5 @@ def add_subcommand(subparsers) -> None:
     add_gdn_subcommand(actions)
     add_sass_subcommand(actions)
     add_soak_subcommand(actions)
+    add_stepmap_subcommand(actions)
+    add_quoting_subcommands(actions)

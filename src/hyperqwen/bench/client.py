@@ -196,8 +196,8 @@ class BenchClient:
         concurrency: int,
         on_result: Callable[[], object] = lambda: None,
     ) -> tuple[list[StreamResult], float]:
-        """Stream (path, body) requests, `concurrency` in flight; the results in the order they
-        finish and the wall time of the whole pass.
+        """Stream (path, body) requests, `concurrency` in flight; the results in the order of
+        `requests` and the wall time of the whole pass.
 
         One event loop on one thread drives every stream, as `vllm bench serve` does: a thread
         per stream makes C threads wake up for every token. `on_result` runs as each request
@@ -231,7 +231,8 @@ class BenchClient:
             start = time.perf_counter()
             tasks = [asyncio.create_task(one(path, body)) for path, body in requests]
             try:
-                results = [await task for task in asyncio.as_completed(tasks)]
+                # gather raises the first failure at once; the rest are cancelled below
+                results = list(await asyncio.gather(*tasks))
             finally:
                 for task in tasks:
                     task.cancel()

@@ -33,22 +33,35 @@ def _fits(text: str) -> bool:
     return PASSAGE_CHARS[0] <= len(text) <= PASSAGE_CHARS[1]
 
 
+def docstrings(documents: list[str]) -> list[str]:
+    """Every docstring of `documents` that fits PASSAGE_CHARS, cleaned, in file order."""
+    found = (
+        inspect.cleandoc(body) for document in documents for body in DOCSTRING.findall(document)
+    )
+    return [text for text in found if _fits(text)]
+
+
+def functions(documents: list[str], max_chars: int = PASSAGE_CHARS[1]) -> list[str]:
+    """Every function (or method, dedented) of `documents` of PASSAGE_CHARS[0] to max_chars
+    characters, in file order."""
+    chunks = (
+        textwrap.dedent(chunk).strip()
+        for document in documents
+        for chunk in FUNCTION_START.split(document)
+    )
+    return [
+        text
+        for text in chunks
+        if text.startswith("def ") and PASSAGE_CHARS[0] <= len(text) <= max_chars
+    ]
+
+
 def copy_prompts() -> list[str]:
     """Every prompt, in a fixed order: the prose tasks (alternating) over each docstring that
     fits, then the code task over as many functions that fit and use `self`: half prose, half
     code."""
     documents, _ = stdlib_documents()
-    prose, code = [], []
-    for document in documents:
-        prose += [
-            text
-            for text in (inspect.cleandoc(body) for body in DOCSTRING.findall(document))
-            if _fits(text)
-        ]
-        code += [
-            text
-            for text in (textwrap.dedent(chunk).strip() for chunk in FUNCTION_START.split(document))
-            if text.startswith("def ") and "self" in text and _fits(text)
-        ]
+    prose = docstrings(documents)
+    code = [text for text in functions(documents) if "self" in text]
     prompts = [TASKS[index % len(TASKS)].format(passage=text) for index, text in enumerate(prose)]
     return prompts + [CODE_TASK.format(passage=text) for text in code[: len(prompts)]]

@@ -54,14 +54,22 @@ class LinearShape:
     bits: int = 4  # 4: the W4A16 body; 8: prepare's int8 heads (timed against their bf16 form)
 
 
-def layer_shapes(g: Geometry) -> list[LinearShape]:
-    """The W4A16 linears of a qwen3_5 decoder as vLLM fuses them (one GEMM each)."""
+# The W4A16 GEMMs of each decoder layer type, in the order a forward pass launches them.
+LAYER_GEMMS = {
+    "linear_attention": ("gdn_in_proj_qkvz", "gdn_out_proj", "mlp_gate_up", "mlp_down"),
+    "full_attention": ("attn_qkv", "attn_o", "mlp_gate_up", "mlp_down"),
+}
+
+
+def linear_kinds(g: Geometry) -> list[LinearShape]:
+    """Every kind of W4A16 linear of a qwen3_5 decoder as vLLM fuses it (one GEMM each), named
+    as in LAYER_GEMMS, with how many a token runs."""
     layers = g.layer_types
     gdn = layers.count("linear_attention")
     attn = layers.count("full_attention")
     qkvz = 2 * g.linear_key_dim + 2 * g.linear_value_dim
     attn_qkv = 2 * g.num_attention_heads * g.head_dim + 2 * g.num_key_value_heads * g.head_dim
-    shapes = [
+    return [
         LinearShape("gdn_in_proj_qkvz", qkvz, g.hidden_size, gdn),
         LinearShape("gdn_out_proj", g.hidden_size, g.linear_value_dim, gdn),
         LinearShape("attn_qkv", attn_qkv, g.hidden_size, attn),
@@ -69,8 +77,12 @@ def layer_shapes(g: Geometry) -> list[LinearShape]:
         LinearShape("mlp_gate_up", 2 * g.intermediate_size, g.hidden_size, len(layers)),
         LinearShape("mlp_down", g.hidden_size, g.intermediate_size, len(layers)),
     ]
+
+
+def layer_shapes(g: Geometry) -> list[LinearShape]:
+    """linear_kinds with kinds of one shape merged: each distinct GEMM shape timed once."""
     merged: dict[tuple[int, int], LinearShape] = {}
-    for shape in shapes:  # o_proj and out_proj share [hidden, 6144] on the 27B: time it once
+    for shape in linear_kinds(g):  # o_proj and out_proj share [hidden, 6144] on the 27B
         key = (shape.n, shape.k)
         if key in merged:
             old = merged[key]

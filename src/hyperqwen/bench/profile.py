@@ -18,17 +18,22 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from hyperqwen.bench.client import BenchClient
+from hyperqwen.bench.workload import RequestFactory, Workload
+
 # First match wins: the W4A16 kernels before any generic GEMM pattern, GDN before attention.
 CATEGORIES: tuple[tuple[str, re.Pattern], ...] = tuple(
     (name, re.compile(pattern, re.IGNORECASE))
     for name, pattern in (
         ("w4a16_gemm", r"machete|marlin|gptq|w4a16|humming|exllama"),
-        ("gdn", r"gated_delta|fused_recurrent|chunk_|fla_|gdn|conv1d|l2norm"),
+        # _ba_kernel: HyperQwen's GDN b/a projection (kernels/ba_proj.py)
+        ("gdn", r"gated_delta|fused_recurrent|chunk_|fla_|gdn|conv1d|l2norm|_ba_kernel"),
         ("attention", r"flash|fmha|attention|attn"),
         ("dense_gemm", r"gemv|gemm|cutlass|xmma|nvjet|cublas|sm90_|sm80_"),
-        ("norm_activation", r"norm|silu|gelu|act_and_mul|rotary|rope"),
+        # rsqrt: an RMS norm that torch.compile fused into a Triton kernel (triton_red_fused_...)
+        ("norm_activation", r"norm|rsqrt|silu|gelu|act_and_mul|rotary|rope"),
         ("sampling", r"sampl|argmax|topk|top_k|softmax|rejection|gumbel|exponential"),
-        ("memory", r"memset|memcpy|copy|fill|cat_|index|gather|scatter"),
+        ("memory", r"memset|memcpy|copy|fill|cat_|index|gather|scatter|split"),
     )
 )
 OTHER = "other"
@@ -39,6 +44,10 @@ GPU_EVENT_CATEGORIES = frozenset({"kernel", "gpu_memset", "gpu_memcpy"})
 STEP_RANGE_PREFIX = "execute_context_"
 TOP_KERNELS = 40  # enough to name most of "other", the bucket no pattern claims
 TRACE_WAIT_S = 120
+# engine steps the profiler lets pass before recording: the prefill and the first decodes
+PROFILE_DELAY_STEPS = 3
+# tokens one profiled step can emit at most, with room: the request outlasts the window
+TOKENS_PER_STEP_BOUND = 17
 
 
 class ProfileError(RuntimeError):
@@ -46,11 +55,14 @@ class ProfileError(RuntimeError):
 
 
 def profiler_flags(trace_dir: Path, steps: int, delay_steps: int) -> list[str]:
-    """vLLM's --profiler-config for a short window of decode steps."""
+    """vLLM's --profiler-config for a short window of decode steps. vLLM 0.26's worker always
+    records CPU and CUDA activity (gpu_worker.py passes both), so the window stays short; the
+    summary table it would print on stop is left out (averaging every event took minutes)."""
     config = {
         "profiler": "torch",
         "torch_profiler_dir": str(trace_dir.resolve()),
         "torch_profiler_with_stack": False,
+        "torch_profiler_dump_cuda_time_total": False,
         "ignore_frontend": True,
         "delay_iterations": delay_steps,
         "max_iterations": steps,
@@ -136,6 +148,20 @@ def newest_trace(trace_dir: Path, since: float, wait_s: float = TRACE_WAIT_S) ->
         if time.monotonic() > deadline:
             raise ProfileError(f"no trace appeared in {trace_dir} within {wait_s:.0f} s")
         time.sleep(1.0)
+
+
+def profile_one_request(
+    client: BenchClient, factory: RequestFactory, input_len: int, steps: int, trace_dir: Path
+) -> Path:
+    """One C1 request between /start_profile and /stop_profile against a server started with
+    profiler_flags(trace_dir, steps, PROFILE_DELAY_STEPS); the trace it wrote."""
+    output_len = (PROFILE_DELAY_STEPS + steps + 2) * TOKENS_PER_STEP_BOUND
+    workload = Workload("random", False, input_len, output_len)
+    since = time.time()
+    client.post("/start_profile")
+    client.stream_many(factory.requests(workload, 1), 1)
+    client.post("/stop_profile")
+    return newest_trace(trace_dir, since)
 
 
 def profile_rows(summary: dict) -> dict[str, tuple[str, float | None]]:

@@ -42,9 +42,10 @@ REQUIRED_FIELDS = {
     "rows": "the measured figures: a list of {name, unit, stock, patched, ratio}",
 }
 ROW_FIELDS = ("name", "unit", "stock", "patched", "ratio")
-# Units where a smaller number is the better one; every other unit is a speed or a count
-# where more is better. The docs say which way each table reads.
-LOWER_IS_BETTER = frozenset({"ms", "s", "GiB", "ppl"})
+# Units where a smaller number is the better one (launches and gaps: a step map's kernels and
+# idle gaps per step); every other unit is a speed or a count where more is better. The docs
+# say which way each table reads.
+LOWER_IS_BETTER = frozenset({"ms", "s", "GiB", "ppl", "launches", "gaps"})
 RATIO_DECIMALS = 3
 PUBLISH_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 NO_RUNS = "There are no published runs yet."

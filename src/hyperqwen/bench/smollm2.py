@@ -54,12 +54,20 @@ def smollm2_gguf() -> Path:
     )
 
 
+def load_gguf_tokenizer(gguf: Path | None = None) -> Any:
+    """The tokenizer, chat template included, from the GGUF (default: smollm2_gguf())."""
+    from transformers import AutoTokenizer
+
+    gguf = gguf or smollm2_gguf()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
 def load_gguf_model(gguf: Path) -> tuple[Any, Any]:
     """(model, tokenizer) dequantized from the GGUF by transformers, float32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = load_gguf_tokenizer(gguf)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ImportError, ValueError) as error:
         if "gguf" in str(error).lower() or "accelerate" in str(error).lower():

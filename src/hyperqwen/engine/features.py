@@ -29,6 +29,9 @@ BOTH_MODES = ("single", "batch")
 SINGLE_MODE = ("single",)
 # LINEAR_BACKEND's one value vLLM does not know: vLLM gets marlin, the engine HYPERQWEN_W4A16=1
 OUR_LINEAR_BACKEND = "hyperqwen"
+# MTP's drafts per step: SPEC=mtp's default DRAFT_TOKENS, and with lookup's quoting (a larger
+# DRAFT_TOKENS) what MTP still drafts and a step without a match verifies (engine/quoting.py)
+MTP_DRAFTS = 3
 
 
 class FeatureSwitchError(ValueError):
@@ -75,6 +78,16 @@ RUNNER_STEP_BEGINS = Seam("runner_step_begins", "v1-runner.patch", "V1 runner: a
 RUNNER_COUNTS_ON_GPU = Seam(
     "runner_counts_on_gpu", "v1-runner.patch", "V1 runner: accepted counts taken on the GPU"
 )
+RUNNER_GRAPHS_DISPATCHED = Seam(
+    "runner_graphs_dispatched", "v1-runner.patch", "V1 runner: CUDA graph dispatcher built"
+)
+RUNNER_COPIES_SCHEDULER_OUTPUT = Seam(
+    "runner_copies_scheduler_output", "v1-runner.patch", "V1 runner: private scheduler output"
+)
+RUNNER_CUT_DRAFTS = Seam(
+    "runner_cut_drafts", "v1-runner.patch", "V1 runner: scheduled drafts cut in `_update_states`"
+)
+RUNNER_DRAFT_COUNT = Seam("runner_draft_count", "v1-runner.patch", "V1 runner: drafts to propose")
 RUNNER_DRAFTED = Seam("runner_drafted", "v1-runner.patch", "V1 runner: after the drafter")
 
 
@@ -164,6 +177,7 @@ def switched_on(feature: Feature) -> bool:
 
 
 def _lookup_ignored(settings: Any, mode: str) -> str | None:
+    # auto means "where it applies": only an explicit 1 that cannot apply warns
     if mode != "single" or settings.LOOKUP != ON:
         return None
     if settings.SPEC != "mtp":
@@ -173,6 +187,19 @@ def _lookup_ignored(settings: Any, mode: str) -> str | None:
             "LOOKUP is ignored with DRAFT_SAMPLE=probabilistic (a copied draft has no MTP "
             "probability to verify against)."
         )
+    return None
+
+
+def _lookup_launch(settings: Any, mode: str) -> str | None:
+    """SPEC=lookup: vLLM's CPU n-gram proposer searches with HyperQwen's match (1); SPEC=mtp:
+    the knob itself (auto or 1: copies fused with MTP's greedy drafts, decided in the engine,
+    which knows the drafter's sampling)."""
+    if mode != "single":
+        return None
+    if settings.SPEC == "lookup":
+        return ON
+    if settings.SPEC == "mtp" and settings.LOOKUP != OFF:
+        return settings.LOOKUP
     return None
 
 
@@ -301,33 +328,40 @@ ALIGN_OVERLAP = Feature(
 
 LOOKUP = Feature(
     name="lookup",
-    seams=(NGRAM_DRAFTS, RUNNER_DRAFTER_BUILT, RUNNER_KEEPS_NGRAM_BUFFER, RUNNER_DRAFTED),
+    seams=(
+        NGRAM_DRAFTS,
+        RUNNER_DRAFTER_BUILT,
+        RUNNER_GRAPHS_DISPATCHED,
+        RUNNER_KEEPS_NGRAM_BUFFER,
+        RUNNER_CUT_DRAFTS,
+        RUNNER_COPIES_SCHEDULER_OUTPUT,
+        RUNNER_DRAFT_COUNT,
+        RUNNER_DRAFTED,
+    ),
     env="HYPERQWEN_LOOKUP",
     knob="LOOKUP",
     owned_knob=Knob(
-        "0",
-        "With SPEC=mtp and DRAFT_SAMPLE=greedy: also copy drafts from the request's own context "
-        "(the tokens that followed the longest, latest earlier occurrence of its last 2-12 "
-        "tokens) into MTP's draft slots, where the match is 6 tokens or more or MTP's first "
-        "draft agrees. Meant for answers that quote the prompt (edits, rewrites); acceptance "
-        "not measured yet, and it keeps its tokens with vLLM's ngram_gpu bookkeeping, which "
-        "lost acceptance under async scheduling on the H200: leave it off until measured.",
+        OFF,
+        "Quoting: with SPEC=mtp and DRAFT_SAMPLE=greedy, also copy drafts from the request's "
+        "own context (the tokens that followed the longest, latest earlier occurrence of its "
+        "last 2-12 tokens) into MTP's draft slots, where the match is 6 tokens or more or MTP's "
+        "first draft agrees. auto: on wherever it applies (single mode, MTP, greedy drafts), "
+        "silently off elsewhere; 1: the same, with a warning where it cannot apply; 0: off. "
+        "DRAFT_TOKENS above 3 lets a long match fill that many slots while other requests "
+        "verify MTP's 3 (src/hyperqwen/engine/quoting.md; costs GDN state memory, not run on a "
+        "GPU yet). Acceptance not measured: off by default until measured.",
+        values=("auto", OFF, ON),
         modes=SINGLE_MODE,
     ),
-    # SPEC=lookup: vLLM's CPU n-gram proposer searches with HyperQwen's match; SPEC=mtp LOOKUP=1:
-    # the same search fused with MTP's drafts
-    launch=lambda settings, mode: (
-        ON
-        if mode == "single"
-        and (settings.SPEC == "lookup" or (settings.SPEC == "mtp" and settings.LOOKUP == ON))
-        else None
-    ),
+    launch=_lookup_launch,
     ignored=_lookup_ignored,
-    status="off (on with SPEC=lookup, or LOOKUP=1 with SPEC=mtp); CPU-tested; on its first "
+    status="off (on with SPEC=lookup, or LOOKUP=auto/1 with SPEC=mtp); CPU-tested; on its first "
     "home, vLLM's async `ngram_gpu` proposer, SPEC=lookup drafted at 0.47x stock CPU n-gram's "
     "tokens/s on copy prompts (H200, SmolLM2-135M, 2026-12-01), so it moved to the CPU proposer "
     "(measured there with 3 requests per C1 row, too few to decide: single-user/README.md); "
-    "LOOKUP=1 still keeps the `ngram_gpu` buffer, acceptance not measured",
+    "LOOKUP=auto/1 still keeps the `ngram_gpu` buffer, acceptance not measured; with "
+    "DRAFT_TOKENS > 3 the per-request verify width of `quoting.py` (`quoting.md`), CPU-tested, "
+    "not run on a GPU yet",
 )
 
 # In this order: Settings adds the owned knobs, the launcher sets the variables and warns.

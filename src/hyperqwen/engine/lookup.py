@@ -1,22 +1,24 @@
 """Lookup drafting: drafts copied from the request's own context.
 
-Two uses, both switched on by HYPERQWEN_LOOKUP=1 (the launcher sets it):
+Two uses, switched by HYPERQWEN_LOOKUP (the launcher sets it from the LOOKUP knob):
 
-- SPEC=lookup: vLLM 0.26's CPU `ngram` proposer asks `propose` here for each request
-  (the ngram_drafts seam, seams.py) instead of its own search: the longest, then most recent earlier
-  occurrence of the context's last 3-12 tokens (kernels/lookup.py, `suffix_match_on_host`), whose
-  continuation is what the text did last time, extended periodically when it runs into the
-  present, and as many drafts as the match supports. vLLM's `ngram_gpu` path was the first home
-  of this: on the H200 (SmolLM2-135M, 2026-12-01) it drafted at 0.47-0.49x the tokens/s of
-  vLLM's CPU `ngram` on copy and chat prompts at C1 (0.22 against 0.88 first-draft acceptance
-  while copying), the async-scheduling loss vllm-project/vllm#37150 reports for that path.
-- SPEC=mtp with LOOKUP=1 (`runner_keeps_ngram_buffer`): the V1 runner keeps the GPU token
+- SPEC=lookup (the variable is 1): vLLM 0.26's CPU `ngram` proposer asks `propose` here for each
+  request (the ngram_drafts seam, seams.py) instead of its own search: the longest, then most
+  recent earlier occurrence of the context's last 3-12 tokens (kernels/lookup.py,
+  `suffix_match_on_host`), whose continuation is what the text did last time, extended
+  periodically when it runs into the present, and as many drafts as the match supports. vLLM's
+  `ngram_gpu` path was the first home of this: on the H200 (SmolLM2-135M, 2026-12-01) it drafted
+  at 0.47-0.49x the tokens/s of vLLM's CPU `ngram` on copy and chat prompts at C1 (0.22 against
+  0.88 first-draft acceptance while copying), the async-scheduling loss vllm-project/vllm#37150
+  reports for that path.
+- SPEC=mtp with LOOKUP=auto or 1 (`runner_keeps_ngram_buffer`): the V1 runner keeps the GPU token
   buffer of vLLM's `ngram_gpu` path for MTP (the V1 runner's seams; its upkeep under async
   scheduling is the path above, so its acceptance is to be measured before it is recommended)
   and, after MTP has drafted (runner_drafted), `fuse_into_mtp` writes the new tokens into it and
-  puts a copy in MTP's draft slots where the match is long (LONG_MATCH tokens) or where MTP's first
-  draft agrees with it. Only with greedy drafts: a copied draft is a point mass, and MTP's draft
-  probabilities would no longer describe it.
+  puts a copy in MTP's draft slots where the match is long (LONG_MATCH tokens) or where MTP's
+  first draft agrees with it. Only with greedy drafts: a copied draft is a point mass, and MTP's
+  draft probabilities would no longer describe it. With more draft slots than MTP's, quoting.py
+  widens the verify block where the match is long (the other runner seams below hand it on).
 
 Verification is vLLM's, so the output is the model's either way; only which drafts are proposed
 (and so how many are accepted) changes.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hyperqwen.engine.features import LOOKUP, ON, env_value
 from hyperqwen.kernels.lookup import find_suffix_match, fuse_with_mtp, suffix_match_on_host
 
 # Fused with MTP: matches of 2-12 tokens are found; one of LONG_MATCH or more is copied alone,
@@ -56,9 +59,12 @@ def propose(
 
 def ngram_drafts(
     proposer, num_requests: int, valid_ngram_requests: list, num_tokens_no_spec, token_ids_cpu, k
-) -> list[list[int]]:
+) -> list[list[int]] | None:
     """vLLM's CPU n-gram proposer's drafts (batch_propose's arguments): `propose`'s for each
-    valid request, none for the others."""
+    valid request, none for the others. Only at 1, which the launcher sets for SPEC=lookup: auto
+    leaves vLLM's own n-gram search alone (None)."""
+    if env_value(LOOKUP) != ON:
+        return None
     valid = set(valid_ngram_requests)
     return [
         propose(token_ids_cpu[i, : num_tokens_no_spec[i]], proposer.min_n, proposer.max_n, k,
@@ -70,7 +76,8 @@ def ngram_drafts(
 
 
 def runner_keeps_ngram_buffer(speculative_config) -> bool:
-    """Lookup drafts go into MTP's draft slots (greedy MTP drafts only)."""
+    """Lookup drafts go into MTP's draft slots: greedy MTP drafts only (so LOOKUP=auto is
+    decided here, where the drafter's method and sampling are known)."""
     return speculative_config.method == "mtp" and speculative_config.draft_sample_method == "greedy"
 
 
@@ -97,24 +104,46 @@ def runner_drafter_built(runner) -> None:
         allocate_token_buffer(runner)
 
 
+# The V1 runner's seams for quoting; engine/quoting.py (which builds on this module) decides.
+
+
+def runner_graphs_dispatched(runner) -> None:
+    from hyperqwen.engine import quoting
+
+    quoting.attach(runner)
+
+
+def runner_copies_scheduler_output(runner) -> bool:
+    from hyperqwen.engine import quoting
+
+    return quoting.trims(runner)
+
+
+def runner_cut_drafts(runner, scheduler_output) -> dict[str, int]:
+    from hyperqwen.engine import quoting
+
+    return quoting.trim(runner, scheduler_output)
+
+
+def runner_draft_count(runner, scheduled: int) -> int:
+    from hyperqwen.engine import quoting
+
+    return quoting.mtp_drafts(runner, scheduled)
+
+
 def runner_drafted(runner, draft_token_ids, sampled_token_ids):
-    """MTP's drafts with copies from the context (fuse_into_mtp), where fused with MTP."""
+    """MTP's drafts with copies from the context, where fused with MTP (quoting.drafts: as wide
+    as the block where quoting widens it, else `fuse_into_mtp`)."""
     if not runner_keeps_ngram_buffer(runner.speculative_config) or not isinstance(
         sampled_token_ids, torch.Tensor
     ):
         return draft_token_ids
-    return fuse_into_mtp(
-        draft_token_ids,
-        sampled_token_ids,
-        runner.discard_request_mask.gpu,
-        runner.token_ids_gpu_tensor,
-        runner.num_tokens_no_spec_gpu,
-        runner.input_batch.vocab_size,
-    )
+    from hyperqwen.engine import quoting
+
+    return quoting.drafts(runner, draft_token_ids, sampled_token_ids)
 
 
-def fuse_into_mtp(
-    mtp_drafts: torch.Tensor,
+def write_accepted(
     sampled_token_ids: torch.Tensor,
     discard_mask: torch.Tensor,
     token_ids: torch.Tensor,
@@ -122,9 +151,9 @@ def fuse_into_mtp(
     vocab_size: int,
 ) -> torch.Tensor:
     """Write this step's accepted tokens (sampled_token_ids [B, k+1], -1 where rejected) into the
-    token buffer after each row's num_tokens, as vLLM's n-gram proposer does, then return MTP's
-    drafts [B, k] with a copy from the context where it wins (fuse_with_mtp)."""
-    rows, width = mtp_drafts.shape[0], token_ids.shape[1]
+    token buffer after each row's num_tokens, as vLLM's n-gram proposer does; return each row's
+    length with them ([B] int32)."""
+    rows, width = sampled_token_ids.shape[0], token_ids.shape[1]
     sampled = sampled_token_ids.masked_fill(discard_mask[:rows, None], -1)
     valid = (sampled != -1) & (sampled < vocab_size)
     count = valid.sum(dim=1, dtype=torch.int32)
@@ -136,8 +165,21 @@ def fuse_into_mtp(
     buffer.scatter_(
         1, positions, torch.where(write, sampled.to(buffer.dtype), buffer.gather(1, positions))
     )
-    match = find_suffix_match(
-        buffer, (num_tokens[:rows] + count).to(torch.int32), *FUSED_MATCH, mtp_drafts.shape[1]
-    )
+    return (num_tokens[:rows] + count).to(torch.int32)
+
+
+def fuse_into_mtp(
+    mtp_drafts: torch.Tensor,
+    sampled_token_ids: torch.Tensor,
+    discard_mask: torch.Tensor,
+    token_ids: torch.Tensor,
+    num_tokens: torch.Tensor,
+    vocab_size: int,
+) -> torch.Tensor:
+    """`write_accepted`, then MTP's drafts [B, k] with a copy from the context where it wins
+    (fuse_with_mtp)."""
+    lengths = write_accepted(sampled_token_ids, discard_mask, token_ids, num_tokens, vocab_size)
+    rows = mtp_drafts.shape[0]
+    match = find_suffix_match(token_ids[:rows], lengths, *FUSED_MATCH, mtp_drafts.shape[1])
     drafts, _ = fuse_with_mtp(mtp_drafts.to(torch.int32), match, LONG_MATCH)
     return drafts[:, : mtp_drafts.shape[1]].to(mtp_drafts.dtype)

@@ -23,9 +23,13 @@ from hyperqwen.engine.features import (
     LINEAR_KERNELS,
     NGRAM_DRAFTS,
     PROPOSER_LOADED,
+    RUNNER_COPIES_SCHEDULER_OUTPUT,
     RUNNER_COUNTS_ON_GPU,
+    RUNNER_CUT_DRAFTS,
+    RUNNER_DRAFT_COUNT,
     RUNNER_DRAFTED,
     RUNNER_DRAFTER_BUILT,
+    RUNNER_GRAPHS_DISPATCHED,
     RUNNER_KEEPS_NGRAM_BUFFER,
     RUNNER_STEP_BEGINS,
     Seam,
@@ -107,9 +111,31 @@ def runner_drafter_built(runner: Any) -> None:
         hook(runner)
 
 
+def runner_graphs_dispatched(runner: Any) -> None:
+    """The V1 runner right after it built its CUDA graph dispatcher (its uniform decode width)."""
+    for hook in hooks(RUNNER_GRAPHS_DISPATCHED):
+        hook(runner)
+
+
 def runner_keeps_ngram_buffer(speculative_config: Any) -> bool:
     """Whether the V1 runner keeps vLLM's `ngram_gpu` token buffer beyond that method."""
     return any(hook(speculative_config) for hook in hooks(RUNNER_KEEPS_NGRAM_BUFFER))
+
+
+def runner_cut_drafts(runner: Any, scheduler_output: Any) -> dict[str, int]:
+    """In _update_states, after vLLM's own n-gram cut: the features cut the step's scheduled
+    drafts (and token counts) on the runner's private copy of the scheduler output; returns each
+    cut request's scheduled count, which vLLM keeps for its rejection correction."""
+    scheduled: dict[str, int] = {}
+    for hook in hooks(RUNNER_CUT_DRAFTS):
+        scheduled.update(hook(runner, scheduler_output))
+    return scheduled
+
+
+def runner_copies_scheduler_output(runner: Any) -> bool:
+    """Whether the step works on a private copy of the scheduler output (a feature cuts it), as
+    vLLM's runner does for its GPU n-gram drafter."""
+    return any(hook(runner) for hook in hooks(RUNNER_COPIES_SCHEDULER_OUTPUT))
 
 
 def runner_step_begins(runner: Any, scheduler_output: Any) -> bool:
@@ -122,6 +148,13 @@ def runner_counts_on_gpu(runner: Any, num_reqs: int) -> None:
     """In a step that skipped the wait: set the runner's accepted counts from the GPU."""
     for hook in hooks(RUNNER_COUNTS_ON_GPU):
         hook(runner, num_reqs)
+
+
+def runner_draft_count(runner: Any, scheduled: int) -> int:
+    """How many drafts the V1 runner's drafter proposes this step (vLLM's: the scheduled)."""
+    for hook in hooks(RUNNER_DRAFT_COUNT):
+        scheduled = hook(runner, scheduled)
+    return scheduled
 
 
 def runner_drafted(runner: Any, draft_token_ids: Any, sampled_token_ids: Any) -> Any:

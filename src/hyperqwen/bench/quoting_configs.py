@@ -1,0 +1,120 @@
+"""`bench quoting`'s server configurations: what each one serves with, and its baseline.
+
+vLLM's side is the competitor a user has: stock vLLM (--stock-vllm) with its defaults, without
+speculation (`vllm-off`), and with its own n-gram proposers, `ngram` (CPU) and `ngram_gpu`, at
+k = 4, 8 and 15 drafts, each matching the project's SPEC=ngram n-gram lengths. HyperQwen's side
+is the project's profile (`hyperqwen serve single`, --patched-vllm) with the lookup knobs
+(--lookup-knobs; default SPEC=lookup DRAFT_TOKENS=15), and the same profile with SPEC=off
+(`hyperqwen-off`). Each configuration names the one whose greedy text it must equal: the same
+build without speculation (hyperqwen-off's is vllm-off: what the build alone changes).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hyperqwen.bench.ab_argv import (
+    compact,
+    profile_launch,
+    server_environment,
+    stock_serve_argv,
+)
+from hyperqwen.bench.ab_plan import ABError
+from hyperqwen.launch import NGRAM_MATCH
+from hyperqwen.settings import knobs
+
+VLLM_BASELINE = "vllm-off"
+HYPERQWEN_BASELINE = "hyperqwen-off"
+LOOKUP = "lookup"
+NGRAM_METHODS = ("ngram", "ngram_gpu")
+NGRAM_DRAFTS = (4, 8, 15)
+DEFAULT_LOOKUP_KNOBS = "SPEC=lookup DRAFT_TOKENS=15"
+# Knobs of the lookup server that speculation alone uses: its baseline leaves them out.
+SPECULATION_KNOBS = ("SPEC", "DRAFT_TOKENS", "DRAFT_SAMPLE", "LOOKUP")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    name: str
+    build: str
+    """vllm (stock, --stock-vllm) or hyperqwen (the profile, --patched-vllm)."""
+    baseline: str | None
+    """The configuration whose greedy answers this one's must equal (None: the reference)."""
+    speculative_config: dict | None = None
+    """vLLM's --speculative-config (build vllm)."""
+    knob_values: dict[str, str] = field(default_factory=dict)
+    """The profile's knobs over the environment's (build hyperqwen)."""
+
+    @property
+    def ngram_method(self) -> str | None:
+        """ngram or ngram_gpu for vLLM's n-gram configurations, else None."""
+        method = (self.speculative_config or {}).get("method")
+        return method if method in NGRAM_METHODS else None
+
+    def serve(
+        self, model: Path, port: int, vllm_args: str, env_file: str | None, parent: Path
+    ) -> tuple[list[str], dict[str, str]]:
+        """The `vllm serve ...` arguments and the environment of this configuration's server,
+        with parent's vllm/ first on PYTHONPATH."""
+        extra = shlex.split(vllm_args)
+        if self.build == "vllm":
+            spec = self.speculative_config
+            flags = ["--speculative-config", compact(spec)] if spec else []
+            return [*stock_serve_argv(model, port), *flags, *extra], server_environment(parent)
+        launch = profile_launch(model, port, "single", env_file, self.knob_values)
+        return [*launch.argv[1:], *extra], server_environment(parent, launch.env)
+
+
+def parse_knobs(text: str, option: str = "--lookup-knobs") -> dict[str, str]:
+    """'SPEC=lookup DRAFT_TOKENS=15' -> {"SPEC": "lookup", ...}; a word that is not NAME=VALUE
+    or a name that is no knob is refused by name (the values are the profile's to check)."""
+    names = {info.name for info in knobs()}
+    values = {}
+    for word in shlex.split(text):
+        name, equals, value = word.partition("=")
+        if not equals or name not in names:
+            raise ABError(
+                f"{option} {word!r}: give knobs as NAME=VALUE words, NAME one of the project's "
+                "knobs (single-user/README.md lists them), e.g. "
+                f"{option}='{DEFAULT_LOOKUP_KNOBS}'"
+            )
+        values[name] = value
+    return values
+
+
+def catalogue(lookup_knobs: dict[str, str]) -> dict[str, ServerConfig]:
+    """Every configuration, in the order a full run serves them: the references first."""
+    configs = [ServerConfig(VLLM_BASELINE, "vllm", None)]
+    for method in NGRAM_METHODS:
+        for drafts in NGRAM_DRAFTS:
+            spec = {
+                "method": method,
+                "num_speculative_tokens": drafts,
+                "prompt_lookup_min": NGRAM_MATCH[0],
+                "prompt_lookup_max": NGRAM_MATCH[1],
+            }
+            configs.append(ServerConfig(f"{method}-k{drafts}", "vllm", VLLM_BASELINE, spec))
+    off = {name: value for name, value in lookup_knobs.items() if name not in SPECULATION_KNOBS}
+    configs.append(
+        ServerConfig(
+            HYPERQWEN_BASELINE, "hyperqwen", VLLM_BASELINE, knob_values={**off, "SPEC": "off"}
+        )
+    )
+    configs.append(ServerConfig(LOOKUP, "hyperqwen", HYPERQWEN_BASELINE, knob_values=lookup_knobs))
+    return {config.name: config for config in configs}
+
+
+def chosen(names: str, configs: dict[str, ServerConfig]) -> list[ServerConfig]:
+    """--configs LIST ('all' or names, comma separated) as configurations, in the catalogue's
+    order; an unknown name is refused by name."""
+    if names.strip() == "all":
+        return list(configs.values())
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    if unknown := [name for name in wanted if name not in configs]:
+        raise ABError(
+            f"--configs {unknown[0]}: no such configuration; give 'all' or some of "
+            f"{', '.join(configs)}"
+        )
+    return [config for name, config in configs.items() if name in wanted]

@@ -1,0 +1,263 @@
+"""`bench quoting`'s measuring: each configuration's server, started here one after another
+(server_process) or given by URL, answers every task of every kind at C1, in passes.
+
+Per server: one warm-up request per kind (thrown away: graph capture, first-use compilation),
+then each pass sends every kind's tasks one at a time (C1), reading vLLM's counters before and
+after each kind, so its tokens_per_step belongs to it alone. A pass is a `bench run` row per
+kind (rows.summarize) plus every answer's text, which the result compares with the baseline's.
+The measurements file is written after every configuration, so a run that fails late keeps
+what it measured; several files (one per GPU command) merge into one result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hyperqwen.bench.ab_argv import server_command
+from hyperqwen.bench.ab_run import check_vllm_tree
+from hyperqwen.bench.client import BenchClient, ServerCounters
+from hyperqwen.bench.header import git_commit, gpu_facts, server_version
+from hyperqwen.bench.options import DATE_FORMAT
+from hyperqwen.bench.quoting_configs import ServerConfig
+from hyperqwen.bench.quoting_tasks import Task, check_fit
+from hyperqwen.bench.rows import Row, format_row, summarize
+from hyperqwen.bench.run import run_pass, served_model
+from hyperqwen.bench.server_process import (
+    SERVER_HOST,
+    HealthyServer,
+    free_port,
+    running_server,
+)
+
+MEASUREMENTS_SCHEMA = 1
+MEASUREMENTS_KIND = "bench quoting measurements"
+WARM_UP = "warm-up"
+
+
+@dataclass(frozen=True)
+class QuotingPlan:
+    """The options of one `bench quoting` run."""
+
+    model: str | None
+    """MODEL_DIR, resolved; None when every configuration is given by --url."""
+    configs: tuple[ServerConfig, ...]
+    urls: dict[str, str]
+    """Configuration name -> the URL of its running server (--url NAME=URL)."""
+    passes: int
+    requests: int
+    seed: int
+    vllm_args: str
+    lookup_knobs: str
+    stock_vllm: str | None
+    patched_vllm: str | None
+    env_file: str | None
+    server_command: str
+    startup_timeout: float
+    timeout: float
+    start_together: bool
+    workdir: Path
+    out: Path
+
+    def recorded(self) -> dict:
+        """What the measurements file keeps of the plan; merged files must agree on the
+        prompts (seed, requests) and passes."""
+        return {
+            "model": self.model,
+            "passes": self.passes,
+            "requests": self.requests,
+            "seed": self.seed,
+            "vllm_args": self.vllm_args,
+            "lookup_knobs": self.lookup_knobs,
+        }
+
+
+def measure_server(
+    client: BenchClient, model: str, tasks: dict[str, list[Task]], seed: int, passes: int
+) -> list[dict]:
+    """The warm-up, then `passes` passes over every kind at C1: per pass, per kind, its row
+    and the text of each answer in task order."""
+    warm = [kind_tasks[0].request(model, seed, WARM_UP) for kind_tasks in tasks.values()]
+    run_pass(client, warm, 1, WARM_UP)
+    measured = []
+    for number in range(1, passes + 1):
+        kinds = {}
+        for kind, kind_tasks in tasks.items():
+            requests = [task.request(model, seed, str(number)) for task in kind_tasks]
+            before = client.counters()
+            results, wall_s = run_pass(client, requests, 1, f"pass {number} {kind}")
+            after = client.counters()
+            row = summarize(
+                mode="single",
+                data=kind,
+                prompt="salted",
+                concurrency=1,
+                results=results,
+                wall_s=wall_s,
+                counters=ServerCounters.between(before, after),
+            )
+            print(f"   pass {number}: {format_row(row)}", flush=True)
+            kinds[kind] = {"row": asdict(row), "texts": [result.text for result in results]}
+        measured.append(kinds)
+    return measured
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one configuration's server starts here."""
+
+    config: ServerConfig
+    command: list[str]
+    env: dict[str, str]
+    base: str
+    log: Path
+    parent: Path
+    patches: str
+
+    def server(self, plan: QuotingPlan) -> contextlib.AbstractContextManager[HealthyServer]:
+        return running_server(
+            self.command,
+            self.env,
+            self.log,
+            self.base,
+            plan.startup_timeout,
+            timeout_option="--startup-timeout",
+        )
+
+
+def launch(plan: QuotingPlan, config: ServerConfig) -> Launch:
+    """The configuration's server command and environment, its vllm/ tree checked."""
+    build_tree = plan.stock_vllm if config.build == "vllm" else plan.patched_vllm
+    parent = Path(build_tree).resolve()  # type: ignore[arg-type]
+    patches = check_vllm_tree("stock" if config.build == "vllm" else "patched", parent)
+    port = free_port()
+    argv, env = config.serve(Path(plan.model), port, plan.vllm_args, plan.env_file, parent)  # type: ignore[arg-type]
+    command = server_command(plan.server_command, config.name, argv, port)
+    if plan.start_together:  # servers compiling at once must not write one compile cache
+        env = {**env, "VLLM_CACHE_ROOT": str(plan.workdir / "cache" / config.name)}
+    log = plan.workdir / f"{config.name}-server.log"
+    print(f"== {config.name}: {' '.join(command)}\n   (vllm/ from {parent}; log {log})", flush=True)
+    return Launch(config, command, env, f"http://{SERVER_HOST}:{port}", log, parent, patches)
+
+
+def _record(config: ServerConfig) -> dict:
+    return {
+        "build": config.build,
+        "baseline": config.baseline,
+        "speculative_config": config.speculative_config,
+        "knobs": config.knob_values,
+    }
+
+
+def measure_given(plan: QuotingPlan, config: ServerConfig, tasks: dict[str, list[Task]]) -> dict:
+    """A configuration whose server runs at its --url."""
+    print(f"== {config.name}: the server at {plan.urls[config.name]}", flush=True)
+    client = BenchClient(plan.urls[config.name], None, plan.timeout)
+    return {**_record(config), "url": client.base_url, **_measure(client, plan, tasks)}
+
+
+def measure_started(
+    plan: QuotingPlan, started: Launch, healthy: HealthyServer, tasks: dict[str, list[Task]]
+) -> dict:
+    """A configuration whose server this run started and that is healthy now."""
+    print(f"== {started.config.name}: measuring ({started.base})", flush=True)
+    return {
+        **_record(started.config),
+        "command": started.command,
+        "vllm_parent": str(started.parent),
+        "patches": started.patches,
+        "startup_s": round(healthy.startup_s, 2),
+        "log": str(started.log),
+        **_measure(BenchClient(started.base, None, plan.timeout), plan, tasks),
+    }
+
+
+@contextlib.contextmanager
+def all_healthy(plan: QuotingPlan, launches: Sequence[Launch]) -> Iterator[list[HealthyServer]]:
+    """Every server started at once, yielded once all are healthy; all stopped on exit (also
+    when one fails to start: its error is raised once the others are up or have failed)."""
+    servers = [started.server(plan) for started in launches]
+    with contextlib.ExitStack() as stop_all:
+        with ThreadPoolExecutor(max(1, len(servers))) as pool:
+            starting = [pool.submit(server.__enter__) for server in servers]
+        healthy, failures = [], []
+        for server, future in zip(servers, starting, strict=True):
+            try:
+                healthy.append(future.result())
+                stop_all.push(server.__exit__)
+            except Exception as error:  # raised below; stop_all stops those that started
+                failures.append(error)
+        if failures:
+            raise failures[0]
+        yield healthy
+
+
+def _measure(client: BenchClient, plan: QuotingPlan, tasks: dict[str, list[Task]]) -> dict:
+    model, max_model_len = served_model(client, None)
+    check_fit(client, model, max_model_len, tasks)
+    return {
+        "served_model": model,
+        "max_model_len": max_model_len,
+        "version": server_version(client),
+        "passes": measure_server(client, model, tasks, plan.seed, plan.passes),
+    }
+
+
+def measurements_document(plan: QuotingPlan, command: str, prompts: dict) -> dict:
+    """The measurements file before any configuration ran: the facts, the plan, the prompts."""
+    return {
+        "schema": MEASUREMENTS_SCHEMA,
+        "kind": MEASUREMENTS_KIND,
+        "date": time.strftime(DATE_FORMAT),
+        "gpu": gpu_facts()["gpu"],
+        "commit": git_commit(),
+        "command": command,
+        "plan": plan.recorded(),
+        "prompts": prompts,
+        "configs": {},
+    }
+
+
+def run_configs(plan: QuotingPlan, tasks: dict[str, list[Task]], document: dict) -> dict:
+    """Measure every configuration of the plan in turn, writing the document after each.
+    Servers started here start one after another, or (--start-together) all at once before the
+    first is measured: a starting server's compilation and graph capture would share the GPU
+    and the host's cores with the one measured."""
+
+    def keep(name: str, record: dict) -> None:
+        document["configs"][name] = record
+        save(plan.out, document)
+
+    for config in plan.configs:
+        if config.name in plan.urls:
+            keep(config.name, measure_given(plan, config, tasks))
+    launched = [config for config in plan.configs if config.name not in plan.urls]
+    if plan.start_together:
+        launches = [launch(plan, config) for config in launched]
+        with all_healthy(plan, launches) as healthy:
+            for started, server in zip(launches, healthy, strict=True):
+                keep(started.config.name, measure_started(plan, started, server, tasks))
+        return document
+    for config in launched:
+        started = launch(plan, config)
+        with started.server(plan) as server:
+            keep(config.name, measure_started(plan, started, server, tasks))
+    return document
+
+
+def save(path: Path, document: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+
+
+def pass_rows(record: dict) -> list[dict[str, Row]]:
+    """A configuration record's rows, per pass, per kind."""
+    return [
+        {kind: Row(**measured["row"]) for kind, measured in kinds.items()}
+        for kinds in record["passes"]
+    ]

@@ -1,0 +1,127 @@
+"""KV=: the KV-cache dtypes of vLLM 0.26.0 that serve Qwen3.5 (Gated DeltaNet + attention
+layers), what each needs on vLLM's command line, and the combinations refused before vLLM
+starts. Pure data and checks: settings.py takes the allowed names, launch.py the flags,
+capacity.py the bytes (attention_token_bytes), cli.py the GPU check, the docs the table.
+
+What vLLM 0.26.0's source says (vllm/...: function), read for these facts:
+- The dtypes: config/cache.py CacheDType. Left out here: float16 (this bf16 model's cache is
+  bf16, which is auto), fp8_inc (Intel Gaudi), fp8_ds_mla (MLA models), nvfp4 (FlashInfer's
+  TRT-LLM kernels on sm100 only: v1/attention/backends/flashinfer.py supports_kv_cache_dtype).
+- Which attention backend takes which dtype: each backend's supported_kv_cache_dtypes and
+  supports_kv_cache_dtype; the selector tries them in order FLASH_ATTN, FLASHINFER,
+  TRITON_ATTN, FLEX_ATTENTION, TURBOQUANT on sm80-sm90 (platforms/cuda.py:
+  _get_backend_priorities, CudaPlatformBase.get_attn_backend_cls). FlashAttention takes fp8
+  only as FA3 on Hopper (flash_attn.py: supports_kv_cache_dtype), so fp8 runs FA3 on sm90 and
+  FlashInfer on sm80/86/89; fp8_e5m2 runs FlashInfer everywhere; the *_per_token_head dtypes
+  only Triton (triton_attn.py: TritonAttentionBackend.supported_kv_cache_dtypes), the
+  turboquant_* ones only TurboQuant (turboquant_attn.py: supports_kv_cache_dtype).
+- Triton stores fp8 natively only from sm89 and raises below it (triton_attn.py:
+  TritonAttentionImpl.__init__), so fp8_per_token_head needs Ada or Hopper.
+- TurboQuant forces FlashAttention 2 for its prefills (engine/arg_utils.py:
+  EngineArgs.create_engine_config, "TurboQuant is not yet compatible with FlashAttention >= 3"),
+  skips no layers of a hybrid model (quantization/turboquant/config.py:
+  TurboQuantConfig.get_boundary_skip_layers) and has no speculative-verify path: its metadata
+  builder asks for supports_spec_as_decode=False (turboquant_attn.py:
+  TurboQuantMetadataBuilder.__init__), so every verify step of 1 + drafts tokens takes its
+  per-request prefill loop (TurboQuantAttentionImpl._prefill_attention), which reads host-side
+  sequence lengths that are only an upper bound under speculative decoding
+  (v1/attention/backend.py: CommonAttentionMetadata.seq_lens_cpu_upper_bound, "Not safe for
+  kernels that need exact per-row context lengths") and slices by them in Python, which a
+  captured full CUDA graph of a verify step (TurboQuant declares UNIFORM_BATCH support) replays
+  with the capture's lengths. Hence: TurboQuant only without speculation.
+- Prefix caching: Qwen3.5 runs it in "align" mode, which changes the recurrent state's blocks,
+  not the attention cache (capacity.py); no backend above refuses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from hyperqwen.gpu import Gpu
+
+KvCacheDtype = Literal[
+    "auto",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "int8_per_token_head",
+    "fp8_per_token_head",
+    "int4_per_token_head",
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
+
+# The attention kernels each dtype runs on (Ampere/Ada sm80/86/89, Hopper sm90), where the
+# launcher names no backend: vLLM's selector's first that takes it.
+SELECTOR_PATHS = {
+    "auto": ("FlashAttention 2", "FlashAttention 3"),
+    "fp8": ("FlashInfer", "FlashAttention 3"),
+    "fp8_e5m2": ("FlashInfer", "FlashInfer"),
+}
+TRITON = "TRITON_ATTN"
+TURBOQUANT = "TURBOQUANT"
+ADA = (8, 9)
+
+
+@dataclass(frozen=True)
+class KvChoice:
+    dtype: str
+    attention_backend: str | None  # --attention-backend it needs; None: vLLM's selector
+    paths: tuple[str, str]  # the attention kernels it runs on Ampere/Ada and on Hopper
+    min_capability: tuple[int, int] = (8, 0)
+    speculation: bool = True  # serves with SPEC != off
+
+    def launch_flags(self) -> list[tuple[str, str]]:
+        """Flags besides --kv-cache-dtype: the backend, and FA2 for TurboQuant's prefills
+        (vLLM would force it with a warning)."""
+        if self.attention_backend is None:
+            return []
+        flags = [("--attention-backend", self.attention_backend)]
+        if self.attention_backend == TURBOQUANT:
+            flags.append(("--attention-config", '{"flash_attn_version":2}'))
+        return flags
+
+
+def _choice(dtype: str) -> KvChoice:
+    if dtype.startswith("turboquant_"):
+        path = "TurboQuant (Triton decode, FlashAttention 2 prefill)"
+        return KvChoice(dtype, TURBOQUANT, (path, path), speculation=False)
+    if dtype.endswith("_per_token_head"):
+        minimum = ADA if dtype.startswith("fp8") else (8, 0)
+        return KvChoice(dtype, TRITON, ("Triton", "Triton"), minimum)
+    return KvChoice(dtype, None, SELECTOR_PATHS["fp8" if dtype == "fp8_e4m3" else dtype])
+
+
+KV_CHOICES: dict[str, KvChoice] = {dtype: _choice(dtype) for dtype in KV_CACHE_DTYPES}
+
+
+def speculation_refusal(kv: str, spec: str) -> str | None:
+    """Why KV cannot serve with this SPEC (single mode), or None."""
+    if spec == "off" or KV_CHOICES[kv].speculation:
+        return None
+    return (
+        f"KV={kv} cannot serve with SPEC={spec}: vLLM 0.26's TurboQuant attention has no "
+        "speculative-verify path (it runs each verify step through its per-request prefill "
+        "loop, on host-side sequence lengths that speculation makes approximate and that a "
+        "captured CUDA graph cannot follow; src/hyperqwen/kv_choices.py). Use SPEC=off with "
+        "TurboQuant, or KV=int4_per_token_head, the smallest cache that serves with "
+        f"SPEC={spec}."
+    )
+
+
+def capability_refusal(kv: str, gpus: list[Gpu]) -> str | None:
+    """Why KV cannot serve on these GPUs, or None."""
+    needed = KV_CHOICES[kv].min_capability
+    short = [f"{gpu.name} ({gpu.sm})" for gpu in gpus if gpu.compute_capability < needed]
+    if not short:
+        return None
+    return (
+        f"KV={kv} needs compute capability {needed[0]}.{needed[1]} or newer (Ada, Hopper): "
+        "vLLM 0.26's Triton attention, the only backend that reads it, stores fp8 natively "
+        f"only from sm89; this machine has {', '.join(short)}. Use KV=int8_per_token_head "
+        "(the same size) or KV=fp8."
+    )

@@ -1,0 +1,198 @@
+"""Quoting on a GPU: lossless, and more tokens per step where the context repeats.
+
+The tiny synthetic Qwen3.5 (prepared, with its MTP layer) is served as single mode runs it —
+MTP with 3 greedy drafts, async scheduling, prefix caching, full and piecewise CUDA graphs —
+three ways: HYPERQWEN_LOOKUP unset; at auto (copies from the context fused into MTP's 3 slots,
+engine/lookup.py); at auto with 15 draft slots (quoting: a long match verifies up to 15 copied
+tokens, every other request MTP's 3, engine/quoting.py). Each server answers the same prompts
+greedily, one request at a time: chat prompts, and a copy prompt (a code block, then its first
+half again) sent twice, the second time from the prefix cache.
+
+Checked: every greedy continuation is the same tokens with and without lookup, up to the first
+near tie (speculation changes batch shapes, not the function); and on the copy prompt, where the
+reference continuation repeats its context, each lookup side verifies more tokens per step than
+MTP alone (1 + accepted / steps, from the server's counters around each request; with 15 slots
+vLLM counts the slots quoting cut as rejected drafts, so accepted tokens per step is the figure,
+not the acceptance rate). The random-weight
+model does not follow the instruction to copy; what its greedy text repeats is its own output,
+which is what a quoting answer looks like to the search. Everything measured goes to
+$HYPERQWEN_TEST_LOGS/quoting-summary.json.
+
+Run on the GPU host: `pytest -m gpu tests/test_engine_quoting_gpu.py` (three tiny servers, one
+after another, about two minutes each to start cold).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import sys
+
+import pytest
+import requests
+from gpu_server import (
+    TRITON_GDN,
+    log_dir,
+    patched_vllm_parent,
+    require_gpu,
+    running_server,
+    with_vllm_first,
+)
+from local_server import free_port
+from test_prepare_common import run_prepare
+
+from hyperqwen.checkpoint.geometry import PRESETS
+from hyperqwen.checkpoint.synthesize import synthesize
+from hyperqwen.engine.features import LOOKUP, MTP_DRAFTS
+from hyperqwen.engine.lookup import LONG_MATCH
+from hyperqwen.launch import PREFILL_GRAPH_TOKENS, compilation_config
+
+pytestmark = pytest.mark.gpu
+
+MTP3 = {"method": "mtp", "num_speculative_tokens": MTP_DRAFTS, "draft_sample_method": "greedy"}
+QUOTING = {**MTP3, "num_speculative_tokens": 15}
+SIDES = {  # name: (speculative config, engine environment)
+    "mtp": (MTP3, {}),
+    "mtp-lookup-auto": (MTP3, {LOOKUP.env: "auto"}),
+    "mtp-quoting-15": (QUOTING, {LOOKUP.env: "auto"}),
+}
+ANSWER_TOKENS = 160
+CODE = "\n".join(
+    f"def step_{i}(state, scale={i}):\n    total = state.value * scale + {i * 7}\n"
+    f"    return State(value=total, count=state.count + 1)\n"
+    for i in range(8)
+)
+COPY_PROMPT = f"{CODE}\n# The same functions again, unchanged:\n{CODE[: len(CODE) // 2]}"
+CHAT_PROMPTS = (
+    "The history of the printing press begins",
+    "Translate to French: the cat sleeps on the warm windowsill.",
+)
+# A greedy step whose top two log-probabilities are closer than this may flip under the
+# different batch shapes speculation runs (bf16 reductions); the comparison stops there.
+NEAR_TIE = 0.1
+COUNTERS = ("num_drafts", "num_accepted_tokens")
+
+
+def quoting_server(model, port: int, speculative: dict) -> list[str]:
+    return [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+        "--language-model-only", "--max-model-len", "4096", "--max-num-seqs", "4",
+        "--gpu-memory-utilization", "0.12", "--seed", "0", "--async-scheduling",
+        "--enable-prefix-caching", "--speculative-config", json.dumps(speculative),
+        "--compilation-config", json.dumps(compilation_config(PREFILL_GRAPH_TOKENS)),
+        *shlex.split(TRITON_GDN),
+    ]  # fmt: skip
+
+
+def counters(base: str) -> dict[str, float]:
+    text = requests.get(f"{base}/metrics", timeout=30).text
+    found = {}
+    for name in COUNTERS:
+        match = re.search(rf"^vllm:spec_decode_{name}_total\{{[^}}]*\}} ([\d.e+]+)", text, re.M)
+        found[name] = float(match.group(1)) if match else 0.0
+    return found
+
+
+def answer(base: str, prompt: str) -> dict:
+    """A greedy continuation with each step's top-2 margin, and the tokens per verify step
+    the request ran at (the server's counters before and after it; one request at a time)."""
+    before = counters(base)
+    response = requests.post(
+        f"{base}/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": prompt,
+            "temperature": 0,
+            "max_tokens": ANSWER_TOKENS,
+            "min_tokens": ANSWER_TOKENS,
+            "logprobs": 2,
+            "return_token_ids": True,
+        },
+        timeout=300,
+    )
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    after = counters(base)
+    drafts = after["num_drafts"] - before["num_drafts"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    margins = []
+    for top in choice["logprobs"]["top_logprobs"]:
+        ranked = sorted(top.values(), reverse=True)
+        margins.append(ranked[0] - ranked[1] if len(ranked) > 1 else 0.0)
+    return {
+        "prompt_ids": choice.get("prompt_token_ids") or [],
+        "ids": choice["token_ids"],
+        "margins": margins,
+        "verify_steps": drafts,
+        "tokens_per_step": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def agreeing_prefix(reference: dict, candidate: dict) -> tuple[int, bool]:
+    """(tokens equal before the first difference, whether that difference is at a near tie)."""
+    for index, (want, got) in enumerate(zip(reference["ids"], candidate["ids"], strict=True)):
+        if want != got:
+            return index, reference["margins"][index] < NEAR_TIE
+    return len(reference["ids"]), True
+
+
+def repeats_its_context(result: dict) -> bool:
+    """Whether the continuation's last tokens occurred earlier in the request's context (prompt
+    and continuation): what the search finds."""
+    ids = result["prompt_ids"] + result["ids"]
+    tail = ids[-LONG_MATCH:]
+    return any(ids[i : i + LONG_MATCH] == tail for i in range(len(ids) - LONG_MATCH))
+
+
+def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
+    tmp_path, tmp_path_factory
+):
+    require_gpu()
+    logs = log_dir(tmp_path)
+    base_env = with_vllm_first(patched_vllm_parent(tmp_path_factory))
+    base_env.pop(LOOKUP.env, None)
+    model = tmp_path / "tiny-prepared"
+    shutil.copytree(synthesize(tmp_path / "tiny", PRESETS["tiny"], progress=False).directory, model)
+    code, out, err = run_prepare(str(model), "--quiet")
+    assert code == 0, err + out
+
+    prompts = {"copy": COPY_PROMPT, "copy-cached": COPY_PROMPT}
+    prompts.update({f"chat-{i}": prompt for i, prompt in enumerate(CHAT_PROMPTS)})
+    results = {}
+    for side, (speculative, engine_env) in SIDES.items():
+        port = free_port()
+        log = logs / f"quoting-{side}-server.log"
+        command = quoting_server(model, port, speculative)
+        env = {**base_env, **engine_env}
+        with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
+            results[side] = {name: answer(url, prompt) for name, prompt in prompts.items()}
+
+    reference = results["mtp"]
+    lookup_sides = [side for side in SIDES if side != "mtp"]
+    summary = {
+        name: {
+            "agreeing_prefix": {
+                side: agreeing_prefix(reference[name], results[side][name]) for side in lookup_sides
+            },
+            "tokens_per_step": {side: results[side][name]["tokens_per_step"] for side in results},
+            "verify_steps": {side: results[side][name]["verify_steps"] for side in results},
+            "reference_repeats": repeats_its_context(reference[name]),
+        }
+        for name in prompts
+    }
+    (logs / "quoting-summary.json").write_text(json.dumps(summary, indent=1))
+
+    for name, row in summary.items():
+        for side, (agreed, at_near_tie) in row["agreeing_prefix"].items():
+            assert at_near_tie, f"{name}: greedy output differs at token {agreed} with {side}"
+    for name in ("copy", "copy-cached"):
+        assert summary[name]["reference_repeats"], (
+            f"{name}: the reference continuation does not repeat its context, so this prompt "
+            "cannot show lookup's gain on this checkpoint (see quoting-summary.json)"
+        )
+        steps = summary[name]["tokens_per_step"]
+        for side in lookup_sides:
+            assert steps[side] > steps["mtp"], f"{name}: {steps}"
