@@ -273,8 +273,9 @@ W4A16_LINEAR = Feature(
     status="off (on with LINEAR_BACKEND=hyperqwen); vLLM's compressed-tensors W4A16 layers run "
     "`../kernels/w4a16.py` from one copy of their weights in its tiles, at every M (a torch "
     "custom op, opaque to torch.compile), Marlin where it cannot serve (the int8 heads); "
-    "CPU-tested with vLLM's own parameter classes (`tests/test_engine_w4a16_linear.py`); not run "
-    "in a server yet",
+    "CPU-tested with vLLM's own parameter classes (`tests/test_engine_w4a16_linear.py`); level "
+    "with Marlin at M = 1 and 7 % slower at M = 4 in kernel timings on the H200 "
+    "(`docs/results/2026-12-01-h200-27b-w4a16-kernels-tiles.json`); not run in a server yet",
 )
 
 DRAFT_VOCAB = Feature(
@@ -293,8 +294,17 @@ DRAFT_VOCAB = Feature(
         modes=SINGLE_MODE,
     ),
     launch=lambda settings, mode: settings.DRAFT_VOCAB if mode == "single" else None,
-    status="on by default; alone it is worth 1.42x against 1.34x stock-MTP at C1 (H200, "
-    "DRAFT_VOCAB=off ablation, 2026-12-01)",
+    status="on by default (auto: where the prepared model folder has "
+    "`hyperqwen-draft-head.safetensors`; the server log then says `draft vocabulary: 40960 of "
+    "248320 ids`); MTP's drafter scores the 40,960 rows prepare cut (`drafter/README.md`) in bf16 "
+    "instead of the whole lm_head and maps the winner back to its id, a token outside them is "
+    "never drafted, verification keeps the full vocabulary; CPU-tested with vLLM's Qwen3_5MTP "
+    "(`tests/test_synth.py`); alone it is worth 1.42x against 1.34x stock-MTP at C1 (H200, "
+    "DRAFT_VOCAB=off ablation, 2026-12-01, `docs/results/2026-12-01-h200-27b-single-overlap"
+    "-novocab.json`: the draft passes read the bf16 draft head, not the int8 lm_head through "
+    "Marlin); acceptance on real weights and the greedy GPU test "
+    "(`tests/test_engine_draft_vocab_gpu.py`) not run; dummy-weight runs: `hyperqwen synth "
+    "--config-only --draft-head`",
 )
 
 ALIGN_OVERLAP = Feature(
@@ -321,9 +331,14 @@ ALIGN_OVERLAP = Feature(
         if mode == "single" and settings.PREFIX_CACHE == OFF
         else None
     ),
-    status="on by default in single mode (with PREFIX_CACHE=1); CPU-tested; GPU exactness test "
-    "passed (H200, 2026-12-01: same greedy tokens with and without, overlapped steps logged); C1 "
-    "TPOT 3.60 ms against 4.23 with vLLM's wait and 3.57 without prefix caching (H200, 78e5dfa)",
+    status="on by default in single mode (with PREFIX_CACHE=1): vLLM 0.26 runs prefix caching for "
+    "this hybrid model in its mamba `align` mode, whose runner waits for each step's accepted "
+    "counts before preparing the next; this skips the wait in every step where no request can "
+    "reach a new state block, taking the counts from the GPU; CPU-tested; GPU exactness test "
+    "passed (H200, 2026-12-01: same greedy tokens with and without, blocks crossed, overlapped "
+    "steps logged, `tests/test_engine_align_overlap_gpu.py`); C1 TPOT 3.60 ms against 4.23 with "
+    "vLLM's wait and 3.57 without prefix caching (H200, 78e5dfa, "
+    "`docs/results/2026-12-01-h200-27b-single-overlap{,-wait,-nopc}.json`)",
 )
 
 LOOKUP = Feature(
@@ -359,9 +374,11 @@ LOOKUP = Feature(
     "home, vLLM's async `ngram_gpu` proposer, SPEC=lookup drafted at 0.47x stock CPU n-gram's "
     "tokens/s on copy prompts (H200, SmolLM2-135M, 2026-12-01), so it moved to the CPU proposer "
     "(measured there with 3 requests per C1 row, too few to decide: single-user/README.md); "
-    "LOOKUP=auto/1 still keeps the `ngram_gpu` buffer, acceptance not measured; with "
-    "DRAFT_TOKENS > 3 the per-request verify width of `quoting.py` (`quoting.md`), CPU-tested, "
-    "not run on a GPU yet",
+    "LOOKUP=auto/1 (greedy MTP drafts) puts copies in MTP's slots and keeps vLLM's `ngram_gpu` "
+    "bookkeeping of the token buffer, acceptance not measured; with DRAFT_TOKENS > 3 the "
+    "per-request verify width of `quoting.py` (`quoting.md`: steps without a match keep their "
+    "full CUDA graphs, each slot holds a GDN state per request, see `hyperqwen capacity`), "
+    "CPU-tested, not run on a GPU yet; `hyperqwen bench quoting` (bench/README.md) measures it",
 )
 
 # In this order: Settings adds the owned knobs, the launcher sets the variables and warns.
