@@ -104,31 +104,29 @@ def runner_drafter_built(runner) -> None:
         allocate_token_buffer(runner)
 
 
-# The V1 runner's seams for quoting; engine/quoting.py (which builds on this module) decides.
+# The V1 runner's seams for quoting: quoting.py decides.
+
+
+def _quoting():
+    from hyperqwen.engine import quoting  # imported here: quoting.py builds on this module
+
+    return quoting
 
 
 def runner_graphs_dispatched(runner) -> None:
-    from hyperqwen.engine import quoting
-
-    quoting.attach(runner)
+    _quoting().attach(runner)
 
 
 def runner_copies_scheduler_output(runner) -> bool:
-    from hyperqwen.engine import quoting
-
-    return quoting.trims(runner)
+    return _quoting().trims(runner)
 
 
 def runner_cut_drafts(runner, scheduler_output) -> dict[str, int]:
-    from hyperqwen.engine import quoting
-
-    return quoting.trim(runner, scheduler_output)
+    return _quoting().trim(runner, scheduler_output)
 
 
 def runner_draft_count(runner, scheduled: int) -> int:
-    from hyperqwen.engine import quoting
-
-    return quoting.mtp_drafts(runner, scheduled)
+    return _quoting().mtp_drafts(runner, scheduled)
 
 
 def runner_drafted(runner, draft_token_ids, sampled_token_ids):
@@ -138,9 +136,7 @@ def runner_drafted(runner, draft_token_ids, sampled_token_ids):
         sampled_token_ids, torch.Tensor
     ):
         return draft_token_ids
-    from hyperqwen.engine import quoting
-
-    return quoting.drafts(runner, draft_token_ids, sampled_token_ids)
+    return _quoting().drafts(runner, draft_token_ids, sampled_token_ids)
 
 
 def write_accepted(
