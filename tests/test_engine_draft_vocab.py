@@ -112,10 +112,11 @@ def test_knob_reads_auto_by_default_and_refuses_other_words(monkeypatch):
 def test_both_runners_install_the_draft_vocabulary_once_the_drafter_is_loaded(
     patched_vllm, path, after
 ):
-    """install() needs the loaded drafter (proposer.model) and vllm_config, and sets
-    use_local_argmax_reduction, which both runners read when they draft greedily."""
+    """The proposer_loaded seam (install() here) needs the loaded drafter (proposer.model) and
+    vllm_config, and sets use_local_argmax_reduction, which both runners read when they draft
+    greedily."""
     source = (patched_vllm / path).read_text()
     loaded = source.index(after)
-    hook = source.index("install_draft_vocab(self)", loaded)
+    hook = source.index("seams.proposer_loaded(self)", loaded)
     assert hook - loaded < 400
     assert "use_local_argmax_reduction" in source

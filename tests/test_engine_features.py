@@ -20,8 +20,8 @@ from hyperqwen.engine.features import (
     OUR_LINEAR_BACKEND,
     SPLIT_QKV,
     FeatureSwitchError,
-    enabled,
     env_value,
+    switched_on,
 )
 from hyperqwen.launch import BATCH_PROFILE, SINGLE_PROFILES, build_launch
 from hyperqwen.settings import LoadedSettings, Settings, knobs
@@ -62,10 +62,10 @@ def test_the_engine_reads_unset_as_the_default_and_refuses_other_values(monkeypa
         for value in feature.values:
             monkeypatch.setenv(feature.env, value)
             assert env_value(feature) == value
-            assert enabled(feature) is (value == ON)
+            assert switched_on(feature) is (value in (ON, "auto"))  # draft_vocab: auto or off
         monkeypatch.setenv(feature.env, "true")
         with pytest.raises(FeatureSwitchError, match=f"{feature.env}='true': expected one of"):
-            enabled(feature)
+            switched_on(feature)
 
 
 def test_the_default_launch_runs_each_feature_as_its_knob_default_says():

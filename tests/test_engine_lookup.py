@@ -1,4 +1,4 @@
-"""SPEC=lookup inside vLLM's CPU n-gram proposer (engine/lookup.py, patches/lookup-search.patch),
+"""SPEC=lookup inside vLLM's CPU n-gram proposer (engine/lookup.py, patches/ngram-drafts.patch),
 and LOOKUP=1's fusion with MTP drafts.
 
 The installed (patched) NgramProposer runs with HYPERQWEN_LOOKUP=1: each step it drafts, for
@@ -16,6 +16,7 @@ import torch
 from test_kernel_lookup import reference_drafts, reference_match
 
 from hyperqwen.engine import lookup as engine_lookup
+from hyperqwen.engine import seams
 from hyperqwen.engine.features import LOOKUP, FeatureSwitchError
 from hyperqwen.launch import LOOKUP_MATCH
 
@@ -86,13 +87,17 @@ def test_unset_the_proposer_is_vllms(tiny_checkpoint, vllm_cpu_platform):
     assert propose(proposer, contexts, sampled_rows={0}, lookup_on=False) == [[4, 9, 1, 2]]
 
 
-def test_lookup_is_on_only_with_the_env(monkeypatch):
+def test_lookup_drafts_only_with_the_env(monkeypatch):
+    """The ngram_drafts seam hands vLLM's proposer back its own search unless LOOKUP is on."""
     monkeypatch.delenv(LOOKUP.env, raising=False)
-    assert not engine_lookup.enabled()
+    proposer = types.SimpleNamespace(min_n=3, max_n=12, max_model_len=64)
+    context = np.array([[1, 2, 3, 4, 9, 1, 2, 3]], dtype=np.int32)
+    arguments = (proposer, 1, [0], np.array([8]), context, 2)
+    assert seams.ngram_drafts(*arguments) is None
     monkeypatch.setenv(LOOKUP.env, "1")
-    assert engine_lookup.enabled()
+    assert seams.ngram_drafts(*arguments) == [[4, 9]]
     monkeypatch.setenv(LOOKUP.env, "auto")  # auto leaves vLLM's own n-gram search alone
-    assert not engine_lookup.enabled()
+    assert seams.ngram_drafts(*arguments) is None
 
 
 def test_fused_with_mtp_the_accepted_tokens_land_and_copies_fill_the_slots():
@@ -127,45 +132,42 @@ def test_fused_with_mtp_the_accepted_tokens_land_and_copies_fill_the_slots():
 def test_fusion_needs_mtp_with_greedy_drafts(monkeypatch, value):
     monkeypatch.setenv(LOOKUP.env, value)
     greedy = types.SimpleNamespace(method="mtp", draft_sample_method="greedy")
-    assert engine_lookup.fused(greedy)
-    assert not engine_lookup.fused(
+    assert seams.runner_keeps_ngram_buffer(greedy)
+    assert not seams.runner_keeps_ngram_buffer(
         types.SimpleNamespace(method="mtp", draft_sample_method="probabilistic")
     )
-    assert not engine_lookup.fused(
+    assert not seams.runner_keeps_ngram_buffer(
         types.SimpleNamespace(method="ngram_gpu", draft_sample_method="greedy")
     )
     monkeypatch.setenv(LOOKUP.env, "0")
-    assert not engine_lookup.fused(greedy)
+    assert not seams.runner_keeps_ngram_buffer(greedy)
     monkeypatch.delenv(LOOKUP.env)
-    assert not engine_lookup.fused(greedy)
+    assert not seams.runner_keeps_ngram_buffer(greedy)
     monkeypatch.setenv(LOOKUP.env, "true")  # refused by name, never read as off
     with pytest.raises(FeatureSwitchError, match="HYPERQWEN_LOOKUP='true'"):
-        engine_lookup.fused(greedy)
+        seams.runner_keeps_ngram_buffer(greedy)
 
 
 def test_the_runner_keeps_the_token_buffer_and_fuses_after_mtp(patched_vllm):
-    """patches/lookup-mtp.patch: the buffer is allocated with the MTP drafter, its upkeep is
-    vLLM's n-gram flag, MTP is asked for quoting's count, the fusion runs on MTP's drafts before
-    anything reads them, and quoting's hooks sit where vLLM's GPU n-gram drafter has its own
-    (attached after the CUDA graph dispatcher, a private scheduler output, the cut before the
-    draft counts are restored)."""
+    """patches/v1-runner.patch: the buffer is allocated with the MTP drafter, its upkeep is
+    vLLM's n-gram flag, MTP is asked for the seam's count, the drafts are amended before anything
+    reads them, and quoting's seams sit where vLLM's GPU n-gram drafter has its own hooks
+    (after the CUDA graph dispatcher, a private scheduler output, the cut before the draft
+    counts are restored)."""
     source = (patched_vllm / "v1" / "worker" / "gpu_model_runner.py").read_text()
-    allocated = source.index("lookup.allocate_token_buffer(self)")
+    allocated = source.index("seams.runner_drafter_built(self)")
     assert source.rindex("self.drafter = EagleProposer(", 0, allocated) > allocated - 400
-    assert "or lookup.fused(self.speculative_config)" in source  # is_ngram_gpu
+    assert "or seams.runner_keeps_ngram_buffer(self.speculative_config)" in source  # is_ngram_gpu
     mtp_call = "draft_token_ids = self.drafter.propose(\n" + " " * 16 + "num_speculative_tokens="
-    proposed = source.index(mtp_call + "quoting.mtp_drafts(self, num_spec_tokens_to_schedule),")
-    fused = source.index(
-        "draft_token_ids = quoting.drafts(self, draft_token_ids, sampled_token_ids)", proposed
-    )
+    proposed = source.index(mtp_call + "seams.runner_draft_count(")
+    fused = source.index("draft_token_ids = seams.runner_drafted(", proposed)
     assert fused < source.index("return draft_token_ids", proposed)
 
     dispatcher = source.index("self.cudagraph_dispatcher = CudagraphDispatcher(self.vllm_config)")
-    assert source.index("quoting.attach(self)") - dispatcher < 300
-    assert "and self.speculative_config.use_ngram_gpu()\n        ) or quoting.trims(self):" in (
-        source
-    )
-    cut = source.index("original_num_spec_per_req.update(quoting.trim(self, scheduler_output))")
+    assert source.index("seams.runner_graphs_dispatched(self)") - dispatcher < 300
+    copied = ") or seams.runner_copies_scheduler_output(self):"
+    assert "and self.speculative_config.use_ngram_gpu()\n        " + copied in source
+    cut = source.index("original_num_spec_per_req.update(seams.runner_cut_drafts(self, sched")
     assert source.index("update_scheduler_for_invalid_drafts(") < cut
     assert cut < source.index("orig = original_num_spec_per_req.get(req_id, 0)")
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_kernel_lookup import planted_rows, reference_drafts, reference_match
 
-from hyperqwen.engine import quoting
+from hyperqwen.engine import quoting, seams
 from hyperqwen.engine.features import LOOKUP, MTP_DRAFTS
 from hyperqwen.engine.lookup import FUSED_MATCH, LONG_MATCH
 
@@ -210,34 +210,35 @@ def runner(num_speculative_tokens: int, method: str = "mtp", rows: int = 3):
     ],
 )
 def test_hooks_are_inert_unless_quoting_widens(monkeypatch, lookup, method, slots, widens):
+    """Through the V1 runner's seams, as vLLM calls them (lookup 0: seams.py calls none)."""
     monkeypatch.setenv(LOOKUP.env, lookup)
     the_runner = runner(slots, method)
-    quoting.attach(the_runner)
-    assert quoting.trims(the_runner) is widens
+    seams.runner_graphs_dispatched(the_runner)
+    assert seams.runner_copies_scheduler_output(the_runner) is widens
     graphs = 1 + (MTP_DRAFTS if widens else slots)
     assert the_runner.uniform_decode_query_len == graphs
     assert the_runner.cudagraph_dispatcher.uniform_decode_query_len == graphs
-    assert quoting.mtp_drafts(the_runner, slots) == (MTP_DRAFTS if widens else slots)
+    assert seams.runner_draft_count(the_runner, slots) == (MTP_DRAFTS if widens else slots)
     step = scheduled_step({"r0": slots})
-    assert quoting.trim(the_runner, step) == ({"r0": slots} if widens else {})
+    assert seams.runner_cut_drafts(the_runner, step) == ({"r0": slots} if widens else {})
     assert len(step.scheduled_spec_decode_tokens["r0"]) == (MTP_DRAFTS if widens else slots)
 
 
 def test_a_drafting_step_writes_the_buffer_fuses_and_publishes_its_counts(monkeypatch):
     """Two drafting steps on a runner with 15 slots: row 0 quotes its context, row 1 chats; the
-    second step's cut reads the first step's counts."""
+    second step's cut reads the first step's counts. Through the seams, as vLLM calls them."""
     monkeypatch.setenv(LOOKUP.env, "auto")
     text = list(range(100, 140))
     contexts = [[*text, 7, *text[:9]], [5, 6, 7, 8, 9]]
     the_runner = runner(15, rows=2)
-    quoting.attach(the_runner)
+    seams.runner_graphs_dispatched(the_runner)
     for row, context in enumerate(contexts):
         the_runner.token_ids_gpu_tensor[row, : len(context)] = torch.tensor(context)
         the_runner.num_tokens_no_spec_gpu[row] = len(context)
     sampled = torch.tensor([[text[9], text[10], -1, -1], [11, -1, -1, -1]])  # accepted this step
     mtp = torch.tensor([[1, 2, 3], [12, 13, 14]])
 
-    drafted = quoting.drafts(the_runner, mtp, sampled)
+    drafted = seams.runner_drafted(the_runner, mtp, sampled)
     assert drafted.dtype == mtp.dtype and drafted.shape == (2, 15)
     assert drafted[0].tolist() == text[11:26]  # the copy, 15 long
     assert drafted[1].tolist() == [12, 13, 14] + [14] * 12
@@ -246,7 +247,7 @@ def test_a_drafting_step_writes_the_buffer_fuses_and_publishes_its_counts(monkey
         text[10],
     ]
 
-    quoting.drafts(the_runner, mtp, sampled)  # the next step drafts
+    seams.runner_drafted(the_runner, mtp, sampled)  # the next step drafts
     step = scheduled_step({"r0": 15, "r1": 15})
-    quoting.trim(the_runner, step)
+    seams.runner_cut_drafts(the_runner, step)
     assert step.num_scheduled_tokens == {"r0": 16, "r1": 4, "prefilling": 100}

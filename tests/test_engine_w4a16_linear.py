@@ -17,7 +17,7 @@ from hyperqwen.bench.kernels import (
     w4a16_layer_config,
 )
 from hyperqwen.checkpoint import w4a16 as checkpoint_format
-from hyperqwen.engine import w4a16_linear
+from hyperqwen.engine import seams, w4a16_linear
 from hyperqwen.engine.features import W4A16_LINEAR
 from hyperqwen.kernels import w4a16
 
@@ -122,10 +122,10 @@ def test_the_int8_heads_go_to_the_next_kernel():
 def test_it_comes_first_only_when_asked_and_on_cuda(monkeypatch):
     vllms = ["MarlinLinearKernel"]
     monkeypatch.delenv(W4A16_LINEAR.env, raising=False)
-    assert w4a16_linear.candidates(vllms, on_cuda=True) == vllms
+    assert seams.linear_kernels(vllms, on_cuda=True) == vllms
     monkeypatch.setenv(W4A16_LINEAR.env, "1")
-    assert w4a16_linear.candidates(vllms, on_cuda=False) == vllms
-    assert w4a16_linear.candidates(vllms, on_cuda=True) == [
+    assert seams.linear_kernels(vllms, on_cuda=False) == vllms
+    assert seams.linear_kernels(vllms, on_cuda=True) == [
         w4a16_linear.linear_kernel_class(),
         *vllms,
     ]

@@ -81,18 +81,36 @@ def test_the_op_is_opaque_to_torch_compile_and_its_fake_agrees():
     torch.library.opcheck(torch.ops.hyperqwen.gdn_ba, (x, weight))
 
 
-def test_it_takes_a_plain_bf16_layer_only_when_asked(monkeypatch):
+def test_it_takes_a_plain_bf16_layer_only():
     """`takes` on a bf16 projection with vLLM's UnquantizedLinearMethod as in_proj_ba."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     projection = torch.nn.Linear(256, 12, bias=False, dtype=torch.bfloat16)
     projection.quant_method = UnquantizedLinearMethod()
     layer = SimpleNamespace(gqa_interleaved_layout=False, tp_size=1, in_proj_ba=projection)
-    monkeypatch.delenv(GDN_BA.env, raising=False)
-    assert not gdn_ba.takes(layer)
-    monkeypatch.setenv(GDN_BA.env, "1")
     assert gdn_ba.takes(layer)
     for other in [{"gqa_interleaved_layout": True}, {"tp_size": 2}, {"in_proj_qkv": object()}]:
         assert not gdn_ba.takes(SimpleNamespace(**{**vars(layer), **other}))
     projection.quant_method = object()  # a quantized in_proj_ba keeps vLLM's path
     assert not gdn_ba.takes(layer)
+
+
+def test_the_built_layer_calls_the_op_only_when_it_takes_the_layer(monkeypatch):
+    """The gdn_layer_built seam: the forward's hyperqwen_ba_projection is None (vLLM's GEMM,
+    split and copies) unless GDN_BA=1 and the op takes the layer."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from hyperqwen.engine import seams
+
+    projection = torch.nn.Linear(256, 12, bias=False, dtype=torch.bfloat16)
+    projection.quant_method = UnquantizedLinearMethod()
+    layer = SimpleNamespace(gqa_interleaved_layout=False, tp_size=1, in_proj_ba=projection)
+    monkeypatch.delenv(GDN_BA.env, raising=False)
+    seams.gdn_layer_built(layer)
+    assert layer.hyperqwen_ba_projection is None
+    monkeypatch.setenv(GDN_BA.env, "1")
+    seams.gdn_layer_built(layer)
+    assert layer.hyperqwen_ba_projection is torch.ops.hyperqwen.gdn_ba
+    split_across_ranks = SimpleNamespace(**{**vars(layer), "tp_size": 2})
+    seams.gdn_layer_built(split_across_ranks)
+    assert split_across_ranks.hyperqwen_ba_projection is None

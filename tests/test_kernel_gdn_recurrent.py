@@ -220,14 +220,18 @@ def test_block_choice_keeps_the_card_busy_and_bad_shapes_are_refused() -> None:
 
 
 def test_the_engine_choice_runs_ours_where_it_can_and_vllms_otherwise(monkeypatch) -> None:
+    from hyperqwen.engine import seams
     from hyperqwen.engine.features import GDN_RECURRENT
-    from hyperqwen.engine.gdn_recurrent import chosen, tokens_per_pass
+    from hyperqwen.engine.gdn_recurrent import VLLMS_UPDATE, tokens_per_pass
 
     vllms = vllms_kernel()
+    namespace = {VLLMS_UPDATE: vllms}
     monkeypatch.delenv(GDN_RECURRENT.env, raising=False)
-    assert chosen(vllms) is vllms
+    seams.gdn_module_loaded(namespace)  # the gdn_module_loaded seam, as the layer module calls it
+    assert namespace[VLLMS_UPDATE] is vllms
     monkeypatch.setenv(GDN_RECURRENT.env, "1")
-    update = chosen(vllms)
+    seams.gdn_module_loaded(namespace)
+    update = namespace[VLLMS_UPDATE]
     assert update is not vllms
     assert (tokens_per_pass(12, 3), tokens_per_pass(5, 5), tokens_per_pass(9, 3)) == (4, 1, 4)
     assert tokens_per_pass(48, 1) == 16  # a longer block takes several passes
@@ -253,10 +257,9 @@ def test_the_engine_choice_runs_ours_where_it_can_and_vllms_otherwise(monkeypatc
                            poisoned=False)  # fmt: skip
 
 
-def test_the_engine_choice_leaves_batches_and_plain_decode_to_vllm(monkeypatch) -> None:
+def test_the_engine_choice_leaves_batches_and_plain_decode_to_vllm() -> None:
     """Where the kernel was not timed faster (more than MAX_SEQUENCES sequences, decode steps
     without drafts), vLLM's kernel runs."""
-    from hyperqwen.engine.features import GDN_RECURRENT
     from hyperqwen.engine.gdn_recurrent import MAX_SEQUENCES, chosen
 
     vllms, calls = vllms_kernel(), []
@@ -265,7 +268,6 @@ def test_the_engine_choice_leaves_batches_and_plain_decode_to_vllm(monkeypatch) 
         calls.append(kwargs["cu_seqlens"].numel() - 1)
         return vllms(**kwargs)
 
-    monkeypatch.setenv(GDN_RECURRENT.env, "1")
     update = chosen(counted)
     cases = (([4] * MAX_SEQUENCES, True), ([4] * (MAX_SEQUENCES + 1), True), ([1, 1], False))
     for lengths, verify in cases:

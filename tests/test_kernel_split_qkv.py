@@ -56,9 +56,9 @@ def test_without_out_it_allocates_and_refuses_wrong_inputs() -> None:
 
 @pytest.mark.parametrize("switch", [None, "1", "0"], ids=["unset", "on", "off"])
 def test_vllms_patched_layer_takes_its_views_from_the_kernels_buffer(monkeypatch, switch) -> None:
-    """The installed vLLM's GatedDeltaNet.rearrange_mixed_qkv (patches/gdn-split-qkv.patch)
-    calls the kernel, unless GDN_SPLIT_QKV=0 keeps vLLM's cat, and returns the same
-    (1, T, heads, dim) tensors as vLLM's own cat either way."""
+    """The installed vLLM's GatedDeltaNet.rearrange_mixed_qkv (the gdn_mixed_qkv seam,
+    patches/gdn-layer.patch) calls the kernel, unless GDN_SPLIT_QKV=0 keeps vLLM's cat, and returns
+    the same (1, T, heads, dim) tensors as vLLM's own cat either way."""
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
 
     from hyperqwen.engine.features import SPLIT_QKV

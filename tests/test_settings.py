@@ -154,6 +154,15 @@ def test_knob_tables_in_readmes_are_generated(mode, readme):
     )
 
 
+def test_compose_knob_list_is_generated():
+    text = (ROOT / docs.COMPOSE_FILE).read_text()
+    start = text.index(docs.COMPOSE_BEGIN)
+    end = text.index(docs.COMPOSE_END) + len(docs.COMPOSE_END)
+    assert text[start:end] + "\n" == docs.compose_knobs(), (
+        "regenerate: hyperqwen settings --write-docs ."
+    )
+
+
 def test_env_example_round_trips_through_load_settings(tmp_path):
     # Uncommenting every line of the template must give valid settings equal to the defaults.
     lines = [

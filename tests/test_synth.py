@@ -327,14 +327,15 @@ def test_vllm_loads_every_weight_of_the_model_and_its_mtp_head(vllm_cpu, tiny):
 def test_draft_vocabulary_installs_into_vllms_own_mtp_drafter(
     vllm_cpu, tiny, tmp_path, monkeypatch
 ):
-    """The real Qwen3_5MTP on vLLM's CPU platform, weights loaded, then install(): greedy drafts
-    through LocalArgmaxMixin and sampled-draft logits come from the draft rows alone."""
+    """The real Qwen3_5MTP on vLLM's CPU platform, weights loaded, then the proposer_loaded seam
+    (install()) with DRAFT_VOCAB off and auto: greedy drafts through LocalArgmaxMixin and
+    sampled-draft logits come from the draft rows alone."""
     from types import SimpleNamespace
 
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    from hyperqwen.engine import draft_vocab
+    from hyperqwen.engine import draft_vocab, seams
     from hyperqwen.engine.features import DRAFT_VOCAB
     from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
     from hyperqwen.synth import write_synthetic_draft_head
@@ -352,11 +353,13 @@ def test_draft_vocabulary_installs_into_vllms_own_mtp_drafter(
         proposer = SimpleNamespace(
             model=draft, vllm_config=vllm_config, use_local_argmax_reduction=False
         )
-        monkeypatch.setenv(DRAFT_VOCAB.env, "off")
-        assert not draft_vocab.install(proposer)
         full_head = draft.lm_head
+        monkeypatch.setenv(DRAFT_VOCAB.env, "off")
+        seams.proposer_loaded(proposer)  # the seam both runners call
+        assert draft.lm_head is full_head and not proposer.use_local_argmax_reduction
         monkeypatch.setenv(DRAFT_VOCAB.env, "auto")
-        assert draft_vocab.install(proposer)
+        seams.proposer_loaded(proposer)
+        assert draft.lm_head is not full_head and proposer.use_local_argmax_reduction
         hidden = torch.randn((5, PRESETS["tiny"].hidden_size), dtype=torch.bfloat16)
         greedy = draft.get_top_tokens(hidden)
         logits = draft.compute_logits(hidden)

@@ -119,7 +119,7 @@ def speculative_config(settings: Settings) -> dict | None:
     if settings.SPEC == "ngram":
         config.update(prompt_lookup_min=NGRAM_MATCH[0], prompt_lookup_max=NGRAM_MATCH[1])
     elif settings.SPEC == "lookup":
-        # vLLM's CPU n-gram proposer, searching with HyperQwen's match (engine/lookup.py)
+        # vLLM's CPU n-gram proposer, searching with HyperQwen's match (an engine feature)
         config.update(
             method="ngram", prompt_lookup_min=LOOKUP_MATCH[0], prompt_lookup_max=LOOKUP_MATCH[1]
         )
@@ -146,7 +146,7 @@ def compilation_config(max_graph_tokens: int) -> dict:
 
 def vllm_linear_backend(backend: str) -> str:
     """What --linear-backend gets: hyperqwen is Marlin for the layers HyperQwen's kernel
-    leaves (engine/w4a16_linear.py)."""
+    leaves (the engine feature it switches on)."""
     return "marlin" if backend == OUR_LINEAR_BACKEND else backend
 
 

@@ -199,17 +199,17 @@ class ServingKnobs(BaseModel):
         "multi-turn chats: a long history is then not prefilled again each turn). vLLM 0.26 "
         "runs it in an experimental mode for this hybrid model that raises TTFT when prompts "
         "share nothing (batch/README.md) and, with speculative decoding, waits for each "
-        "step's accepted tokens before preparing the next (PREFIX_CACHE_OVERLAP).",
+        "step's accepted tokens before preparing the next (an engine feature skips that wait: "
+        "src/hyperqwen/engine/README.md's feature table).",
         "--enable-prefix-caching / --no-enable-prefix-caching",
     )
     LINEAR_BACKEND: LinearBackend | None = knob(
         None,
         "Kernel for the int4 body GEMMs and int8 heads. auto: vLLM's choice (Machete on "
         "Hopper, Marlin on Ampere/Ada/Blackwell); marlin; machete (Hopper only); hyperqwen: "
-        "HyperQwen's Triton W4A16 kernel for the int4 body at every M, Marlin for the rest "
-        "(src/hyperqwen/engine/w4a16_linear.py; level with Marlin at M = 1 and 7 % slower at "
-        "M = 4 in kernel timings on the H200, docs/results/2026-12-01-h200-27b-w4a16-kernels-"
-        "tiles.json; not measured in a server yet). Default: single "
+        "HyperQwen's Triton W4A16 kernel for the int4 body at every M, Marlin for the rest (an "
+        "engine feature: src/hyperqwen/engine/README.md's feature table says how far it is "
+        "measured). Default: single "
         "marlin (faster at 1-16 tokens per step: 1.14x stock vLLM's MTP at C1 on the H200, "
         "against 1.01x with Machete), batch auto (Machete wins at 64).",
         f"--linear-backend (hyperqwen: marlin, and env {W4A16_LINEAR.env} for the patched vLLM)",
@@ -260,10 +260,9 @@ class ServingKnobs(BaseModel):
         "Tokens drafted per step. Default: 3 for mtp, 4 for ngram and lookup. With lookup, a "
         "match of 6+ tokens proposes all of them and a shorter one at most 4, and only proposed "
         "drafts are verified, so a long block (e.g. 15) costs verify work only while the answer "
-        "copies its context (speed not measured yet). With SPEC=mtp and LOOKUP=auto or 1, more "
-        "than 3 is the longest block a copy from the context fills; MTP still drafts 3 and a "
-        "step without a match verifies those (src/hyperqwen/engine/quoting.md; not run on a GPU "
-        "yet). Each draft slot holds a GDN state per request: see hyperqwen capacity.",
+        "copies its context (speed not measured yet). With SPEC=mtp and quoting on, more than 3 "
+        "is the widest block a copy fills while MTP drafts 3 (src/hyperqwen/engine/README.md's "
+        "feature table). Each draft slot holds a GDN state per request: see hyperqwen capacity.",
         "--speculative-config num_speculative_tokens",
         modes=SINGLE,
         ge=1,

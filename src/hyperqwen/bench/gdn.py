@@ -33,8 +33,8 @@ from hyperqwen.bench.timing import (
 )
 from hyperqwen.checkpoint.geometry import PRESETS
 
-# (name, sequences, tokens per sequence): what GDN_RECURRENT=1 serves first (verify steps of one
-# or two sequences, engine/gdn_recurrent.py), so a run cut short still has them
+# (name, sequences, tokens per sequence): what the serving path serves first (verify steps of one
+# or two sequences, `served_label`), so a run cut short still has them
 CASES = (
     ("verify_n1_t4", 1, 4),
     ("verify_n2_t4", 2, 4),
@@ -200,7 +200,7 @@ def result_rows(raw: dict) -> list[dict]:
 
         rows.append(comparison_row(f"gdn_{name}_moved", "GB/s", gbps(stock), gbps(ours)))
         served = entry["ours"].get(served_label(entry["sequences"], entry["tokens"], v_heads, dim))
-        if served and "us" in served:  # what GDN_RECURRENT=1 runs for this batch
+        if served and "us" in served:  # what the serving path runs for this batch
             rows.append(comparison_row(f"gdn_{name}_served", "us", stock, round(served["us"], 2)))
     copy = round(raw["copy_gbps"])
     rows.append(comparison_row("copy_bandwidth", "GB/s", copy, copy))

@@ -7,9 +7,9 @@ step's preparation then runs while the GPU waits, where without prefix caching i
 previous step. That wait is needed only when a request can reach a new block this step: blocks
 hold hundreds of tokens, a decode step moves at most 1 + drafts.
 
-With HYPERQWEN_ALIGN_OVERLAP=1 (patches/align-overlap.patch), a step where no request's block
-can change whatever the previous step accepted (step_is_safe) skips the wait: the accepted
-counts come from the previous step's postprocess output on the GPU (take_postprocess_counts),
+With HYPERQWEN_ALIGN_OVERLAP=1 (the V1 runner's seams in seams.py), a step where no request's
+block can change whatever the previous step accepted (step_is_safe) skips the wait: the accepted
+counts come from the previous step's postprocess output on the GPU (runner_counts_on_gpu),
 the count corrections run after the launch as without prefix caching, and the inputs of the
 step's own postprocess kernel, which need the corrected counts, are staged after them (still
 before that kernel, in stream order). Any other step runs vLLM's own path.
@@ -20,8 +20,6 @@ from __future__ import annotations
 import logging
 
 import torch
-
-from hyperqwen.engine.features import ALIGN_OVERLAP, enabled
 
 log = logging.getLogger("vllm.hyperqwen.align_overlap")
 _announced = False
@@ -59,9 +57,9 @@ def step_is_safe(
     return True
 
 
-def applies(runner, scheduler_output) -> bool:
+def runner_step_begins(runner, scheduler_output) -> bool:
     """Whether this step of vLLM's GPU model runner skips the wait."""
-    if not enabled(ALIGN_OVERLAP) or runner.cache_config.mamba_cache_mode != "align":
+    if runner.cache_config.mamba_cache_mode != "align":
         return False
     if not runner.use_async_scheduling or runner.speculative_config is None:
         return False
@@ -91,6 +89,15 @@ def applies(runner, scheduler_output) -> bool:
         log.info("align overlap: a step prepared without waiting (blocks of %d tokens)",
                  mamba_spec.block_size)  # fmt: skip
     return safe
+
+
+def runner_counts_on_gpu(runner, num_reqs: int) -> None:
+    """The accepted counts of a step that skipped the wait, from the previous postprocess."""
+    take_postprocess_counts(
+        runner.num_accepted_tokens.gpu,
+        runner._get_mamba_bufs().postprocess_align.num_accepted_tokens_out,
+        runner.prev_positions.gpu[:num_reqs],
+    )
 
 
 def take_postprocess_counts(

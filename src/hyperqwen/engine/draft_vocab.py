@@ -3,7 +3,8 @@
 vLLM's MTP proposer shares the target's full lm_head (248,320 rows, 2.5 GB in bf16) with the
 drafter, so each draft token reads the whole head. `hyperqwen prepare` writes the rows of the
 draft vocabulary's ids (40,960 by default; drafter/README.md) as hyperqwen-draft-head.safetensors
-beside the checkpoint. `install` swaps them in after vLLM has loaded the drafter:
+beside the checkpoint. `install` swaps them in after vLLM has loaded the drafter (the
+proposer_loaded seam, seams.py):
 
 - greedy drafts (`draft_sample_method: greedy`) go through vLLM's own LocalArgmaxMixin seam of
   Qwen3_5MTP: the argmax over the draft rows, index k, becomes target id k +
@@ -30,7 +31,7 @@ from safetensors import safe_open
 
 from hyperqwen.checkpoint import w4a16 as checkpoint_format
 from hyperqwen.drafter.head import PREFIX
-from hyperqwen.engine.features import DRAFT_VOCAB, env_value
+from hyperqwen.engine.features import DRAFT_VOCAB
 from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
 
 log = logging.getLogger("vllm.hyperqwen.draft_vocab")
@@ -104,6 +105,10 @@ def full_vocab_logits(draft_logits: torch.Tensor, token_ids: torch.Tensor, vocab
     return full
 
 
+def proposer_loaded(proposer) -> None:
+    install(proposer)
+
+
 def install(proposer) -> bool:
     """Give a loaded vLLM MTP proposer the draft head (vLLM's seam: after load_model shared the
     target's lm_head). Returns whether it was installed; logs why not."""
@@ -112,7 +117,7 @@ def install(proposer) -> bool:
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     config = proposer.vllm_config
-    if env_value(DRAFT_VOCAB) == "off" or config.speculative_config.method != "mtp":
+    if config.speculative_config.method != "mtp":
         return False
     path = Path(config.model_config.model) / DRAFT_HEAD_FILE
     if not path.is_file():

@@ -1,13 +1,16 @@
 """HyperQwen's engine features, each declared once.
 
 A feature is code HyperQwen runs inside vLLM's processes (a module here, over a kernel in
-../kernels), called from one seam in vLLM (a hook in patches/), switched by one knob that the
-launcher turns into one environment variable. Its declaration below is all the rest of the
-project knows of it: Settings builds the knob from it, the launcher sets the variable with it,
-vLLM's compile cache key, `hyperqwen doctor`, the generated knob tables and engine/README.md's
-table read it, and the module asks `enabled(FEATURE)` or `env_value(FEATURE)` in vLLM's process.
+../kernels), called at one or more seams of vLLM (a `Seam` below: a hook in patches/ that calls
+the function of that name in seams.py, which calls the same-named function of each feature
+module on it that is switched on), switched by one knob that the launcher turns into one
+environment variable. Its declaration below is all the rest of the project knows of it: Settings
+builds the knob from it, the launcher sets the variable with it, vLLM's compile cache key,
+`hyperqwen doctor`, the generated knob tables and engine/README.md's table read it, and in
+vLLM's process seams.py asks `switched_on(FEATURE)` before it calls the module.
 
-Adding a kernel or drafter: its module, one `Feature` in FEATURES, its hook and its tests.
+Adding a kernel or drafter: its module (a function per seam it hooks), one `Feature` in
+FEATURES, its tests; a new seam only where vLLM has none of the seams below to offer.
 
 This module runs inside vLLM: it imports the standard library only (no settings, no pydantic).
 A `launch` or `ignored` function gets the Settings object and reads its knobs by attribute.
@@ -46,6 +49,48 @@ class Knob:
     modes: tuple[str, ...] = BOTH_MODES
 
 
+@dataclass(frozen=True)
+class Seam:
+    """A place in vLLM with no extension point, where a patch calls seams.NAME."""
+
+    name: str
+    """The function of engine/seams.py the hook calls, and of each feature module on it."""
+    patch: str
+    where: str
+    """Where in vLLM, in words (engine/README.md's table)."""
+
+
+GDN_MODULE_LOADED = Seam("gdn_module_loaded", "gdn-layer.patch", "the GDN layer module loads")
+GDN_LAYER_BUILT = Seam("gdn_layer_built", "gdn-layer.patch", "a GDN layer is built")
+GDN_MIXED_QKV = Seam("gdn_mixed_qkv", "gdn-layer.patch", "the GDN layer's `rearrange_mixed_qkv`")
+LINEAR_KERNELS = Seam(
+    "linear_kernels", "linear-kernels.patch", "vLLM's choice of mixed-precision linear kernel"
+)
+PROPOSER_LOADED = Seam(
+    "proposer_loaded", "proposer-loaded.patch", "a speculative proposer's model is loaded, V1/V2"
+)
+NGRAM_DRAFTS = Seam("ngram_drafts", "ngram-drafts.patch", "vLLM's CPU n-gram proposer")
+RUNNER_DRAFTER_BUILT = Seam("runner_drafter_built", "v1-runner.patch", "V1 runner: drafter built")
+RUNNER_KEEPS_NGRAM_BUFFER = Seam(
+    "runner_keeps_ngram_buffer", "v1-runner.patch", "V1 runner: n-gram token buffer kept"
+)
+RUNNER_STEP_BEGINS = Seam("runner_step_begins", "v1-runner.patch", "V1 runner: a step begins")
+RUNNER_COUNTS_ON_GPU = Seam(
+    "runner_counts_on_gpu", "v1-runner.patch", "V1 runner: accepted counts taken on the GPU"
+)
+RUNNER_GRAPHS_DISPATCHED = Seam(
+    "runner_graphs_dispatched", "v1-runner.patch", "V1 runner: CUDA graph dispatcher built"
+)
+RUNNER_COPIES_SCHEDULER_OUTPUT = Seam(
+    "runner_copies_scheduler_output", "v1-runner.patch", "V1 runner: private scheduler output"
+)
+RUNNER_CUT_DRAFTS = Seam(
+    "runner_cut_drafts", "v1-runner.patch", "V1 runner: scheduled drafts cut in `_update_states`"
+)
+RUNNER_DRAFT_COUNT = Seam("runner_draft_count", "v1-runner.patch", "V1 runner: drafts to propose")
+RUNNER_DRAFTED = Seam("runner_drafted", "v1-runner.patch", "V1 runner: after the drafter")
+
+
 def _never(settings: Any, mode: str) -> str | None:
     return None
 
@@ -54,8 +99,8 @@ def _never(settings: Any, mode: str) -> str | None:
 class Feature:
     name: str
     """Its module's name: engine/NAME.py."""
-    seam: str
-    """The hook in vLLM that calls it: the patch and where."""
+    seams: tuple[Seam, ...]
+    """Where vLLM calls it: its module defines a function of each seam's name."""
     env: str
     """The environment variable the launcher sets and the engine reads."""
     knob: str
@@ -126,8 +171,9 @@ def env_value(feature: Feature) -> str:
     return feature.state(os.environ.get(feature.env))
 
 
-def enabled(feature: Feature) -> bool:
-    return env_value(feature) == ON
+def switched_on(feature: Feature) -> bool:
+    """Whether seams.py calls the feature: any value but 0 or off (draft_vocab's auto too)."""
+    return env_value(feature) not in (OFF, "off")
 
 
 def _lookup_ignored(settings: Any, mode: str) -> str | None:
@@ -159,7 +205,7 @@ def _lookup_launch(settings: Any, mode: str) -> str | None:
 
 GDN_RECURRENT = Feature(
     name="gdn_recurrent",
-    seam="`gdn-recurrent.patch` (the GDN layer module, when it loads)",
+    seams=(GDN_MODULE_LOADED,),
     env="HYPERQWEN_GDN_RECURRENT",
     knob="GDN_RECURRENT",
     owned_knob=Knob(
@@ -178,7 +224,7 @@ GDN_RECURRENT = Feature(
 
 GDN_BA = Feature(
     name="gdn_ba",
-    seam="`gdn-ba.patch` (the GDN layer: decided when built, used in its CUDA forward)",
+    seams=(GDN_LAYER_BUILT,),
     env="HYPERQWEN_GDN_BA",
     knob="GDN_BA",
     owned_knob=Knob(
@@ -197,7 +243,7 @@ GDN_BA = Feature(
 
 SPLIT_QKV = Feature(
     name="split_qkv",
-    seam="`gdn-split-qkv.patch` (the GDN layer's `rearrange_mixed_qkv`)",
+    seams=(GDN_MIXED_QKV,),
     env="HYPERQWEN_GDN_SPLIT_QKV",
     knob="GDN_SPLIT_QKV",
     unset=ON,
@@ -219,7 +265,7 @@ SPLIT_QKV = Feature(
 
 W4A16_LINEAR = Feature(
     name="w4a16_linear",
-    seam="`w4a16-linear.patch` (vLLM's choice of mixed-precision linear kernel)",
+    seams=(LINEAR_KERNELS,),
     env="HYPERQWEN_W4A16",
     knob="LINEAR_BACKEND",
     turned_on_by=f"LINEAR_BACKEND={OUR_LINEAR_BACKEND}",
@@ -227,13 +273,14 @@ W4A16_LINEAR = Feature(
     status="off (on with LINEAR_BACKEND=hyperqwen); vLLM's compressed-tensors W4A16 layers run "
     "`../kernels/w4a16.py` from one copy of their weights in its tiles, at every M (a torch "
     "custom op, opaque to torch.compile), Marlin where it cannot serve (the int8 heads); "
-    "CPU-tested with vLLM's own parameter classes (`tests/test_engine_w4a16_linear.py`); not run "
-    "in a server yet",
+    "CPU-tested with vLLM's own parameter classes (`tests/test_engine_w4a16_linear.py`); level "
+    "with Marlin at M = 1 and 7 % slower at M = 4 in kernel timings on the H200 "
+    "(`docs/results/2026-12-01-h200-27b-w4a16-kernels-tiles.json`); not run in a server yet",
 )
 
 DRAFT_VOCAB = Feature(
     name="draft_vocab",
-    seam="`mtp-draft-vocab.patch` (MTP proposer after load, V1 and V2 runners)",
+    seams=(PROPOSER_LOADED,),
     env="HYPERQWEN_DRAFT_VOCAB",
     knob="DRAFT_VOCAB",
     unset="auto",
@@ -247,13 +294,22 @@ DRAFT_VOCAB = Feature(
         modes=SINGLE_MODE,
     ),
     launch=lambda settings, mode: settings.DRAFT_VOCAB if mode == "single" else None,
-    status="on by default; alone it is worth 1.42x against 1.34x stock-MTP at C1 (H200, "
-    "DRAFT_VOCAB=off ablation, 2026-12-01)",
+    status="on by default (auto: where the prepared model folder has "
+    "`hyperqwen-draft-head.safetensors`; the server log then says `draft vocabulary: 40960 of "
+    "248320 ids`); MTP's drafter scores the 40,960 rows prepare cut (`drafter/README.md`) in bf16 "
+    "instead of the whole lm_head and maps the winner back to its id, a token outside them is "
+    "never drafted, verification keeps the full vocabulary; CPU-tested with vLLM's Qwen3_5MTP "
+    "(`tests/test_synth.py`); alone it is worth 1.42x against 1.34x stock-MTP at C1 (H200, "
+    "DRAFT_VOCAB=off ablation, 2026-12-01, `docs/results/2026-12-01-h200-27b-single-overlap"
+    "-novocab.json`: the draft passes read the bf16 draft head, not the int8 lm_head through "
+    "Marlin); acceptance on real weights and the greedy GPU test "
+    "(`tests/test_engine_draft_vocab_gpu.py`) not run; dummy-weight runs: `hyperqwen synth "
+    "--config-only --draft-head`",
 )
 
 ALIGN_OVERLAP = Feature(
     name="align_overlap",
-    seam="`align-overlap.patch` (V1 runner, prefix caching)",
+    seams=(RUNNER_STEP_BEGINS, RUNNER_COUNTS_ON_GPU),
     env="HYPERQWEN_ALIGN_OVERLAP",
     knob="PREFIX_CACHE_OVERLAP",
     owned_knob=Knob(
@@ -275,14 +331,28 @@ ALIGN_OVERLAP = Feature(
         if mode == "single" and settings.PREFIX_CACHE == OFF
         else None
     ),
-    status="on by default in single mode (with PREFIX_CACHE=1); CPU-tested; GPU exactness test "
-    "passed (H200, 2026-12-01: same greedy tokens with and without, overlapped steps logged); C1 "
-    "TPOT 3.60 ms against 4.23 with vLLM's wait and 3.57 without prefix caching (H200, 78e5dfa)",
+    status="on by default in single mode (with PREFIX_CACHE=1): vLLM 0.26 runs prefix caching for "
+    "this hybrid model in its mamba `align` mode, whose runner waits for each step's accepted "
+    "counts before preparing the next; this skips the wait in every step where no request can "
+    "reach a new state block, taking the counts from the GPU; CPU-tested; GPU exactness test "
+    "passed (H200, 2026-12-01: same greedy tokens with and without, blocks crossed, overlapped "
+    "steps logged, `tests/test_engine_align_overlap_gpu.py`); C1 TPOT 3.60 ms against 4.23 with "
+    "vLLM's wait and 3.57 without prefix caching (H200, 78e5dfa, "
+    "`docs/results/2026-12-01-h200-27b-single-overlap{,-wait,-nopc}.json`)",
 )
 
 LOOKUP = Feature(
     name="lookup",
-    seam="`lookup-search.patch` (vLLM's CPU n-gram proposer), `lookup-mtp.patch` (V1 runner)",
+    seams=(
+        NGRAM_DRAFTS,
+        RUNNER_DRAFTER_BUILT,
+        RUNNER_GRAPHS_DISPATCHED,
+        RUNNER_KEEPS_NGRAM_BUFFER,
+        RUNNER_CUT_DRAFTS,
+        RUNNER_COPIES_SCHEDULER_OUTPUT,
+        RUNNER_DRAFT_COUNT,
+        RUNNER_DRAFTED,
+    ),
     env="HYPERQWEN_LOOKUP",
     knob="LOOKUP",
     owned_knob=Knob(
@@ -304,9 +374,11 @@ LOOKUP = Feature(
     "home, vLLM's async `ngram_gpu` proposer, SPEC=lookup drafted at 0.47x stock CPU n-gram's "
     "tokens/s on copy prompts (H200, SmolLM2-135M, 2026-12-01), so it moved to the CPU proposer "
     "(measured there with 3 requests per C1 row, too few to decide: single-user/README.md); "
-    "LOOKUP=auto/1 still keeps the `ngram_gpu` buffer, acceptance not measured; with "
-    "DRAFT_TOKENS > 3 the per-request verify width of `quoting.py` (`quoting.md`), CPU-tested, "
-    "not run on a GPU yet",
+    "LOOKUP=auto/1 (greedy MTP drafts) puts copies in MTP's slots and keeps vLLM's `ngram_gpu` "
+    "bookkeeping of the token buffer, acceptance not measured; with DRAFT_TOKENS > 3 the "
+    "per-request verify width of `quoting.py` (`quoting.md`: steps without a match keep their "
+    "full CUDA graphs, each slot holds a GDN state per request, see `hyperqwen capacity`), "
+    "CPU-tested, not run on a GPU yet; `hyperqwen bench quoting` (bench/README.md) measures it",
 )
 
 # In this order: Settings adds the owned knobs, the launcher sets the variables and warns.
@@ -325,6 +397,13 @@ def launch_env(settings: Any, mode: str) -> dict[str, str]:
     """The variables `hyperqwen serve MODE` sets for these settings."""
     values = {feature.env: feature.env_for(settings, mode) for feature in FEATURES}
     return {name: value for name, value in values.items() if value is not None}
+
+
+def check_environment() -> None:
+    """Every feature's variable in this process is one its feature takes; else the
+    FeatureSwitchError names it (the vLLM plugin runs this before the model loads)."""
+    for feature in FEATURES:
+        env_value(feature)
 
 
 def compile_factors() -> dict[str, str | None]:

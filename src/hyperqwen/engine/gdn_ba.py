@@ -1,7 +1,7 @@
 """The GDN layer's b and a projections for decode and verify steps (GDN_BA=1).
 
-patches/gdn-ba.patch asks `takes(layer)` once, when the Qwen3.5 GDN layer is built; where it
-does, the layer's CUDA forward takes b and a from `torch.ops.hyperqwen.gdn_ba` instead of
+At the gdn_layer_built seam (seams.py), once per Qwen3.5 GDN layer, `takes(layer)` decides;
+where it does, the layer's CUDA forward takes b and a from `torch.ops.hyperqwen.gdn_ba` instead of
 in_proj_ba's GEMM, the split and two copies. The op runs kernels/ba_proj.py for the few rows
 of a decode or verify step and vLLM's own F.linear, split and copies for more (prefill), so the
 compiled graph holds one opaque call for every token count. It takes the layer only where
@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from hyperqwen.engine.features import GDN_BA, enabled
 from hyperqwen.kernels import ba_proj
 
 
 def takes(layer) -> bool:
     """Whether b and a of this GatedDeltaNet layer come from the op: from its structure only,
     when it is built, so torch.compile sees a constant."""
-    if not enabled(GDN_BA) or layer.gqa_interleaved_layout or layer.tp_size != 1:
+    if layer.gqa_interleaved_layout or layer.tp_size != 1:
         return False
     if hasattr(layer, "in_proj_qkv"):  # LoRA splits the projections
         return False
@@ -32,6 +31,12 @@ def takes(layer) -> bool:
         and getattr(projection, "bias", None) is None
         and projection.weight.dtype in (torch.bfloat16, torch.float16)
     )
+
+
+def gdn_layer_built(layer) -> None:
+    """Where the op takes the layer, its forward calls the op instead of vLLM's path."""
+    if takes(layer):
+        layer.hyperqwen_ba_projection = torch.ops.hyperqwen.gdn_ba
 
 
 @torch.library.custom_op("hyperqwen::gdn_ba", mutates_args=())

@@ -1,9 +1,9 @@
 """Which kernel runs the GDN layer's decode and verify recurrent update (GDN_RECURRENT).
 
-patches/gdn-recurrent.patch passes vLLM's fused_sigmoid_gating_delta_rule_update through
-`chosen` when the GDN layer module loads. With HYPERQWEN_GDN_RECURRENT=1 the layer gets a function
-of the same signature that runs kernels/gdn_recurrent.py for the calls it takes and hands any
-other call to vLLM's own. It takes verify steps (l2-normalised q and k, the state updated in
+At the gdn_module_loaded seam (seams.py), the GDN layer module's
+fused_sigmoid_gating_delta_rule_update passes through `chosen`. Switched on, the layer gets a
+function of the same signature that runs kernels/gdn_recurrent.py for the calls it takes and hands
+any other call to vLLM's own. It takes verify steps (l2-normalised q and k, the state updated in
 place, per-sequence state slots, not KDA) of at most MAX_SEQUENCES sequences: where the kernel
 was timed faster on the H200 (`hyperqwen bench gdn`, 2026-12-01: 0.62x vLLM's time at one
 sequence, 0.81x at two, 0.97x at four at its best config); plain decode steps are not timed
@@ -15,10 +15,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from hyperqwen.engine.features import GDN_RECURRENT, enabled
-
 MAX_TOKENS_PER_PASS = 16
 MAX_SEQUENCES = 2  # more go to vLLM's kernel: at four it was no faster (see above)
+VLLMS_UPDATE = "fused_sigmoid_gating_delta_rule_update"  # the name the layer module calls
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests run the kernel there
 
 
@@ -28,11 +27,13 @@ def tokens_per_pass(total_tokens: int, sequences: int) -> int:
     return min(1 << max(mean - 1, 0).bit_length(), MAX_TOKENS_PER_PASS)
 
 
-def chosen(vllms: Callable) -> Callable:
-    """vLLM's function, or with GDN_RECURRENT=1 one that runs HyperQwen's kernel where it can."""
-    if not enabled(GDN_RECURRENT):
-        return vllms
+def gdn_module_loaded(namespace: dict) -> None:
+    """The GDN layer module's recurrent update becomes `chosen`'s."""
+    namespace[VLLMS_UPDATE] = chosen(namespace[VLLMS_UPDATE])
 
+
+def chosen(vllms: Callable) -> Callable:
+    """A function of vLLM's signature: HyperQwen's kernel where it can run, vLLM's otherwise."""
     from hyperqwen.kernels.gdn_recurrent import gdn_recurrent_update, unsupported
 
     def fused_sigmoid_gating_delta_rule_update(

@@ -3,21 +3,22 @@
 Two uses, switched by HYPERQWEN_LOOKUP (the launcher sets it from the LOOKUP knob):
 
 - SPEC=lookup (the variable is 1): vLLM 0.26's CPU `ngram` proposer asks `propose` here for each
-  request (patches/lookup-search.patch) instead of its own search: the longest, then most recent
-  earlier occurrence of the context's last 3-12 tokens (kernels/lookup.py,
+  request (the ngram_drafts seam, seams.py) instead of its own search: the longest, then most
+  recent earlier occurrence of the context's last 3-12 tokens (kernels/lookup.py,
   `suffix_match_on_host`), whose continuation is what the text did last time, extended
   periodically when it runs into the present, and as many drafts as the match supports. vLLM's
   `ngram_gpu` path was the first home of this: on the H200 (SmolLM2-135M, 2026-12-01) it drafted
   at 0.47-0.49x the tokens/s of vLLM's CPU `ngram` on copy and chat prompts at C1 (0.22 against
   0.88 first-draft acceptance while copying), the async-scheduling loss vllm-project/vllm#37150
   reports for that path.
-- SPEC=mtp with LOOKUP=auto or 1 (`fused`): the V1 runner keeps the GPU token buffer of vLLM's
-  `ngram_gpu` path for MTP (patches/lookup-mtp.patch; its upkeep under async scheduling is the
-  path above, so its acceptance is to be measured before it is recommended) and, after MTP has
-  drafted, `fuse_into_mtp` writes the new tokens into it and puts a copy in MTP's draft slots
-  where the match is long (LONG_MATCH tokens) or where MTP's first draft agrees with it. Only
-  with greedy drafts: a copied draft is a point mass, and MTP's draft probabilities would no
-  longer describe it.
+- SPEC=mtp with LOOKUP=auto or 1 (`runner_keeps_ngram_buffer`): the V1 runner keeps the GPU token
+  buffer of vLLM's `ngram_gpu` path for MTP (the V1 runner's seams; its upkeep under async
+  scheduling is the path above, so its acceptance is to be measured before it is recommended)
+  and, after MTP has drafted (runner_drafted), `fuse_into_mtp` writes the new tokens into it and
+  puts a copy in MTP's draft slots where the match is long (LONG_MATCH tokens) or where MTP's
+  first draft agrees with it. Only with greedy drafts: a copied draft is a point mass, and MTP's
+  draft probabilities would no longer describe it. With more draft slots than MTP's, quoting.py
+  widens the verify block where the match is long (the other runner seams below hand it on).
 
 Verification is vLLM's, so the output is the model's either way; only which drafts are proposed
 (and so how many are accepted) changes.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hyperqwen.engine import features
+from hyperqwen.engine.features import LOOKUP, ON, env_value
 from hyperqwen.kernels.lookup import find_suffix_match, fuse_with_mtp, suffix_match_on_host
 
 # Fused with MTP: matches of 2-12 tokens are found; one of LONG_MATCH or more is copied alone,
@@ -37,12 +38,6 @@ FUSED_MATCH = (2, 12)
 LONG_MATCH = 6
 # SPEC=lookup: drafts a match shorter than LONG_MATCH may propose (the default DRAFT_TOKENS)
 SHORT_MATCH_DRAFTS = 4
-
-
-def enabled() -> bool:
-    """Whether HyperQwen's search drafts in vLLM's CPU n-gram proposer (lookup-search.patch asks
-    it): only at 1, which the launcher sets for SPEC=lookup; auto leaves vLLM's n-gram alone."""
-    return features.enabled(features.LOOKUP)
 
 
 def propose(
@@ -62,14 +57,28 @@ def propose(
     return context[start + np.arange(count) % (length - start)].tolist()
 
 
-def fused(speculative_config) -> bool:
-    """Lookup drafts go into MTP's draft slots: LOOKUP=auto or 1, greedy MTP drafts only (auto
-    is decided here, where the drafter's method and sampling are known)."""
-    return (
-        features.env_value(features.LOOKUP) != features.OFF
-        and speculative_config.method == "mtp"
-        and speculative_config.draft_sample_method == "greedy"
-    )
+def ngram_drafts(
+    proposer, num_requests: int, valid_ngram_requests: list, num_tokens_no_spec, token_ids_cpu, k
+) -> list[list[int]] | None:
+    """vLLM's CPU n-gram proposer's drafts (batch_propose's arguments): `propose`'s for each
+    valid request, none for the others. Only at 1, which the launcher sets for SPEC=lookup: auto
+    leaves vLLM's own n-gram search alone (None)."""
+    if env_value(LOOKUP) != ON:
+        return None
+    valid = set(valid_ngram_requests)
+    return [
+        propose(token_ids_cpu[i, : num_tokens_no_spec[i]], proposer.min_n, proposer.max_n, k,
+                proposer.max_model_len)
+        if i in valid
+        else []
+        for i in range(num_requests)
+    ]  # fmt: skip
+
+
+def runner_keeps_ngram_buffer(speculative_config) -> bool:
+    """Lookup drafts go into MTP's draft slots: greedy MTP drafts only (so LOOKUP=auto is
+    decided here, where the drafter's method and sampling are known)."""
+    return speculative_config.method == "mtp" and speculative_config.draft_sample_method == "greedy"
 
 
 def allocate_token_buffer(runner) -> None:
@@ -88,6 +97,46 @@ def allocate_token_buffer(runner) -> None:
     runner._ngram_pinned_val_buf = torch.zeros(
         runner.max_num_reqs, dtype=torch.int32, pin_memory=True
     )
+
+
+def runner_drafter_built(runner) -> None:
+    if runner_keeps_ngram_buffer(runner.speculative_config):
+        allocate_token_buffer(runner)
+
+
+# The V1 runner's seams for quoting: quoting.py decides.
+
+
+def _quoting():
+    from hyperqwen.engine import quoting  # imported here: quoting.py builds on this module
+
+    return quoting
+
+
+def runner_graphs_dispatched(runner) -> None:
+    _quoting().attach(runner)
+
+
+def runner_copies_scheduler_output(runner) -> bool:
+    return _quoting().trims(runner)
+
+
+def runner_cut_drafts(runner, scheduler_output) -> dict[str, int]:
+    return _quoting().trim(runner, scheduler_output)
+
+
+def runner_draft_count(runner, scheduled: int) -> int:
+    return _quoting().mtp_drafts(runner, scheduled)
+
+
+def runner_drafted(runner, draft_token_ids, sampled_token_ids):
+    """MTP's drafts with copies from the context, where fused with MTP (quoting.drafts: as wide
+    as the block where quoting widens it, else `fuse_into_mtp`)."""
+    if not runner_keeps_ngram_buffer(runner.speculative_config) or not isinstance(
+        sampled_token_ids, torch.Tensor
+    ):
+        return draft_token_ids
+    return _quoting().drafts(runner, draft_token_ids, sampled_token_ids)
 
 
 def write_accepted(

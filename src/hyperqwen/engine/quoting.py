@@ -3,8 +3,8 @@
 On when lookup is fused with MTP (LOOKUP=auto or 1, greedy drafts) and vLLM's
 num_speculative_tokens (DRAFT_TOKENS) exceeds MTP_DRAFTS: that number is then the widest block
 a copy fills, while MTP still drafts MTP_DRAFTS. The design, its costs and what only a GPU run
-settles: quoting.md beside this file. Three calls from vLLM's V1 runner
-(patches/lookup-mtp.patch):
+settles: quoting.md beside this file. vLLM's V1 runner reaches it through its seams
+(seams.py; lookup.py's runner_* functions hand them on):
 
 - `attach`, once: full CUDA graphs stay those of a 1 + MTP_DRAFTS-token verify, so a step
   without a match runs the graphs it ran before.
@@ -36,7 +36,7 @@ def widening(speculative_config: Any) -> bool:
     """Whether quoting widens the block: lookup fused with MTP, and more verify slots than MTP's."""
     return (
         speculative_config is not None
-        and lookup.fused(speculative_config)
+        and lookup.runner_keeps_ngram_buffer(speculative_config)
         and speculative_config.num_speculative_tokens > MTP_DRAFTS
     )
 
@@ -133,7 +133,8 @@ def trim_to_proposed(
     return original
 
 
-# The runner's hooks. Each is inert (vLLM's path) unless `widening`.
+# The runner's hooks (with lookup on: seams.py calls none otherwise). Each is inert (lookup's
+# fused path, vLLM's block) unless `widening`.
 
 
 def attach(runner: Any) -> None:

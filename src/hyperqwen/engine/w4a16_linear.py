@@ -1,7 +1,7 @@
 """HyperQwen's W4A16 kernel as one of vLLM's linear kernels (LINEAR_BACKEND=hyperqwen).
 
-patches/w4a16-linear.patch hands vLLM's kernel choice for compressed-tensors WNA16 layers
-through `candidates`: with HYPERQWEN_W4A16=1 on CUDA, HyperQwenW4A16LinearKernel comes first,
+At the linear_kernels seam (seams.py), vLLM's kernel choice for compressed-tensors WNA16 layers
+passes through `linear_kernels`: switched on, on CUDA, HyperQwenW4A16LinearKernel comes first,
 and a layer it cannot take (not int4 with symmetric groups of 128, N not a multiple of 16:
 the int8 heads, for one) gets the next kernel of vLLM's list, which the launcher narrows to
 Marlin. The layer keeps one copy of its weights, in the kernel's tiles
@@ -21,7 +21,6 @@ import functools
 
 import torch
 
-from hyperqwen.engine.features import W4A16_LINEAR, enabled
 from hyperqwen.kernels import w4a16
 
 GROUP = w4a16.PAIR_GROUP
@@ -148,9 +147,6 @@ def linear_kernel_class():
     return HyperQwenW4A16LinearKernel
 
 
-def candidates(kernels: list, on_cuda: bool) -> list:
-    """vLLM's mixed-precision kernels in the order it tries them; with HYPERQWEN_W4A16=1 on
-    CUDA, HyperQwen's first."""
-    if not (enabled(W4A16_LINEAR) and on_cuda):
-        return kernels
-    return [linear_kernel_class(), *kernels]
+def linear_kernels(kernels: list, on_cuda: bool) -> list:
+    """vLLM's mixed-precision kernels in the order it tries them, HyperQwen's first on CUDA."""
+    return [linear_kernel_class(), *kernels] if on_cuda else kernels

@@ -23,9 +23,8 @@ a sequence whose initial slot is 0 (vLLM's null block) is skipped, as vLLM does.
 formed in another order than vLLM's, so results agree to fp32 rounding, not bit for bit.
 
 Status: correct against a float64 reference and vLLM's kernel on the CPU (tests/test_kernel_gdn
-_recurrent.py); `hyperqwen bench gdn` times both on a GPU; not timed yet. GDN_RECURRENT=1
-(off by default until timed) routes the layer's decode and verify calls here
-(engine/gdn_recurrent.py, patches/gdn-recurrent.patch).
+_recurrent.py); `hyperqwen bench gdn` times both on a GPU; not timed yet. An engine feature
+routes the layer's decode and verify calls here (engine/README.md's feature table).
 """
 
 from __future__ import annotations

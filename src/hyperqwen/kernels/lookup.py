@@ -1,9 +1,8 @@
 """Lookup drafting's search: the longest, most recent earlier occurrence of a context's suffix.
 
 Status: correct (tests/test_kernel_lookup.py, Triton's interpreter against a Python reference;
-passed compiled on the H200). LOOKUP=1 calls it through engine/lookup.py
-(patches/lookup-mtp.patch); SPEC=lookup uses `suffix_match_on_host`, the same search on one
-request's tokens in host memory. Not timed.
+passed compiled on the H200). An engine feature calls it (engine/README.md's feature table);
+`suffix_match_on_host` is the same search on one request's tokens in host memory. Not timed.
 
 For each row b of `tokens` ([B, W] int32, the first lengths[b] valid: prompt and generated
 tokens), a candidate is a position j (1 <= j < length) whose preceding tokens equal the

@@ -10,9 +10,9 @@ launch: each program copies a block of columns of one row (all in one part) to w
 
   out = [q of every row | k of every row | v of every row]   (T * q_dim + T * k_dim + T * v_dim)
 
-which is exactly the buffer vLLM's torch.cat builds, so its views follow unchanged
-(patches/gdn-split-qkv.patch). Rows may have any stride (they are a column slice of the
-projection's output); columns must be contiguous.
+which is exactly the buffer vLLM's torch.cat builds, so its views follow unchanged (an
+engine feature serves it: engine/README.md's feature table). Rows may have any stride (they
+are a column slice of the projection's output); columns must be contiguous.
 """
 
 from __future__ import annotations

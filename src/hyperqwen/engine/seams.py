@@ -1,0 +1,164 @@
+"""The seams: what the hooks in patches/ call, one function per place in vLLM (features.Seam).
+
+Each function here calls the function of the same name in the module of every feature declared
+on that seam (features.py) whose variable switches it on, in FEATURES' order; with none on, it
+returns what leaves vLLM's own path (the value it was given, None, False) and imports no
+feature module. A patch names the seam, never a feature, so a feature on an existing seam needs
+no patch of its own.
+
+Runs inside vLLM: it imports the standard library and features.py only.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from hyperqwen.engine.features import (
+    FEATURES,
+    GDN_LAYER_BUILT,
+    GDN_MIXED_QKV,
+    GDN_MODULE_LOADED,
+    LINEAR_KERNELS,
+    NGRAM_DRAFTS,
+    PROPOSER_LOADED,
+    RUNNER_COPIES_SCHEDULER_OUTPUT,
+    RUNNER_COUNTS_ON_GPU,
+    RUNNER_CUT_DRAFTS,
+    RUNNER_DRAFT_COUNT,
+    RUNNER_DRAFTED,
+    RUNNER_DRAFTER_BUILT,
+    RUNNER_GRAPHS_DISPATCHED,
+    RUNNER_KEEPS_NGRAM_BUFFER,
+    RUNNER_STEP_BEGINS,
+    Seam,
+    switched_on,
+)
+
+
+def hooks(seam: Seam) -> Iterator[Callable[..., Any]]:
+    """The seam's function in each switched-on feature's module (imported on first use)."""
+    for feature in FEATURES:
+        if seam in feature.seams and switched_on(feature):
+            module = importlib.import_module(f"hyperqwen.engine.{feature.name}")
+            yield getattr(module, seam.name)
+
+
+def gdn_module_loaded(namespace: dict[str, Any]) -> None:
+    """The GDN layer module's globals, once it has imported its kernels: a feature may rebind
+    the functions the layer calls."""
+    for hook in hooks(GDN_MODULE_LOADED):
+        hook(namespace)
+
+
+def gdn_layer_built(layer: Any) -> None:
+    """A GatedDeltaNet layer after its projections are built. `hyperqwen_ba_projection` is
+    None (vLLM's in_proj_ba GEMM, split and copies) unless a feature gives the (hidden_states,
+    weight) -> (b, a) function the CUDA forward calls instead; decided here, once, so
+    torch.compile sees a constant."""
+    layer.hyperqwen_ba_projection = None
+    for hook in hooks(GDN_LAYER_BUILT):
+        hook(layer)
+
+
+def gdn_mixed_qkv(mixed_qkv: Any, q_dim: int, k_dim: int, v_dim: int) -> Any | None:
+    """The contiguous q|k|v buffer of one step, from the first feature that builds it; None:
+    vLLM's split, copies and cat."""
+    for hook in hooks(GDN_MIXED_QKV):
+        fused = hook(mixed_qkv, q_dim, k_dim, v_dim)
+        if fused is not None:
+            return fused
+    return None
+
+
+def linear_kernels(kernels: list, on_cuda: bool) -> list:
+    """vLLM's mixed-precision linear kernels in the order it tries them, as the features on
+    reorder or extend them."""
+    for hook in hooks(LINEAR_KERNELS):
+        kernels = hook(kernels, on_cuda)
+    return kernels
+
+
+def proposer_loaded(proposer: Any) -> None:
+    """A speculative proposer (V1's, or the V2 runner's speculator) whose draft model is loaded
+    and shares the target's embeddings and lm_head."""
+    for hook in hooks(PROPOSER_LOADED):
+        hook(proposer)
+
+
+def ngram_drafts(
+    proposer: Any,
+    num_requests: int,
+    valid_ngram_requests: list,
+    num_tokens_no_spec: Any,
+    token_ids_cpu: Any,
+    k: int,
+) -> list[list[int]] | None:
+    """One draft list per request from the first feature that drafts for vLLM's CPU n-gram
+    proposer (batch_propose's arguments); None: vLLM's numba search."""
+    for hook in hooks(NGRAM_DRAFTS):
+        drafts = hook(proposer, num_requests, valid_ngram_requests, num_tokens_no_spec,
+                      token_ids_cpu, k)  # fmt: skip
+        if drafts is not None:
+            return drafts
+    return None
+
+
+def runner_drafter_built(runner: Any) -> None:
+    """The V1 GPU model runner right after it built an EAGLE-family drafter (MTP's included)."""
+    for hook in hooks(RUNNER_DRAFTER_BUILT):
+        hook(runner)
+
+
+def runner_graphs_dispatched(runner: Any) -> None:
+    """The V1 runner right after it built its CUDA graph dispatcher (its uniform decode width)."""
+    for hook in hooks(RUNNER_GRAPHS_DISPATCHED):
+        hook(runner)
+
+
+def runner_keeps_ngram_buffer(speculative_config: Any) -> bool:
+    """Whether the V1 runner keeps vLLM's `ngram_gpu` token buffer beyond that method."""
+    return any(hook(speculative_config) for hook in hooks(RUNNER_KEEPS_NGRAM_BUFFER))
+
+
+def runner_cut_drafts(runner: Any, scheduler_output: Any) -> dict[str, int]:
+    """In _update_states, after vLLM's own n-gram cut: the features cut the step's scheduled
+    drafts (and token counts) on the runner's private copy of the scheduler output; returns each
+    cut request's scheduled count, which vLLM keeps for its rejection correction."""
+    scheduled: dict[str, int] = {}
+    for hook in hooks(RUNNER_CUT_DRAFTS):
+        scheduled.update(hook(runner, scheduler_output))
+    return scheduled
+
+
+def runner_copies_scheduler_output(runner: Any) -> bool:
+    """Whether the step works on a private copy of the scheduler output (a feature cuts it), as
+    vLLM's runner does for its GPU n-gram drafter."""
+    return any(hook(runner) for hook in hooks(RUNNER_COPIES_SCHEDULER_OUTPUT))
+
+
+def runner_step_begins(runner: Any, scheduler_output: Any) -> bool:
+    """The V1 runner's step after _update_states: whether the step skips vLLM's wait for the
+    previous step's accepted counts (they are then taken on the GPU: runner_counts_on_gpu)."""
+    return any(hook(runner, scheduler_output) for hook in hooks(RUNNER_STEP_BEGINS))
+
+
+def runner_counts_on_gpu(runner: Any, num_reqs: int) -> None:
+    """In a step that skipped the wait: set the runner's accepted counts from the GPU."""
+    for hook in hooks(RUNNER_COUNTS_ON_GPU):
+        hook(runner, num_reqs)
+
+
+def runner_draft_count(runner: Any, scheduled: int) -> int:
+    """How many drafts the V1 runner's drafter proposes this step (vLLM's: the scheduled)."""
+    for hook in hooks(RUNNER_DRAFT_COUNT):
+        scheduled = hook(runner, scheduled)
+    return scheduled
+
+
+def runner_drafted(runner: Any, draft_token_ids: Any, sampled_token_ids: Any) -> Any:
+    """The V1 runner's drafts of this step, as the features on amend them."""
+    for hook in hooks(RUNNER_DRAFTED):
+        draft_token_ids = hook(runner, draft_token_ids, sampled_token_ids)
+    return draft_token_ids

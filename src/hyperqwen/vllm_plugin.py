@@ -1,0 +1,28 @@
+"""HyperQwen's vLLM general plugin (pyproject.toml: the `vllm.general_plugins` entry point).
+
+vLLM calls `register` in each of its processes (API server, engine core, workers) before it
+builds the model, whenever the hyperqwen package is installed beside it and `VLLM_PLUGINS` does
+not leave it out. That includes the stock side of `hyperqwen bench ab`, which runs in the same
+environment: so unless the process's environment holds a variable of HyperQwen's
+(`ENV_PREFIX`, which every engine feature's variable carries: the launcher sets them), it
+returns at once, imports nothing and changes nothing. Otherwise it refuses a value an engine
+feature does not take, by name, before the model loads (features.check_environment), instead
+of at the first layer or step that reads it.
+
+Engine parts that vLLM has a registry for (an attention backend, a quantization config) are
+registered here, after that check, rather than patched in.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV_PREFIX = "HYPERQWEN_"
+
+
+def register() -> None:
+    if not any(name.startswith(ENV_PREFIX) for name in os.environ):
+        return
+    from hyperqwen.engine.features import check_environment
+
+    check_environment()

@@ -1,0 +1,114 @@
+"""HyperQwen's vLLM general plugin (src/hyperqwen/vllm_plugin.py), loaded the way vLLM 0.26
+loads it: `vllm.plugins.load_general_plugins()` in a fresh process, the entry point found through
+package metadata written from pyproject.toml's declaration (first on the path, so it is the one
+under test whatever the venv's install of hyperqwen declares)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from cli_runner import ROOT
+
+from hyperqwen.engine.features import FEATURES, GDN_BA, FeatureSwitchError, check_environment
+from hyperqwen.vllm_plugin import ENV_PREFIX, register
+
+GROUP = "vllm.general_plugins"
+PROBE = """
+import json, sys
+from importlib.metadata import entry_points
+import vllm.plugins
+found = sorted(plugin.value for plugin in entry_points(group="vllm.general_plugins"))
+vllm.plugins.load_general_plugins()
+print(json.dumps({"found": found, "hyperqwen": sorted(m for m in sys.modules if "hyperqwen" in m)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def plugin_path(tmp_path_factory) -> Path:
+    """A folder holding hyperqwen's distribution metadata with pyproject's entry points."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    folder = tmp_path_factory.mktemp("plugin-metadata")
+    info = folder / f"hyperqwen-{project['version']}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: hyperqwen\n"
+                                   f"Version: {project['version']}\n")  # fmt: skip
+    sections = [
+        f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in entries.items())
+        for group, entries in project["entry-points"].items()
+    ]
+    (info / "entry_points.txt").write_text("\n".join(sections))
+    return folder
+
+
+def load_plugins(plugin_path: Path, **variables: str) -> subprocess.CompletedProcess:
+    """vLLM's plugin loading in a process whose HyperQwen variables are exactly `variables`."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
+    env.pop("VLLM_PLUGINS", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(plugin_path), str(ROOT / "src")])
+    return subprocess.run([sys.executable, "-c", PROBE], env={**env, **variables},
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_pyproject_declares_the_plugin():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"][GROUP] == {"hyperqwen": "hyperqwen.vllm_plugin:register"}
+
+
+def test_without_a_hyperqwen_variable_it_imports_and_changes_nothing(plugin_path):
+    """The stock side of `bench ab`: vLLM loads the plugin, which imports no engine module."""
+    done = load_plugins(plugin_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert "hyperqwen.vllm_plugin:register" in report["found"]
+    assert report["hyperqwen"] == ["hyperqwen", "hyperqwen.vllm_plugin"]
+
+
+def test_a_bad_engine_value_stops_vllm_before_the_model_loads_naming_it(plugin_path):
+    done = load_plugins(plugin_path, **{GDN_BA.env: "yes"})
+    assert done.returncode != 0
+    assert f"FeatureSwitchError: {GDN_BA.env}='yes': expected one of 0, 1" in done.stderr
+    assert GDN_BA.knob in done.stderr
+
+
+def test_good_engine_values_pass_and_load_only_the_declarations(plugin_path):
+    """The check reads the declarations only: no feature module (and no kernel) is imported."""
+    done = load_plugins(plugin_path, **{GDN_BA.env: "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["hyperqwen"] == [
+        "hyperqwen",
+        "hyperqwen.engine",
+        "hyperqwen.engine.features",
+        "hyperqwen.vllm_plugin",
+    ]
+
+
+def test_vllm_plugins_can_leave_it_out(plugin_path):
+    done = load_plugins(plugin_path, VLLM_PLUGINS="someone_else", **{GDN_BA.env: "yes"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1])["hyperqwen"] == []
+
+
+def test_every_engine_variable_carries_the_prefix_the_plugin_looks_for():
+    assert all(feature.env.startswith(ENV_PREFIX) for feature in FEATURES)
+
+
+@pytest.mark.parametrize("feature", FEATURES, ids=lambda f: f.name)
+def test_each_features_bad_value_is_refused_by_name(monkeypatch, feature):
+    for other in FEATURES:
+        monkeypatch.delenv(other.env, raising=False)
+    register()  # nothing set: nothing to refuse
+    for value in feature.values:
+        monkeypatch.setenv(feature.env, value)
+        register()
+    monkeypatch.setenv(feature.env, "maybe")
+    with pytest.raises(FeatureSwitchError, match=f"{feature.env}='maybe'"):
+        register()
+    with pytest.raises(FeatureSwitchError, match=feature.knob):
+        check_environment()
