@@ -119,7 +119,8 @@ def test_fused_with_mtp_the_accepted_tokens_land_and_copies_fill_the_slots():
     lengths = torch.tensor([len(c) for c in contexts], dtype=torch.int32)
 
     before = tokens.clone()
-    drafts = engine_lookup.fuse_into_mtp(mtp, sampled, discard, tokens, lengths, 50_000)
+    lengths = engine_lookup.write_accepted(sampled, discard, tokens, lengths, 50_000)
+    drafts = engine_lookup.fuse_into_mtp(mtp, tokens, lengths)
     assert tokens[0, : len(contexts[0]) + 2].tolist() == [*contexts[0], 46, 47]
     assert tokens[1, :7].tolist() == [1, 2, 3, 7, 1, 2, 3]
     assert torch.equal(tokens[3], before[3])  # discarded: its sampled tokens are not real

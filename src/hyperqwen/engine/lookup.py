@@ -14,11 +14,12 @@ Two uses, switched by HYPERQWEN_LOOKUP (the launcher sets it from the LOOKUP kno
 - SPEC=mtp with LOOKUP=auto or 1 (`runner_keeps_ngram_buffer`): the V1 runner keeps the GPU token
   buffer of vLLM's `ngram_gpu` path for MTP (the V1 runner's seams; its upkeep under async
   scheduling is the path above, so its acceptance is to be measured before it is recommended)
-  and, after MTP has drafted (runner_drafted), `fuse_into_mtp` writes the new tokens into it and
-  puts a copy in MTP's draft slots where the match is long (LONG_MATCH tokens) or where MTP's
-  first draft agrees with it. Only with greedy drafts: a copied draft is a point mass, and MTP's
-  draft probabilities would no longer describe it. With more draft slots than MTP's, quoting.py
-  widens the verify block where the match is long (the other runner seams below hand it on).
+  and, after MTP has drafted (runner_drafted), `write_accepted` writes the new tokens into it and
+  `fuse_into_mtp` puts a copy in MTP's draft slots where the match is long (LONG_MATCH tokens)
+  or where MTP's first draft agrees with it. Only with greedy drafts: a copied draft is a point
+  mass, and MTP's draft probabilities would no longer describe it. With more draft slots than
+  MTP's, quoting.py widens the verify block where the match is long (the other runner seams
+  below hand it on).
 
 Verification is vLLM's, so the output is the model's either way; only which drafts are proposed
 (and so how many are accepted) changes.
@@ -165,16 +166,10 @@ def write_accepted(
 
 
 def fuse_into_mtp(
-    mtp_drafts: torch.Tensor,
-    sampled_token_ids: torch.Tensor,
-    discard_mask: torch.Tensor,
-    token_ids: torch.Tensor,
-    num_tokens: torch.Tensor,
-    vocab_size: int,
+    mtp_drafts: torch.Tensor, token_ids: torch.Tensor, lengths: torch.Tensor
 ) -> torch.Tensor:
-    """`write_accepted`, then MTP's drafts [B, k] with a copy from the context where it wins
-    (fuse_with_mtp)."""
-    lengths = write_accepted(sampled_token_ids, discard_mask, token_ids, num_tokens, vocab_size)
+    """MTP's drafts [B, k] with a copy from the context where it wins (fuse_with_mtp); the
+    context is each row of the token buffer up to its length from `write_accepted`."""
     rows = mtp_drafts.shape[0]
     match = find_suffix_match(token_ids[:rows], lengths, *FUSED_MATCH, mtp_drafts.shape[1])
     drafts, _ = fuse_with_mtp(mtp_drafts.to(torch.int32), match, LONG_MATCH)

@@ -164,9 +164,9 @@ def drafts(runner: Any, mtp_drafted: torch.Tensor, sampled_token_ids: torch.Tens
     wide as the block when quoting widens (publishing each request's count), else MTP's."""
     buffer, counts = runner.token_ids_gpu_tensor, runner.num_tokens_no_spec_gpu
     mask, vocab = runner.discard_request_mask.gpu, runner.input_batch.vocab_size
-    if not trims(runner):
-        return lookup.fuse_into_mtp(mtp_drafted, sampled_token_ids, mask, buffer, counts, vocab)
     lengths = lookup.write_accepted(sampled_token_ids, mask, buffer, counts, vocab)
+    if not trims(runner):
+        return lookup.fuse_into_mtp(mtp_drafted, buffer, lengths)
     rows = mtp_drafted.shape[0]
     width = runner.speculative_config.num_speculative_tokens
     fused, proposed = propose(mtp_drafted, buffer[:rows], lengths, width)
