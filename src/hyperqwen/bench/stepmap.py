@@ -254,32 +254,20 @@ def gaps(step: Step, split_us: float = GAP_SPLIT_US) -> Gaps:
     """Where the GPU ran nothing inside the step's window: between the ops (merged where
     streams overlap) and from the last op to the next step's first."""
     busy = 0.0
-    short = long = 0.0
-    count = 0
-    long_gaps = []
+    idle = []  # (op before, op after, microseconds)
     reach, last_name = step.start, ""
     for op in step.ops:
         if op.start > reach:
-            idle = op.start - reach
-            count += 1
-            if idle < split_us:
-                short += idle
-            else:
-                long += idle
-                long_gaps.append((last_name, op.name, idle))
+            idle.append((last_name, op.name, op.start - reach))
         end = min(op.end, step.end)
         if end > reach:
             busy += end - max(op.start, reach)
             reach, last_name = end, op.name
     if step.end > reach:
-        idle = step.end - reach
-        count += 1
-        if idle < split_us:
-            short += idle
-        else:
-            long += idle
-            long_gaps.append((last_name, "(next step)", idle))
-    return Gaps(busy, short, long, count, tuple(long_gaps))
+        idle.append((last_name, "(next step)", step.end - reach))
+    long_gaps = tuple(gap for gap in idle if gap[2] >= split_us)
+    short = sum((us for _, _, us in idle if us < split_us), 0.0)
+    return Gaps(busy, short, sum((us for _, _, us in long_gaps), 0.0), len(idle), long_gaps)
 
 
 def _ms(us: float, steps: int) -> float:
