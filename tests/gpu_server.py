@@ -113,6 +113,38 @@ def hyperqwen_server(mode: str, env: dict[str, str], log: Path, server=None):
     return (server or running_server)(command, base, log, full_env)
 
 
+def complete(base: str, prompt: str, timeout: float = 300, **extra) -> dict:
+    """The first choice of a greedy /v1/completions answer of the model served as "tiny"."""
+    response = requests.post(
+        f"{base}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "temperature": 0, **extra},
+        timeout=timeout,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def top2_margins(choice: dict) -> list[float]:
+    """Each generated step's gap between its top two log-probabilities (asked with logprobs=2);
+    0.0 where one entry came back: both candidates decode alike, a tie for all we know."""
+    margins = []
+    for top in choice["logprobs"]["top_logprobs"]:
+        ranked = sorted(top.values(), reverse=True)
+        margins.append(ranked[0] - ranked[1] if len(ranked) > 1 else 0.0)
+    return margins
+
+
+def agreeing_prefix(reference: dict, candidate: dict, near_tie: float) -> tuple[int, bool]:
+    """(tokens equal before the first difference of the two "greedy_ids", whether that difference
+    is at a near tie: the reference's top-2 margin there below `near_tie`)."""
+    for index, (want, got) in enumerate(
+        zip(reference["greedy_ids"], candidate["greedy_ids"], strict=True)
+    ):
+        if want != got:
+            return index, reference["margins"][index] < near_tie
+    return len(reference["greedy_ids"]), True
+
+
 def chat(base: str, model: str, key: str | None = None, max_tokens: int = 16) -> dict:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     response = requests.post(

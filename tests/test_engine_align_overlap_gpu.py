@@ -14,8 +14,14 @@ from __future__ import annotations
 import json
 
 import pytest
-import requests
-from gpu_server import log_dir, patched_vllm_parent, require_gpu, running_server, with_vllm_first
+from gpu_server import (
+    complete,
+    log_dir,
+    patched_vllm_parent,
+    require_gpu,
+    running_server,
+    with_vllm_first,
+)
 from local_server import free_port
 from test_prepare_gpu import PROMPTS, tiny_server
 
@@ -37,20 +43,8 @@ TOKENS = 300
 def continuations(base: str) -> dict[str, list[int]]:
     out = {}
     for prompt in PROMPTS:
-        response = requests.post(
-            f"{base}/v1/completions",
-            json={
-                "model": "tiny",
-                "prompt": prompt,
-                "temperature": 0,
-                "max_tokens": TOKENS,
-                "min_tokens": TOKENS,
-                "return_token_ids": True,
-            },
-            timeout=300,
-        )
-        assert response.status_code == 200, response.text
-        out[prompt] = response.json()["choices"][0]["token_ids"]
+        choice = complete(base, prompt, max_tokens=TOKENS, min_tokens=TOKENS, return_token_ids=True)
+        out[prompt] = choice["token_ids"]
     return out
 
 

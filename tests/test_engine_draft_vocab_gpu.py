@@ -17,10 +17,17 @@ import json
 import shutil
 
 import pytest
-from gpu_server import log_dir, patched_vllm_parent, require_gpu, running_server, with_vllm_first
+from gpu_server import (
+    agreeing_prefix,
+    log_dir,
+    patched_vllm_parent,
+    require_gpu,
+    running_server,
+    with_vllm_first,
+)
 from local_server import free_port
 from test_prepare_common import run_prepare
-from test_prepare_gpu import PROMPTS, agreeing_prefix, observe, tiny_server
+from test_prepare_gpu import NEAR_TIE, PROMPTS, observe, tiny_server
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
@@ -60,7 +67,7 @@ def test_draft_vocabulary_keeps_greedy_output_and_is_installed(tmp_path, tmp_pat
     summary = {"drafted": {name: result["drafted"] for name, result in results.items()}}
     for name in ("mtp-draft-vocab", "mtp-full-head", "mtp-lookup"):
         summary[name] = {
-            prompt: agreeing_prefix(reference[prompt], results[name]["prompts"][prompt])
+            prompt: agreeing_prefix(reference[prompt], results[name]["prompts"][prompt], NEAR_TIE)
             for prompt in PROMPTS
         }
     (logs / "draft-vocab-summary.json").write_text(json.dumps(summary, indent=1))

@@ -34,10 +34,13 @@ import pytest
 import requests
 from gpu_server import (
     TRITON_GDN,
+    agreeing_prefix,
+    complete,
     log_dir,
     patched_vllm_parent,
     require_gpu,
     running_server,
+    top2_margins,
     with_vllm_first,
 )
 from local_server import free_port
@@ -100,49 +103,30 @@ def answer(base: str, prompt: str) -> dict:
     """A greedy continuation with each step's top-2 margin, and the tokens per verify step
     the request ran at (the server's counters before and after it; one request at a time)."""
     before = counters(base)
-    response = requests.post(
-        f"{base}/v1/completions",
-        json={
-            "model": "tiny",
-            "prompt": prompt,
-            "temperature": 0,
-            "max_tokens": ANSWER_TOKENS,
-            "min_tokens": ANSWER_TOKENS,
-            "logprobs": 2,
-            "return_token_ids": True,
-        },
-        timeout=300,
+    choice = complete(
+        base,
+        prompt,
+        max_tokens=ANSWER_TOKENS,
+        min_tokens=ANSWER_TOKENS,
+        logprobs=2,
+        return_token_ids=True,
     )
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
     after = counters(base)
     drafts = after["num_drafts"] - before["num_drafts"]
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-    margins = []
-    for top in choice["logprobs"]["top_logprobs"]:
-        ranked = sorted(top.values(), reverse=True)
-        margins.append(ranked[0] - ranked[1] if len(ranked) > 1 else 0.0)
     return {
         "prompt_ids": choice.get("prompt_token_ids") or [],
-        "ids": choice["token_ids"],
-        "margins": margins,
+        "greedy_ids": choice["token_ids"],
+        "margins": top2_margins(choice),
         "verify_steps": drafts,
         "tokens_per_step": 1 + accepted / drafts if drafts else None,
     }
 
 
-def agreeing_prefix(reference: dict, candidate: dict) -> tuple[int, bool]:
-    """(tokens equal before the first difference, whether that difference is at a near tie)."""
-    for index, (want, got) in enumerate(zip(reference["ids"], candidate["ids"], strict=True)):
-        if want != got:
-            return index, reference["margins"][index] < NEAR_TIE
-    return len(reference["ids"]), True
-
-
 def repeats_its_context(result: dict) -> bool:
     """Whether the continuation's last tokens occurred earlier in the request's context (prompt
     and continuation): what the search finds."""
-    ids = result["prompt_ids"] + result["ids"]
+    ids = result["prompt_ids"] + result["greedy_ids"]
     tail = ids[-LONG_MATCH:]
     return any(ids[i : i + LONG_MATCH] == tail for i in range(len(ids) - LONG_MATCH))
 
@@ -175,7 +159,8 @@ def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
     summary = {
         name: {
             "agreeing_prefix": {
-                side: agreeing_prefix(reference[name], results[side][name]) for side in lookup_sides
+                side: agreeing_prefix(reference[name], results[side][name], NEAR_TIE)
+                for side in lookup_sides
             },
             "tokens_per_step": {side: results[side][name]["tokens_per_step"] for side in results},
             "verify_steps": {side: results[side][name]["verify_steps"] for side in results},

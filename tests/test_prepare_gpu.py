@@ -27,11 +27,14 @@ import pytest
 import requests
 from gpu_server import (
     TRITON_GDN,
+    agreeing_prefix,
     bench_serve,
+    complete,
     log_dir,
     patched_vllm_parent,
     require_gpu,
     running_server,
+    top2_margins,
     with_vllm_first,
 )
 from local_server import free_port
@@ -75,60 +78,35 @@ def tiny_server(model: Path, port: int, speculative: dict | None = MTP2) -> list
     ]  # fmt: skip
 
 
-def _complete(base: str, prompt: str, **extra) -> dict:
-    response = requests.post(
-        f"{base}/v1/completions",
-        json={"model": "tiny", "prompt": prompt, "temperature": 0, **extra},
-        timeout=120,
-    )
-    assert response.status_code == 200, response.text
-    return response.json()["choices"][0]
-
-
 def observe(base: str) -> dict:
     """Per prompt: the prompt tokens' log-probabilities (teacher-forced) and a greedy
     continuation with each step's top-2 margin; plus the server's draft counter."""
     observed = {}
     for prompt in PROMPTS:
-        scored = _complete(base, prompt, max_tokens=1, prompt_logprobs=0)
+        scored = complete(base, prompt, timeout=120, max_tokens=1, prompt_logprobs=0)
         prompt_logprobs = [
             None if entry is None else next(iter(entry.values()))["logprob"]
             for entry in scored["prompt_logprobs"]
         ]
-        greedy = _complete(
+        greedy = complete(
             base,
             prompt,
+            timeout=120,
             max_tokens=GREEDY_TOKENS,
             min_tokens=GREEDY_TOKENS,
             logprobs=2,
             return_token_ids=True,
         )
-        margins = [
-            sorted(top.values(), reverse=True)[0] - sorted(top.values(), reverse=True)[1]
-            if len(top) > 1
-            else 0.0  # one entry: both candidates decode alike, a tie for all we know
-            for top in greedy["logprobs"]["top_logprobs"]
-        ]
         observed[prompt] = {
             "prompt_logprobs": prompt_logprobs,
             "greedy_ids": greedy["token_ids"],
-            "margins": margins,
+            "margins": top2_margins(greedy),
         }
     metrics = requests.get(f"{base}/metrics", timeout=30).text
     drafted = re.search(
         r"^vllm:spec_decode_num_draft_tokens_total\{[^}]*\} ([\d.e+]+)", metrics, re.M
     )
     return {"prompts": observed, "drafted": float(drafted.group(1)) if drafted else 0.0}
-
-
-def agreeing_prefix(reference: dict, candidate: dict) -> tuple[int, bool]:
-    """(tokens equal before the first difference, whether that difference is at a near tie)."""
-    for index, (want, got) in enumerate(
-        zip(reference["greedy_ids"], candidate["greedy_ids"], strict=True)
-    ):
-        if want != got:
-            return index, reference["margins"][index] < NEAR_TIE
-    return len(reference["greedy_ids"]), True
 
 
 def test_prepared_tiny_checkpoint_matches_the_unprepared_one(tmp_path, tmp_path_factory):
@@ -156,7 +134,7 @@ def test_prepared_tiny_checkpoint_matches_the_unprepared_one(tmp_path, tmp_path_
             for a, b in zip(reference["prompt_logprobs"], candidate["prompt_logprobs"], strict=True)
             if a is not None
         ]
-        agreed, at_near_tie = agreeing_prefix(reference, candidate)
+        agreed, at_near_tie = agreeing_prefix(reference, candidate, NEAR_TIE)
         summary[prompt] = {
             "max_abs_logprob_difference": max(differences),
             "mean_abs_logprob_difference": sum(differences) / len(differences),
