@@ -35,7 +35,6 @@ from hyperqwen.bench.ab_argv import (
 )
 from hyperqwen.bench.ab_compare import build_result
 from hyperqwen.bench.ab_plan import (
-    DEFAULT_SERVER_COMMAND,
     PHASES,
     SIDES,
     STOCK_SPECS,
@@ -46,7 +45,12 @@ from hyperqwen.bench.ab_plan import (
 from hyperqwen.bench.ab_run import run_side
 from hyperqwen.bench.ab_state import load_state, new_state, save_state, with_side
 from hyperqwen.bench.client import BenchError
-from hyperqwen.bench.options import DEFAULT_COHORTS, add_workload_options
+from hyperqwen.bench.options import (
+    DEFAULT_COHORTS,
+    add_server_start_options,
+    add_vllm_tree_options,
+    add_workload_options,
+)
 from hyperqwen.bench.plot import PlotUnavailable
 from hyperqwen.bench.quality import parse_battery_options
 from hyperqwen.bench.results import (
@@ -60,7 +64,6 @@ from hyperqwen.bench.workload import SALT_TOKENS, DatasetMissing, load_sharegpt_
 from hyperqwen.engine.features import FEATURES
 from hyperqwen.settings import MODES
 
-DEFAULT_STARTUP_TIMEOUT_S = 900
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 
@@ -246,8 +249,7 @@ def add_ab_subcommand(actions) -> None:
     ab.add_argument(
         "--mode", choices=MODES, default="single", help="the project's profile (default single)"
     )
-    ab.add_argument("--stock-vllm", metavar="PARENT_DIR", help="folder holding a stock vllm/")
-    ab.add_argument("--patched-vllm", metavar="PARENT_DIR", help="folder holding a patched vllm/")
+    add_vllm_tree_options(ab)
     ab.add_argument(
         "--phase",
         choices=PHASES,
@@ -301,20 +303,7 @@ def add_ab_subcommand(actions) -> None:
     ab.add_argument(
         "--port", type=int, default=0, help="server port (default: a free one per side)"
     )
-    ab.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=DEFAULT_STARTUP_TIMEOUT_S,
-        metavar="SECONDS",
-        help=f"seconds a server may take to become healthy (default {DEFAULT_STARTUP_TIMEOUT_S})",
-    )
-    ab.add_argument(
-        "--server-command",
-        default=DEFAULT_SERVER_COMMAND,
-        metavar="TEMPLATE",
-        help="how a server starts: {python} this interpreter, {args} the quoted `serve ...` "
-        "arguments, {port}, {side} (stock|patched); default %(default)r",
-    )
+    add_server_start_options(ab, side="(stock|patched)")
     ab.add_argument(
         "--quality",
         metavar="'OPTIONS'",

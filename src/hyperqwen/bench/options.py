@@ -1,5 +1,6 @@
 """Option parsing and run planning shared by the bench commands (`run`, `ab`, `quality`,
-`soak`): the workload options `run` and `ab` both take are declared here once."""
+`soak`, `quoting`): the workload options `run` and `ab` both take, and the server-start options
+`ab` and `quoting` both take, are declared here once."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import sys
 from typing import Protocol
 
+from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND
 from hyperqwen.bench.client import BenchError
 from hyperqwen.bench.run import BenchPlan
 from hyperqwen.settings import LoadedSettings, Mode, resolve_api_key
@@ -15,6 +17,7 @@ from hyperqwen.settings import LoadedSettings, Mode, resolve_api_key
 DATE_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
 DEFAULT_COHORTS = {"single": "1,2,4,8", "batch": "1,64"}
 DEFAULT_PREFILL = "1024,8192,32768"
+DEFAULT_STARTUP_TIMEOUT_S = 900
 COPY_HELP = (
     "also rows of copy-task chat prompts (quote, rewrite or edit a passage of Python's standard "
     "library: answers that repeat the prompt, where lookup drafting pays), named copy_cC in "
@@ -63,6 +66,33 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text}: must be 1 or more")
     return value
+
+
+def add_vllm_tree_options(parser: argparse.ArgumentParser) -> None:
+    """--stock-vllm and --patched-vllm: the vLLM trees the started servers import."""
+    parser.add_argument("--stock-vllm", metavar="PARENT_DIR", help="folder holding a stock vllm/")
+    parser.add_argument(
+        "--patched-vllm", metavar="PARENT_DIR", help="folder holding a patched vllm/"
+    )
+
+
+def add_server_start_options(parser: argparse.ArgumentParser, side: str) -> None:
+    """--startup-timeout and --server-command of the servers a command starts; `side` says
+    what the template's {side} is there."""
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=DEFAULT_STARTUP_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"seconds a server may take to become healthy (default {DEFAULT_STARTUP_TIMEOUT_S})",
+    )
+    parser.add_argument(
+        "--server-command",
+        default=DEFAULT_SERVER_COMMAND,
+        metavar="TEMPLATE",
+        help="how a server starts: {python} this interpreter, {args} the quoted `serve ...` "
+        f"arguments, {{port}}, {{side}} {side}; default %(default)r",
+    )
 
 
 def add_workload_options(parser: argparse.ArgumentParser, cohorts_default: str) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from hyperqwen.bench.ab_argv import PREVIEW_PORT, environment_knobs
 from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND, ABError
 from hyperqwen.bench.client import BenchError
-from hyperqwen.bench.options import _positive
+from hyperqwen.bench.options import _positive, add_server_start_options, add_vllm_tree_options
 from hyperqwen.bench.quoting_configs import (
     DEFAULT_LOOKUP_KNOBS,
     catalogue,
@@ -35,7 +35,6 @@ from hyperqwen.bench.quoting_tasks import KINDS, MAX_TOKENS, prompt_facts, quoti
 from hyperqwen.bench.results import ResultFileError
 from hyperqwen.bench.server_process import ServerStartError
 
-DEFAULT_STARTUP_TIMEOUT_S = 900
 MIN_PASSES = 2  # the spread between passes needs two
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -237,10 +236,7 @@ def add_subcommands(actions) -> None:
         help="measure the running server at URL as configuration NAME instead of starting it "
         "(repeatable)",
     )
-    parser.add_argument("--stock-vllm", metavar="PARENT_DIR", help="folder holding a stock vllm/")
-    parser.add_argument(
-        "--patched-vllm", metavar="PARENT_DIR", help="folder holding a patched vllm/"
-    )
+    add_vllm_tree_options(parser)
     parser.add_argument(
         "--lookup-knobs",
         default=DEFAULT_LOOKUP_KNOBS,
@@ -281,20 +277,7 @@ def add_subcommands(actions) -> None:
         metavar="PATH",
         help="measurements JSON (default WORKDIR/quoting-CONFIGS.json)",
     )
-    parser.add_argument(
-        "--server-command",
-        default=DEFAULT_SERVER_COMMAND,
-        metavar="TEMPLATE",
-        help="how a server starts: {python} this interpreter, {args} the quoted `serve ...` "
-        "arguments, {port}, {side} the configuration's name; default %(default)r",
-    )
-    parser.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=DEFAULT_STARTUP_TIMEOUT_S,
-        metavar="SECONDS",
-        help=f"seconds a server may take to become healthy (default {DEFAULT_STARTUP_TIMEOUT_S})",
-    )
+    add_server_start_options(parser, side="the configuration's name")
     parser.add_argument(
         "--timeout",
         type=float,
