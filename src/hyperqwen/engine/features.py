@@ -70,25 +70,26 @@ PROPOSER_LOADED = Seam(
     "proposer_loaded", "proposer-loaded.patch", "a speculative proposer's model is loaded, V1/V2"
 )
 NGRAM_DRAFTS = Seam("ngram_drafts", "ngram-drafts.patch", "vLLM's CPU n-gram proposer")
-RUNNER_DRAFTER_BUILT = Seam("runner_drafter_built", "v1-runner.patch", "V1 runner: drafter built")
-RUNNER_KEEPS_NGRAM_BUFFER = Seam(
-    "runner_keeps_ngram_buffer", "v1-runner.patch", "V1 runner: n-gram token buffer kept"
+
+
+def _v1_runner_seam(name: str, where: str) -> Seam:
+    """A seam of the V1 runner (v1-runner.patch)."""
+    return Seam(name, "v1-runner.patch", f"V1 runner: {where}")
+
+
+RUNNER_DRAFTER_BUILT = _v1_runner_seam("runner_drafter_built", "drafter built")
+RUNNER_KEEPS_NGRAM_BUFFER = _v1_runner_seam("runner_keeps_ngram_buffer", "n-gram token buffer kept")
+RUNNER_STEP_BEGINS = _v1_runner_seam("runner_step_begins", "a step begins")
+RUNNER_COUNTS_ON_GPU = _v1_runner_seam("runner_counts_on_gpu", "accepted counts taken on the GPU")
+RUNNER_GRAPHS_DISPATCHED = _v1_runner_seam(
+    "runner_graphs_dispatched", "CUDA graph dispatcher built"
 )
-RUNNER_STEP_BEGINS = Seam("runner_step_begins", "v1-runner.patch", "V1 runner: a step begins")
-RUNNER_COUNTS_ON_GPU = Seam(
-    "runner_counts_on_gpu", "v1-runner.patch", "V1 runner: accepted counts taken on the GPU"
+RUNNER_COPIES_SCHEDULER_OUTPUT = _v1_runner_seam(
+    "runner_copies_scheduler_output", "private scheduler output"
 )
-RUNNER_GRAPHS_DISPATCHED = Seam(
-    "runner_graphs_dispatched", "v1-runner.patch", "V1 runner: CUDA graph dispatcher built"
-)
-RUNNER_COPIES_SCHEDULER_OUTPUT = Seam(
-    "runner_copies_scheduler_output", "v1-runner.patch", "V1 runner: private scheduler output"
-)
-RUNNER_CUT_DRAFTS = Seam(
-    "runner_cut_drafts", "v1-runner.patch", "V1 runner: scheduled drafts cut in `_update_states`"
-)
-RUNNER_DRAFT_COUNT = Seam("runner_draft_count", "v1-runner.patch", "V1 runner: drafts to propose")
-RUNNER_DRAFTED = Seam("runner_drafted", "v1-runner.patch", "V1 runner: after the drafter")
+RUNNER_CUT_DRAFTS = _v1_runner_seam("runner_cut_drafts", "scheduled drafts cut in `_update_states`")
+RUNNER_DRAFT_COUNT = _v1_runner_seam("runner_draft_count", "drafts to propose")
+RUNNER_DRAFTED = _v1_runner_seam("runner_drafted", "after the drafter")
 
 
 def _never(settings: Any, mode: str) -> str | None:
