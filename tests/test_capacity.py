@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import get_args
 
 import pytest
 
@@ -15,6 +16,7 @@ from hyperqwen.capacity import (
     CUDA_GRAPH_BYTES,
     NON_TORCH_BYTES,
     PREPARED_27B_WEIGHT_BYTES,
+    STATE_DTYPE_BYTES,
     CacheSetup,
     Capacity,
     GiB,
@@ -29,6 +31,7 @@ from hyperqwen.capacity import (
 )
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.kv_choices import KV_CACHE_DTYPES
+from hyperqwen.settings import StateDtype
 
 G27 = PRESETS["27b"]
 MTP = CacheSetup("fp8", "float32", draft_tokens=3, mtp_layers=1, prefix_caching=True)
@@ -188,6 +191,28 @@ def test_speculation_and_prefix_caching_cost_state_blocks():
     assert blocks(0, False) == 3 * 1
     assert blocks(3, False) == 3 * 4
     assert blocks(3, True) == 3 * 5
+
+
+def test_the_batch_profile_s_state_by_hand():
+    """27B, fp8 KV, no drafts, prefix caching, a half-precision state (the batch profile)."""
+    conv = (2 * 16 * 128 + 48 * 128) * (4 - 1) * 2
+    recurrent = 48 * 128 * 128 * 2
+    for dtype in ("bfloat16", "float16"):  # the same bytes
+        layout = pool_layout(G27, CacheSetup("fp8", dtype, 0, 0, True))
+        assert layout.state_bytes == conv + recurrent == 1_634_304
+        # 1,634,304 / (16 x 2048) = 49.9 -> an 800-token, 1,638,400-byte page; 16 attention
+        # layers, the smaller kind, make a group: a 25 MiB block
+        assert (layout.block_tokens, layout.block_bytes) == (800, 16 * 1_638_400)
+        # 3 GDN groups x (running + last cached state) = 6 blocks, 150 MiB
+        assert layout.state_bytes_per_request == 6 * 25 * MiB
+        # a 640-token request (the batch benchmark's) adds one attention block
+        assert layout.blocks_per_request(640) == 7
+    float32 = pool_layout(G27, CacheSetup("fp8", "float32", 0, 0, True))
+    assert float32.state_bytes_per_request > 1.9 * layout.state_bytes_per_request
+
+
+def test_every_state_dtype_vllm_takes_has_its_bytes():
+    assert set(STATE_DTYPE_BYTES) == set(get_args(StateDtype))
 
 
 def test_tensor_parallel_halves_heads_and_state():

@@ -4,11 +4,13 @@ arithmetic (capacity.py), through the real CLI."""
 from __future__ import annotations
 
 import re
+from typing import get_args
 
 import pytest
 from cli_runner import hyperqwen
 
 from hyperqwen.kv_choices import KV_CACHE_DTYPES
+from hyperqwen.settings import StateDtype
 
 
 def table(text: str) -> dict[str, list[int]]:
@@ -79,3 +81,41 @@ def test_a_card_size_that_is_not_one_is_refused(tmp_path, bad):
     done = hyperqwen("capacity", "--card-gib", bad, env={}, cwd=tmp_path)
     assert done.returncode == 2
     assert "--card-gib" in done.stderr
+
+
+def residency(text: str) -> dict[str, list[float]]:
+    """State dtype -> [MiB a request, requests resident at each BATCH_REQUEST_TOKENS length]."""
+    found = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        dtype = cells[0].removesuffix(" (this setup)")
+        if dtype in get_args(StateDtype):
+            found[dtype] = [float(cell.replace(",", "")) for cell in cells[1:]]
+    return found
+
+
+def test_batch_residency_per_state_dtype(tmp_path):
+    small = capacity(tmp_path, "--mode", "batch", "--card-gib", "24")
+    h200 = capacity(tmp_path, "--mode", "batch", "--card-gib", "140")
+    assert "| bfloat16 (this setup) |" in small  # the batch profile's own
+    assert "KV cache (fp8)" in small and "prefix caching on" in small
+    assert "resident at 640 tokens" in small and "C64 or C256" in small
+    for out in (small, h200):
+        rows = residency(out)
+        assert set(rows) == set(get_args(StateDtype))
+        assert rows["bfloat16"] == rows["float16"]  # the same bytes
+        # the tests/test_capacity.py by-hand state, and twice it (and more) in float32
+        assert rows["bfloat16"][0] == 150.0 and rows["float32"][0] == 294.0
+        for counts in rows.values():
+            assert counts[1:] == sorted(counts[1:], reverse=True)  # longer requests, fewer
+        assert rows["bfloat16"][1] > rows["float32"][1] > 0
+    assert residency(h200)["bfloat16"][1] > residency(small)["bfloat16"][1]
+
+
+def test_batch_residency_follows_the_knobs(tmp_path):
+    out = capacity(tmp_path, "--mode", "batch", "--card-gib", "24", STATE_DTYPE="float16")
+    assert "| float16 (this setup) |" in out
+    kv = capacity(tmp_path, "--mode", "batch", "--card-gib", "24", KV="auto")
+    assert "KV cache (auto)" in kv
+    # a bf16 KV cache a token costs twice fp8's: fewer 32k requests resident
+    assert residency(kv)["bfloat16"][3] <= residency(out)["bfloat16"][3]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import get_args
 
 import pytest
 from cli_runner import hyperqwen
@@ -28,7 +29,7 @@ from hyperqwen.gpu import Gpu
 from hyperqwen.kv_choices import KV_CACHE_DTYPES, KV_CHOICES
 from hyperqwen.launch import SINGLE_PROFILES, build_launch
 from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
-from hyperqwen.settings import LoadedSettings, Settings
+from hyperqwen.settings import LoadedSettings, Settings, StateDtype
 
 G27 = PRESETS["27b"]
 RTX_4090 = Machine(24_564 * MiB, "RTX 4090", G27, PREPARED_27B_WEIGHT_BYTES, "prepared 27B")
@@ -105,6 +106,48 @@ def test_huge_sizes_with_the_chosen_kv(kv):
     capacity = capacity_for(RTX_4090, "huge", kv_cache_dtype=kv, **drafts)
     assert flag(argv, "--max-model-len") == str(min(262_144, capacity.max_len(1) // 1024 * 1024))
     assert flag(argv, "--kv-cache-dtype") == kv
+
+
+@pytest.mark.parametrize("state", get_args(StateDtype))
+def test_huge_sizes_with_the_chosen_state_dtype(state):
+    """STATE_DTYPE= reaches --mamba-ssm-cache-dtype and the pool CTX=huge is fitted to: the
+    state page, hence the block, and the longest request that fits."""
+    argv = build_launch(
+        loaded(CTX="huge", STATE_DTYPE=state), "single", None, machine=RTX_4090
+    ).argv
+    capacity = capacity_for(RTX_4090, "huge", ssm_dtype=state)
+    assert flag(argv, "--max-model-len") == str(capacity.max_len(1) // 1024 * 1024)
+    assert flag(argv, "--mamba-ssm-cache-dtype") == state
+
+
+def test_a_half_precision_state_fits_more_on_the_same_card():
+    lengths = {
+        state: flag(
+            build_launch(
+                loaded(CTX="huge", STATE_DTYPE=state), "single", None, machine=RTX_4090
+            ).argv,
+            "--max-model-len",
+        )
+        for state in ("float32", "bfloat16", "float16")
+    }
+    assert lengths["bfloat16"] == lengths["float16"]  # same bytes
+    assert int(lengths["bfloat16"]) > int(lengths["float32"])
+
+
+@pytest.mark.parametrize(("mode", "profile"), [("single", "float32"), ("batch", "bfloat16")])
+def test_state_dtype_auto_is_the_profile_s(mode, profile):
+    for values in ({}, {"STATE_DTYPE": "auto"}):
+        plan = build_launch(loaded(**values), mode, api_key=None)
+        assert flag(plan.argv, "--mamba-ssm-cache-dtype") == profile
+
+
+def test_a_state_dtype_shadowed_by_extra_args_names_state_dtype():
+    plan = build_launch(
+        loaded(STATE_DTYPE="float16", EXTRA_ARGS="--mamba-ssm-cache-dtype float32"),
+        "batch",
+        api_key=None,
+    )
+    assert any("STATE_DTYPE" in warning for warning in plan.warnings), plan.warnings
 
 
 def test_long_trades_slots_before_length():

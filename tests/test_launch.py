@@ -17,7 +17,7 @@ from hyperqwen.engine.features import (
     W4A16_LINEAR,
 )
 from hyperqwen.launch import LOOKUP_MATCH, build_launch, redact_argv
-from hyperqwen.settings import LinearBackend, LoadedSettings, Settings
+from hyperqwen.settings import LinearBackend, LoadedSettings, Settings, StateDtype
 from hyperqwen.vllm_flags import FLAG_ALIASES, FlagToken, flag_keys, flag_value, read_flag
 
 
@@ -93,6 +93,21 @@ def test_batch_profile_parses(vllm_serve):
     assert args.speculative_config is None
     assert args.mamba_ssm_cache_dtype == "bfloat16"
     assert args.compilation_config.max_cudagraph_capture_size == 32
+
+
+@pytest.mark.parametrize("mode", ["single", "batch"])
+@pytest.mark.parametrize("state", get_args(StateDtype))
+def test_every_state_dtype_parses_in_vllm(vllm_serve, mode, state):
+    plan = build_launch(loaded(STATE_DTYPE=state), mode, api_key=None)
+    assert vllm_serve(plan.argv).mamba_ssm_cache_dtype == state
+
+
+def test_state_dtypes_are_vllm_s_less_its_auto():
+    """STATE_DTYPE's choices are vLLM's (its auto, the model dtype, is not offered: ours is
+    the profile's)."""
+    from vllm.config.cache import MambaDType
+
+    assert set(get_args(MambaDType)) == {"auto", *get_args(StateDtype)}
 
 
 def test_speculative_and_compilation_json_accepted_by_vllm_config_classes(vllm_serve):

@@ -14,13 +14,14 @@ import itertools
 import json
 import sys
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
 from hyperqwen.engine.features import LOOKUP
 from hyperqwen.kv_choices import KV_CHOICES
 from hyperqwen.launch import build_launch
-from hyperqwen.settings import LoadedSettings, Settings
+from hyperqwen.settings import LoadedSettings, Settings, StateDtype
 
 GOLDEN = Path(__file__).with_name("data") / "launch_golden.json"
 
@@ -71,6 +72,10 @@ def cases() -> dict[str, tuple[str, dict[str, str]]]:
         for ctx in ("fast", "huge"):
             found[f"single-{ctx}-{spec}-kv-{kv}"] = ("single", {"CTX": ctx, "SPEC": spec, "KV": kv})
         found[f"batch-kv-{kv}"] = ("batch", {"KV": kv})
+    # Each GDN state dtype set explicitly, in single mode and batch.
+    for dtype in get_args(StateDtype):
+        found[f"single-fast-mtp-state-{dtype}"] = ("single", {"STATE_DTYPE": dtype})
+        found[f"batch-state-{dtype}"] = ("batch", {"STATE_DTYPE": dtype})
     return found
 
 

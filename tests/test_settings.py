@@ -53,6 +53,9 @@ def test_unknown_variables_are_ignored_and_defaults_hold():
         ("LOOKUP", "true", "auto | 0 | 1"),
         ("LOOKUP", "on", "auto | 0 | 1"),
         ("HOST", " ", "text"),
+        # vLLM takes no fp8 GDN state (config/cache.py: MambaDType)
+        ("STATE_DTYPE", "fp8", "auto | float32 | bfloat16 | float16"),
+        ("STATE_DTYPE", "bf16", "auto | float32 | bfloat16 | float16"),
     ],
 )
 def test_refusal_names_knob_value_and_allowed(name, value, allowed):

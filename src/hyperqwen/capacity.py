@@ -145,6 +145,11 @@ class PoolLayout:
     def block_bytes(self) -> int:
         return self.page_bytes * self.group_layers
 
+    @property
+    def state_bytes_per_request(self) -> int:
+        """The pool each request's recurrent (and conv) state takes, padded to whole blocks."""
+        return self.state_groups * self.state_blocks_per_slot * self.block_bytes
+
     def blocks_per_request(self, max_len: int) -> int:
         """One request of max_len tokens (kv_cache_utils.py: _max_memory_usage_bytes_from_groups
         over FullAttentionSpec and MambaSpec.max_memory_usage_bytes)."""

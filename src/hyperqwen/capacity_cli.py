@@ -1,4 +1,5 @@
-"""`hyperqwen capacity`: how much context a card holds, per KV-cache dtype, before serving.
+"""`hyperqwen capacity`: how much context a card holds, per KV-cache dtype, before serving;
+with --mode batch, how many requests the batch profile keeps resident, per GDN state dtype.
 
 The same arithmetic `hyperqwen serve` sizes CTX=long and huge with (capacity.py): the card's
 memory x GPU_UTIL, less the weights and the estimated reserve, cut into vLLM's hybrid blocks.
@@ -13,23 +14,29 @@ import contextlib
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import get_args
 
 from hyperqwen.capacity import (
     CacheSetup,
     Capacity,
     GiB,
     Machine,
+    MiB,
     card_pool_bytes,
     pool_layout,
 )
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.gpu import NoGpu, list_gpus
 from hyperqwen.kv_choices import KV_CACHE_DTYPES, speculation_refusal
-from hyperqwen.launch import SINGLE_PROFILES, cache_setup, model_path
-from hyperqwen.settings import SettingsError, load_settings
+from hyperqwen.launch import BATCH_PROFILE, SINGLE_PROFILES, cache_setup, model_path
+from hyperqwen.settings import MODES, SettingsError, StateDtype, load_settings
 
 EXIT_BAD_INPUT = 2
 SLOT_COUNTS = (1, 2, 4)
+# Request lengths (prompt + answer) the batch table sizes: 640 is the batch benchmark's 128 in +
+# 512 out (bench/README.md), the others a long chat and a long document.
+BATCH_REQUEST_TOKENS = (640, 8192, 32768)
+BATCH_CONCURRENCY = (64, 256)
 
 
 def capacity_table(
@@ -55,6 +62,31 @@ def capacity_table(
     return "\n".join(lines)
 
 
+def residency_table(machine: Machine, setup: CacheSetup, gpu_util: float, batched: int) -> str:
+    """A markdown table: per GDN state dtype, the pool one request's state takes and how many
+    requests of each BATCH_REQUEST_TOKENS length the pool holds at once (beyond that, vLLM
+    queues or preempts them)."""
+    pool, how = card_pool_bytes(machine, gpu_util, batched, setup.tensor_parallel)
+    lengths = " | ".join(f"resident at {n:,} tokens" for n in BATCH_REQUEST_TOKENS)
+    lines = [
+        f"{how}: {pool / GiB:.2f} GiB for KV cache ({setup.kv_cache_dtype}) and recurrent state "
+        f"(prefix caching {'on' if setup.prefix_caching else 'off'}). A run at "
+        + " or ".join(f"C{c}" for c in BATCH_CONCURRENCY)
+        + " keeps every request resident only where the count is at least C (and MAX_SEQS "
+        "is at least C); the rest wait or are preempted.",
+        "",
+        f"| state dtype | state per request (MiB) | {lengths} |",
+        "|---|---:|" + "---:|" * len(BATCH_REQUEST_TOKENS),
+    ]
+    for dtype in get_args(StateDtype):
+        capacity = Capacity(pool_layout(machine.geometry, replace(setup, ssm_dtype=dtype)), pool)
+        state = capacity.layout.state_bytes_per_request / MiB
+        counts = " | ".join(f"{capacity.slots(n):,}" for n in BATCH_REQUEST_TOKENS)
+        mark = " (this setup)" if dtype == setup.ssm_dtype else ""
+        lines.append(f"| {dtype}{mark} | {state:.1f} | {counts} |")
+    return "\n".join(lines)
+
+
 def cmd_capacity(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(env_file=Path(args.env_file) if args.env_file else None).settings
@@ -73,6 +105,11 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         card = f"a {args.card_gib:g} GiB card"
         machine = Machine(int(args.card_gib * GiB), card, machine.geometry,
                           machine.weight_bytes, machine.weight_source)  # fmt: skip
+    if args.mode == "batch":
+        setup = cache_setup(settings, BATCH_PROFILE, machine, mode="batch")
+        batched = BATCH_PROFILE.max_batched_tokens
+        print(residency_table(machine, setup, settings.GPU_UTIL, batched))
+        return 0
     profile = SINGLE_PROFILES[settings.CTX]
     setup = cache_setup(settings, profile, machine)
     batched = profile.max_batched_tokens
@@ -83,11 +120,13 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 def add_subcommand(sub) -> None:
     parser = sub.add_parser(
         "capacity",
-        help="how many tokens of context this card holds per KV-cache dtype (single mode)",
+        help="how many tokens of context this card holds per KV-cache dtype (single mode), "
+        "or how many requests stay resident per state dtype (--mode batch)",
         description=(__doc__ or "").split("\n\n", 1)[-1],
-        epilog="The model, SPEC, DRAFT_TOKENS, PREFIX_CACHE, GPU_UTIL and CTX (its prefill "
-        "batch) come from the environment or .env, as for `hyperqwen serve single`.\n"
-        "Example: hyperqwen capacity --card-gib 24",
+        epilog="The model, SPEC, DRAFT_TOKENS, PREFIX_CACHE, GPU_UTIL, KV, STATE_DTYPE and CTX "
+        "(its prefill batch) come from the environment or .env, as for `hyperqwen serve`.\n"
+        "Examples: hyperqwen capacity --card-gib 24; hyperqwen capacity --mode batch "
+        "--card-gib 140",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -95,6 +134,9 @@ def add_subcommand(sub) -> None:
         type=_positive,
         help="size for a card of this many GiB (nvidia-smi's memory.total) instead of this "
         "machine's GPU",
+    )
+    parser.add_argument(
+        "--mode", choices=MODES, default="single", help="the profile to size (default single)"
     )
     parser.add_argument("--env-file", metavar="FILE", help="knobs (default ./.env)")
     parser.set_defaults(func=cmd_capacity)

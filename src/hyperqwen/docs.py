@@ -171,7 +171,10 @@ def _profile_table(mode: Mode) -> str:
     )
     drafts = ", ".join(f"{k} {v}" for k, v in DEFAULT_DRAFT_TOKENS.items())
     note = f"Draft tokens by default: {drafts}. " if mode == "single" else ""
-    return f"{header}{body}\n{note}KV, when set, replaces the profile's KV cache dtype.\n"
+    return (
+        f"{header}{body}\n{note}KV, when set, replaces the profile's KV cache dtype; "
+        "STATE_DTYPE, when not auto, its GDN state dtype.\n"
+    )
 
 
 README_OF_MODE: dict[Mode, str] = {"single": "single-user/README.md", "batch": "batch/README.md"}

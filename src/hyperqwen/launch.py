@@ -76,6 +76,11 @@ def kv_cache_dtype(settings: Settings, profile: Profile) -> str:
     return settings.KV or profile.kv_cache_dtype
 
 
+def ssm_cache_dtype(settings: Settings, profile: Profile) -> str:
+    """STATE_DTYPE, where it is not auto, else the profile's dtype."""
+    return profile.ssm_cache_dtype if settings.STATE_DTYPE == "auto" else settings.STATE_DTYPE
+
+
 class KvRefusal(SettingsError):
     """A KV choice that cannot serve with the other knobs; the message names both and the fix."""
 
@@ -151,15 +156,20 @@ def vllm_linear_backend(backend: str) -> str:
 
 
 def cache_setup(
-    settings: Settings, profile: Profile, machine: Machine, tensor_parallel: int = 1
+    settings: Settings,
+    profile: Profile,
+    machine: Machine,
+    tensor_parallel: int = 1,
+    mode: Mode = "single",
 ) -> CacheSetup:
-    """The single-mode launch choices that shape vLLM's KV-cache pool (capacity.py)."""
-    spec = speculative_config(settings)
+    """The launch choices that shape vLLM's KV-cache pool (capacity.py); batch mode drafts
+    nothing."""
+    spec = speculative_config(settings) if mode == "single" else None
     return CacheSetup(
         kv_cache_dtype(settings, profile),
-        profile.ssm_cache_dtype,
+        ssm_cache_dtype(settings, profile),
         draft_tokens=spec["num_speculative_tokens"] if spec else 0,
-        mtp_layers=machine.geometry.mtp_num_hidden_layers if settings.SPEC == "mtp" else 0,
+        mtp_layers=machine.geometry.mtp_num_hidden_layers if spec and settings.SPEC == "mtp" else 0,
         prefix_caching=settings.PREFIX_CACHE == "1",
         tensor_parallel=tensor_parallel,
     )
@@ -242,7 +252,11 @@ def build_launch(
         ("--tensor-parallel-size", str(tensor_parallel), "GPU_COUNT"),
         ("--kv-cache-dtype", kv_dtype, "KV" if settings.KV or mode == "batch" else "CTX"),
         *((flag, value, "KV") for flag, value in KV_CHOICES[kv_dtype].launch_flags()),
-        ("--mamba-ssm-cache-dtype", profile.ssm_cache_dtype, f"mode {mode}"),
+        (
+            "--mamba-ssm-cache-dtype",
+            ssm_cache_dtype(settings, profile),
+            f"mode {mode}" if settings.STATE_DTYPE == "auto" else "STATE_DTYPE",
+        ),
         ("--linear-backend", vllm_linear_backend(linear_backend), "LINEAR_BACKEND"),
         (
             "--enable-prefix-caching"

@@ -37,6 +37,13 @@ Switch = Literal["0", "1"]
 # hyperqwen: engine.features.OUR_LINEAR_BACKEND (vLLM gets marlin)
 LinearBackend = Literal["auto", "marlin", "machete", "hyperqwen"]
 GpuSplit = Literal["tp", "dp"]
+# GDN recurrent-state dtypes vLLM 0.26 takes (config/cache.py: MambaDType, less its "auto" = the
+# model dtype). Its GDN kernels load the state, update it in float32 and store it back in the
+# cache's own dtype (FLA's fused_recurrent / chunk_delta_h, FlashInfer's prefill via a float32
+# copy), so all three run.
+StateDtype = Literal["float32", "bfloat16", "float16"]
+# STATE_DTYPE's values; auto: the profile's dtype (not vLLM's auto, the model dtype)
+StateDtypeKnob = Literal["auto", StateDtype]
 
 PINNED_VLLM = "0.26.0"
 DEFAULT_PORT = 18020
@@ -152,6 +159,16 @@ class ServingKnobs(BaseModel):
         "Which works with what, and what a card holds with each: docs/long-context.md; "
         "batch/README.md has fp8's measured cost.",
         "--kv-cache-dtype (with --attention-backend where the dtype needs one)",
+    )
+    STATE_DTYPE: StateDtypeKnob = knob(
+        "auto",
+        "Dtype of the GDN recurrent state every request keeps (48 layers x 48 heads x 128 x "
+        "128 at 27B), read and written every decode step. auto: single float32 (what the "
+        "model's config asks for), batch bfloat16 (half the bytes, so more requests stay "
+        "resident). float16: the same bytes as bfloat16 with more mantissa and less range "
+        "(speed and quality not measured yet: batch/README.md). Residency per dtype: "
+        "hyperqwen capacity --mode batch.",
+        "--mamba-ssm-cache-dtype",
     )
     GPU_COUNT: int = knob(
         1,
