@@ -8,7 +8,6 @@ function is defined, its own library's included, so it is set here, before anyth
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,6 +18,7 @@ if not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICE
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from vllm_trees import copy_vllm_tree
 
 from hyperqwen.patches import series_status
 from hyperqwen.settings import PINNED_VLLM
@@ -125,7 +125,7 @@ def pristine_vllm_dir(vllm_wheel: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture
 def vllm_tree_copy(pristine_vllm_dir: Path, tmp_path: Path) -> Path:
     """A private, writable copy of the pristine vllm/ package (its parent is a fresh folder)."""
-    return Path(shutil.copytree(pristine_vllm_dir, tmp_path / "site-packages" / "vllm"))
+    return copy_vllm_tree(pristine_vllm_dir, tmp_path / "site-packages" / "vllm")
 
 
 @pytest.fixture(scope="session")
@@ -135,7 +135,7 @@ def patched_vllm(pristine_vllm_dir: Path, tmp_path_factory: pytest.TempPathFacto
     from hyperqwen.patches import apply_series, load_series
 
     target = tmp_path_factory.mktemp("series-patched") / "vllm"
-    shutil.copytree(pristine_vllm_dir, target)
+    copy_vllm_tree(pristine_vllm_dir, target)
     apply_series(load_series(Path(__file__).resolve().parents[1] / "patches"), target)
     return target
 

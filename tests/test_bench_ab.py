@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from cli_runner import run_in_process
+from vllm_trees import copy_vllm_tree
 
 from hyperqwen.bench.ab_argv import (
     baseline_note,
@@ -382,7 +383,7 @@ def series_dir(tmp_path_factory) -> Iterator[Path]:
 def vllm_trees(pristine_vllm_dir: Path, series_dir: Path, tmp_path_factory) -> tuple[Path, Path]:
     """(stock parent, patched parent): the wheel's vllm/ as is, and a copy with the series."""
     patched = tmp_path_factory.mktemp("patched-vllm") / "vllm"
-    shutil.copytree(pristine_vllm_dir, patched)
+    copy_vllm_tree(pristine_vllm_dir, patched)
     apply_series(load_series(series_dir), patched)
     return pristine_vllm_dir.parent, patched.parent
 

@@ -9,13 +9,13 @@ import difflib
 import hashlib
 import json
 import py_compile
-import shutil
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
+from vllm_trees import copy_vllm_tree
 
 from hyperqwen.patches import (
     PatchSeriesError,
@@ -102,7 +102,7 @@ def probe_text() -> str:
 def patched_vllm_dir(pristine_vllm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of the pristine tree with the repository's whole series applied."""
     target = tmp_path_factory.mktemp("patched-vllm") / "vllm"
-    shutil.copytree(pristine_vllm_dir, target)
+    copy_vllm_tree(pristine_vllm_dir, target)
     apply_series(load_series(SERIES_DIR), target)
     return target
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import process_group
 import pytest
 from test_prepare_common import prepare_copy, tiny_base_dir
+from vllm_trees import copy_vllm_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCH = ROOT / "patches" / "embed-quant.patch"
@@ -227,7 +227,7 @@ def prepared(tmp_path_factory, tiny_base) -> Path:
 def patched_parent(pristine_vllm_dir, tmp_path_factory) -> Path:
     """A pristine vLLM tree with only the embed-quant patch applied (the real `patch` tool)."""
     parent = tmp_path_factory.mktemp("embed-quant-vllm")
-    shutil.copytree(pristine_vllm_dir, parent / "vllm")
+    copy_vllm_tree(pristine_vllm_dir, parent / "vllm")
     subprocess.run(
         ["patch", "-p1", "-F0", "--forward", "--batch", "-i", str(PATCH)],
         cwd=parent / "vllm",
