@@ -16,7 +16,6 @@ from hyperqwen.doctor import check_engine_features
 from hyperqwen.engine.features import (
     FEATURES,
     OFF,
-    ON,
     OUR_LINEAR_BACKEND,
     SPLIT_QKV,
     FeatureSwitchError,
@@ -62,7 +61,8 @@ def test_the_engine_reads_unset_as_the_default_and_refuses_other_values(monkeypa
         for value in feature.values:
             monkeypatch.setenv(feature.env, value)
             assert env_value(feature) == value
-            assert switched_on(feature) is (value in (ON, "auto"))  # draft_vocab: auto or off
+            # draft_vocab: auto or off; w4a8_linear: 0 or the layer groups it runs
+            assert switched_on(feature) is (value not in (OFF, "off"))
         monkeypatch.setenv(feature.env, "true")
         with pytest.raises(FeatureSwitchError, match=f"{feature.env}='true': expected one of"):
             switched_on(feature)

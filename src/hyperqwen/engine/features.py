@@ -18,6 +18,7 @@ A `launch` or `ignored` function gets the Settings object and reads its knobs by
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ ON, OFF = "1", "0"
 SWITCH = (OFF, ON)
 BOTH_MODES = ("single", "batch")
 SINGLE_MODE = ("single",)
+BATCH_MODE = ("batch",)
 # LINEAR_BACKEND's one value vLLM does not know: vLLM gets marlin, the engine HYPERQWEN_W4A16=1
 OUR_LINEAR_BACKEND = "hyperqwen"
 # MTP's drafts per step: SPEC=mtp's default DRAFT_TOKENS, and with lookup's quoting (a larger
@@ -279,6 +281,52 @@ W4A16_LINEAR = Feature(
     "(`docs/results/2026-12-01-h200-27b-w4a16-kernels-tiles.json`); not run in a server yet",
 )
 
+
+def _layer_sets(groups: tuple[str, ...]) -> tuple[str, ...]:
+    """INT8_ACT's values that name layers: each proper subset of `groups` (in their order,
+    joined by +), then all of them."""
+    subsets = [
+        "+".join(subset)
+        for size in range(1, len(groups))
+        for subset in itertools.combinations(groups, size)
+    ]
+    return (*subsets, INT8_ALL)
+
+
+# INT8_ACT's layer groups (engine/w4a8_linear.py reads a layer's group from its prefix):
+# mlp: gate_up/down; attn: full attention's qkv/o; gdn: Gated DeltaNet's in_proj_qkvz/out_proj
+INT8_LAYER_GROUPS = ("mlp", "attn", "gdn")
+INT8_ALL = "all"
+
+W4A8_LINEAR = Feature(
+    name="w4a8_linear",
+    seams=(LINEAR_KERNELS,),
+    env="HYPERQWEN_INT8_ACT",
+    knob="INT8_ACT",
+    owned_knob=Knob(
+        OFF,
+        "Batch mode: 8-bit activations into the int4 (W4A16 g128) body GEMMs of these layer "
+        "groups: mlp (gate_up, down), attn (full attention's qkv, o), gdn (Gated DeltaNet's "
+        "in_proj_qkvz, out_proj), joined by + (mlp+gdn), or all; 0: off. Each token's "
+        "activations are quantized on the fly; the kernel per GPU architecture comes from a "
+        "declared table (src/hyperqwen/engine/w4a8_linear.py): Marlin with int8 activations on "
+        "sm80/86/89, CUTLASS W4A8 with fp8 activations on sm90 (neither speed nor perplexity "
+        "measured yet: batch/README.md). Other layers keep LINEAR_BACKEND's kernel. Refused "
+        "before start for checkpoints with zero points or activation order.",
+        values=(OFF, *_layer_sets(INT8_LAYER_GROUPS)),
+        modes=BATCH_MODE,
+    ),
+    launch=lambda settings, mode: (
+        settings.INT8_ACT if mode == "batch" and settings.INT8_ACT != OFF else None
+    ),
+    status="off; batch mode's W4A16 body layers of the INT8_ACT groups get 8-bit activations "
+    "through the kernel of a per-architecture table (Marlin int8 on sm80/86/89, CUTLASS W4A8 "
+    "fp8 on sm90, humming's W4A8 a Hopper candidate), group scales' signs folded into the codes "
+    "where the kernel needs them non-negative; CPU-tested (knob, per-layer and per-architecture "
+    "choice, sign fold against float64); not run on a GPU yet, speed and perplexity not "
+    "measured (batch/README.md)",
+)
+
 DRAFT_VOCAB = Feature(
     name="draft_vocab",
     seams=(PROPOSER_LOADED,),
@@ -388,6 +436,7 @@ FEATURES: tuple[Feature, ...] = (
     GDN_BA,
     SPLIT_QKV,
     W4A16_LINEAR,
+    W4A8_LINEAR,
     DRAFT_VOCAB,
     ALIGN_OVERLAP,
     LOOKUP,
