@@ -14,7 +14,13 @@ import pytest
 import torch
 from cli_runner import hyperqwen
 
-from hyperqwen.bench.kernels import relative_error, vllm_w4a16_layer, w4a16_layer_config
+from hyperqwen.bench.kernels import (
+    W4A8_BACKENDS,
+    W4A8_PREFIX,
+    relative_error,
+    vllm_w4a16_layer,
+    w4a16_layer_config,
+)
 from hyperqwen.checkpoint import w4a16 as checkpoint_format
 from hyperqwen.checkpoint.w4a16 import int8_activation_refusal
 from hyperqwen.engine import seams, w4a8_linear, w4a16_linear
@@ -181,6 +187,12 @@ def test_each_candidate_is_built_with_the_8_bit_config_its_vllm_kernel_checks(vl
     module = torch.nn.Module()
     CANDIDATES["humming_fp8"].prepare(module)
     assert module._humming_input_quant_config["input_dtype"] == "float8e4m3"
+
+
+def test_bench_kernels_times_every_candidate_by_name():
+    """The names `hyperqwen bench kernels --backends` takes (declared without importing torch)."""
+    assert tuple(W4A8_PREFIX + name for name in CANDIDATES) == W4A8_BACKENDS
+    assert set(w4a8_linear.ARCH_TABLE.values()) <= set(CANDIDATES)
 
 
 def test_the_dispatcher_comes_first_only_when_switched_on_and_on_cuda(monkeypatch):

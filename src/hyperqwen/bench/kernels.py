@@ -40,7 +40,11 @@ VLLM_BACKENDS = ("machete", "marlin", "exllama", "triton")
 # hyperqwen_layer is our kernel as LINEAR_BACKEND=hyperqwen serves it (engine/w4a16_linear.py:
 # its own launch shapes, through the custom op), against the sweep's best launch of it
 LAYER_BACKEND = "hyperqwen_layer"
-OPTIONAL_BACKENDS = ("humming", LAYER_BACKEND)
+# INT8_ACT's 8-bit-activation kernels (engine/w4a8_linear.py CANDIDATES, whose names follow the
+# prefix), built as the engine builds them: their sm90 timings pick ARCH_TABLE's Hopper entry
+W4A8_PREFIX = "w4a8_"
+W4A8_BACKENDS = ("w4a8_marlin_int8", "w4a8_cutlass_fp8", "w4a8_humming_int8", "w4a8_humming_fp8")
+OPTIONAL_BACKENDS = ("humming", LAYER_BACKEND, *W4A8_BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,10 @@ def vllm_w4a16_layer(packed, scale, bits: int = 4):
     from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
     layer = torch.nn.Module()
+    # what a vLLM linear layer also carries that kernels read (humming's layer conversion)
+    layer.input_size_per_partition = scale.shape[1] * GROUP_SIZE
+    layer.output_partition_sizes = [packed.shape[0]]
+    layer.params_dtype = scale.dtype
     layer.register_parameter(
         "weight_packed",
         PackedvLLMParameter(
@@ -251,19 +259,29 @@ def vllm_layers(backend: str, w: Weights):
         "triton": "TritonW4A16LinearKernel",
         "humming": "HummingLinearKernel",
     }
-    if backend == LAYER_BACKEND:
+    config = w4a16_layer_config(w.n, w.k, w.bits)
+    candidate = None
+    if backend.startswith(W4A8_PREFIX):
+        from hyperqwen.engine.w4a8_linear import CANDIDATES
+
+        candidate = CANDIDATES[backend.removeprefix(W4A8_PREFIX)]
+        if reason := candidate.refusal(config):
+            return None, reason
+        kernel_cls, config = candidate.kernel_class(), candidate.config(config)
+    elif backend == LAYER_BACKEND:
         from hyperqwen.engine.w4a16_linear import linear_kernel_class
 
         kernel_cls = linear_kernel_class()
     else:
         kernel_cls = getattr(mp, classes[backend])
-    config = w4a16_layer_config(w.n, w.k, w.bits)
     ok, reason = kernel_cls.can_implement(config)
     if not ok:
         return None, reason
     built = []
     for packed, scale in zip(w.packed, w.scales, strict=True):
         layer = vllm_w4a16_layer(packed.clone(), scale.clone(), w.bits)
+        if candidate:  # the bench's scales are positive: no sign to fold
+            candidate.prepare(layer)
         kernel = kernel_cls(
             config,
             w_q_param_name="weight_packed",
@@ -544,7 +562,7 @@ def add_subcommand(actions) -> None:
         default=list(VLLM_BACKENDS),
         choices=VLLM_BACKENDS + OPTIONAL_BACKENDS,
         help=f"vLLM kernels to time beside ours (default: {' '.join(VLLM_BACKENDS)}; humming "
-        "JIT-compiles with nvcc first)",
+        "JIT-compiles with nvcc first; w4a8_*: INT8_ACT's 8-bit-activation kernels)",
     )
     kernels.add_argument("--only", nargs="*", help="shape names containing these words")
     kernels.add_argument(
