@@ -43,6 +43,8 @@ SWITCH_VARIANTS: dict[str, dict[str, str]] = {
     "prefix-cache-off-overlap-asked": {"PREFIX_CACHE": "0", "PREFIX_CACHE_OVERLAP": "1"},
     "draft-vocab-off": {"DRAFT_VOCAB": "off"},
     "split-qkv-off": {"GDN_SPLIT_QKV": "0"},
+    # INT8_ACT (issue 26) added this case; a batch-mode knob, single mode only warns
+    "int8-act-mlp": {"INT8_ACT": "mlp"},
     "all-switches": {
         "GDN_RECURRENT": "1",
         "GDN_BA": "1",
