@@ -172,3 +172,29 @@ def test_compiled_kernels_wait_before_their_first_read_and_keep_the_old_code_wit
         weights = name.startswith(("w4a16", "ba_proj"))
         assert order[: 2 + weights] == ["prefetch"] * weights + ["wait", "read"], case
         assert "release" in order and "store" in order, case
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_the_gpu_tests_chain_runs_the_same_with_pdl_on_the_interpreter():
+    """bench/pdl_chain.py, which the GPU test and `hyperqwen bench pdl` replay, at the tiny
+    geometry: every layer's x and state the same with the kernels' PDL code on and off."""
+    from hyperqwen.bench.pdl_chain import Chain, make_weights, random_step
+    from hyperqwen.checkpoint.geometry import PRESETS
+
+    geometry = PRESETS["tiny"]
+    weights = make_weights(geometry, layers=1, device="cpu")
+    step = random_step(geometry, layers=1, tokens=2, seed=1, device="cpu")
+    results = []
+    for pdl in (False, True):
+        chain = Chain(geometry, weights, tokens=2, pdl=pdl, device="cpu")
+        chain.load(*step)
+        chain.run()
+        results.append([*chain.x, *chain.states])
+    assert not results[0][-1].isnan().any() and not torch.equal(results[0][0], results[0][1])
+    assert all(torch.equal(off, on) for off, on in zip(*results, strict=True))
+
+
+def test_bench_pdl_refuses_without_an_sm90_gpu(tmp_path):
+    done = hyperqwen("bench", "pdl", "--out", str(tmp_path / "pdl.json"), env={}, cwd=tmp_path)
+    assert done.returncode == 3 and "needs a CUDA GPU of sm90 or newer" in done.stderr
+    assert not (tmp_path / "pdl.json").exists()
