@@ -8,11 +8,12 @@ reading what one before it wrote:
   q, k, v, b, a, the layer's state -gdn_recurrent-> o [T, value_dim] -w4a16-> y [T, hidden]
   the next layer's x = x + y (a torch add: a kernel launched without PDL, as vLLM's are)
 
-(The layer's own projection also yields z and its output goes through vLLM's conv1d and gated
-norm, left out here: in vLLM's layer fewer of these kernels follow each other directly.)
-Random weights, the split-K and the persistent W4A16 launch shapes, fp32 state. Used by
-`hyperqwen bench pdl` (timing) and tests/test_kernel_pdl_gpu.py (PDL on against off, bit for
-bit, under graph replay with changing inputs).
+The first layer's x is a copy of the step's input made in the chain (in a graph, a memcpy node
+before the first kernel launched with PDL). The layer's own projection also yields z, and its
+output goes through vLLM's conv1d and gated norm, left out here: in vLLM's layer fewer of these
+kernels follow each other directly. Random weights, the split-K and the persistent W4A16 launch
+shapes, fp32 state. Used by `hyperqwen bench pdl` (timing) and tests/test_kernel_pdl_gpu.py (PDL
+on against off, bit for bit, under graph replay with changing inputs).
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ class Chain:
         self.qkv_dims = (g.linear_key_dim, g.linear_key_dim, g.linear_value_dim)
         v_heads, dim = g.linear_num_value_heads, g.linear_value_head_dim
         empty = {"device": device, "dtype": torch.bfloat16}
-        # x of every layer and the last layer's output
+        # the step's input, copied into x[0] first (in a graph: a memcpy node before the first
+        # kernel launched with PDL); x of every layer and the last layer's output
+        self.x_in = torch.empty((tokens, g.hidden_size), **empty)
         self.x = [torch.empty((tokens, g.hidden_size), **empty) for _ in range(len(weights) + 1)]
         self.rows = torch.empty((tokens, sum(self.qkv_dims)), **empty)
         self.qkv = torch.empty(tokens * sum(self.qkv_dims), **empty)
@@ -96,7 +99,7 @@ class Chain:
 
     def load(self, x, states, accepted: int) -> None:
         """Inputs of one step: x [T, hidden], each layer's state slots, accepted tokens."""
-        self.x[0].copy_(x)
+        self.x_in.copy_(x)
         for mine, state in zip(self.states, states, strict=True):
             mine.copy_(state)
         self.accepted.fill_(accepted)
@@ -105,6 +108,7 @@ class Chain:
         g, pdl, tokens = self.geometry, self.pdl, self.tokens
         q_size, k_size, _ = (tokens * dim for dim in self.qkv_dims)
         heads, v_heads = g.linear_num_key_heads, g.linear_num_value_heads
+        self.x[0].copy_(self.x_in)
         for layer, (weights, state) in enumerate(zip(self.weights, self.states, strict=True)):
             x = self.x[layer]
             w4a16.w4a16_matmul(x, *weights.in_proj, 128, IN_PROJ_TILE, out=self.rows, pdl=pdl)

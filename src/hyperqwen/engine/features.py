@@ -394,8 +394,9 @@ PDL = Feature(
         "prologue and an L2 prefetch of its weights overlap the previous kernel's tail, and "
         "waits for that kernel before it reads anything a kernel wrote (src/hyperqwen/kernels/"
         "README.md). auto: on for sm90 and newer (H100/H200, RTX 5090), off below; 1: the "
-        "same, refused at launch on a card below sm90; 0: off. Same results bit for bit (CPU "
-        "tests; GPU test not run yet); not timed, so off by default.",
+        "same, but `hyperqwen serve` refuses it on a card below sm90 (where only a kernel's "
+        "launch sees the card: logged, off); 0: off. Same results bit for bit (CPU tests; GPU "
+        "test not run yet); not timed, so off by default.",
         values=("auto", OFF, ON),
     ),
     launch=lambda settings, mode: None if settings.PDL == OFF else settings.PDL,
