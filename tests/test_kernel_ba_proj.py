@@ -40,6 +40,10 @@ def test_b_and_a_match_float64_and_every_element_is_written(m, heads, k):
     assert not (b.isnan().any() or a.isnan().any()), "some outputs were never written"
     assert relative_error(b, ref[:, :heads]) < 6e-3  # bf16 output rounding
     assert relative_error(a, ref[:, heads:]) < 6e-3
+    # with its programmatic-dependent-launch code (kernels/pdl.py): the same bits
+    poisoned = tuple(torch.full_like(part, float("nan")) for part in out)
+    b_pdl, a_pdl = ba_proj.ba_projection(x, weight, out=poisoned, pdl=True)
+    assert torch.equal(b_pdl, b) and torch.equal(a_pdl, a)
 
 
 @pytest.mark.usefixtures("interpreted")

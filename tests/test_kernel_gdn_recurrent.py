@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hyperqwen.kernels import pdl
 from hyperqwen.kernels.gdn_recurrent import default_block_v, gdn_recurrent_update
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,6 +112,16 @@ def run_ours(batch, **options):
     return out[0].cpu(), state.cpu()
 
 
+def assert_same_with_pdl(ours, batch, **options):
+    """The kernel with its programmatic-dependent-launch code (kernels/pdl.py) writes the same
+    bits, poison included, where it can run."""
+    if not pdl.runs_here(torch.device(DEVICE)):
+        return
+    out, state = run_ours(batch, pdl=True, **options)
+    assert torch.equal(out.view(torch.int16), ours[0].view(torch.int16))
+    assert torch.equal(state.view(torch.int32), ours[1].view(torch.int32))
+
+
 def vllms_kernel():
     """vLLM's fused_sigmoid_gating_delta_rule_update from the installed tree. Without a GPU,
     vllm.triton_utils hands out placeholders instead of Triton, so there the module's own source
@@ -188,6 +199,7 @@ def test_verify_matches_the_float64_reference_and_vllms_kernel(geometry, case) -
     # most a rounding step and the states by fp32 rounding
     assert torch.allclose(ours[0][tokens].float(), vllms[0][tokens].float(), rtol=8e-3, atol=1e-3)
     assert torch.allclose(ours[1], vllms[1], rtol=1e-5, atol=1e-6)
+    assert_same_with_pdl(ours, batch, tokens_per_pass=4)
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "h{}v{}d{}".format(*g))
@@ -204,6 +216,9 @@ def test_decode_with_one_dimensional_indices(geometry) -> None:
     for block_v in blocks:
         ours = run_ours(batch, block_v=block_v and min(block_v, geometry[2]), tokens_per_pass=1)
         assert_matches(ours, want, tokens, out_tol=8e-3)
+    assert_same_with_pdl(
+        ours, batch, block_v=block_v and min(block_v, geometry[2]), tokens_per_pass=1
+    )
     assert_matches(run_vllms(batch), want, tokens, out_tol=8e-3, poisoned=False)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hyperqwen.kernels.pdl import runs_here as pdl_runs_here
 from hyperqwen.kernels.split_qkv import runs_here, split_qkv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,6 +41,9 @@ def test_split_matches_vllms_concatenation_exactly(dims, rows) -> None:
     result = split_qkv(mixed, *dims, out=out)
     assert result.data_ptr() == out.data_ptr()
     assert torch.equal(result.cpu(), vllm_reference(mixed, *dims).cpu())
+    if pdl_runs_here(mixed.device):  # its programmatic-dependent-launch code: the same bits
+        again = torch.full_like(out, float("nan"))
+        assert torch.equal(split_qkv(mixed, *dims, out=again, pdl=True), result)
 
 
 def test_without_out_it_allocates_and_refuses_wrong_inputs() -> None:

@@ -33,10 +33,11 @@ def random_weights(n: int, k: int, seed: int, dtype=torch.bfloat16):
     return codes, scale, dense
 
 
-def run(kernel, x, packed, scale, config):
-    """The kernel's output, written over NaN so an unwritten element cannot pass."""
+def run(kernel, x, packed, scale, config, pdl=False):
+    """The kernel's output, written over NaN so an unwritten element cannot pass; pdl: its
+    programmatic-dependent-launch code (kernels/pdl.py) switched on."""
     out = torch.full((x.shape[0], packed.shape[0] * kernel.TILE_ROWS), float("nan"), dtype=x.dtype)
-    result = kernel.w4a16_matmul(x, packed, scale, GROUP, config, out=out)
+    result = kernel.w4a16_matmul(x, packed, scale, GROUP, config, out=out, pdl=pdl)
     assert result is out
     assert not out.isnan().any(), "some outputs were never written"
     return out
@@ -82,9 +83,11 @@ def test_matches_float64_reference(kernel, m, n, k, tile):
     codes, scale, dense = random_weights(n, k, seed=m * 1000 + n)
     x = torch.randn((m, k), generator=torch.Generator().manual_seed(m), dtype=torch.float32)
     x = x.to(torch.bfloat16)
-    out = run(kernel, x, *tiled(kernel, codes, scale), kernel.TileConfig(*tile))
+    weights = tiled(kernel, codes, scale)
+    out = run(kernel, x, *weights, kernel.TileConfig(*tile))
     # bf16 output rounding alone is ~3e-3 relative
     assert relative_error(out, x.double() @ dense.T) < 6e-3
+    assert torch.equal(run(kernel, x, *weights, kernel.TileConfig(*tile), pdl=True), out)
 
 
 def test_fp16_activations(kernel):

@@ -18,7 +18,7 @@ from typing import get_args
 
 import pytest
 
-from hyperqwen.engine.features import LOOKUP
+from hyperqwen.engine.features import LOOKUP, PDL
 from hyperqwen.kv_choices import KV_CHOICES
 from hyperqwen.launch import build_launch
 from hyperqwen.settings import LoadedSettings, Settings, StateDtype
@@ -45,6 +45,8 @@ SWITCH_VARIANTS: dict[str, dict[str, str]] = {
     "split-qkv-off": {"GDN_SPLIT_QKV": "0"},
     # INT8_ACT (issue 26) added this case; a batch-mode knob, single mode only warns
     "int8-act-mlp": {"INT8_ACT": "mlp"},
+    # PDL (issue 27) added these cases; they differ from their base case only in HYPERQWEN_PDL
+    "pdl-auto": {"PDL": "auto"},
     "all-switches": {
         "GDN_RECURRENT": "1",
         "GDN_BA": "1",
@@ -126,6 +128,18 @@ def test_lookup_auto_changes_only_its_own_variable(golden, case):
     single_mtp = mode == "single" and values["SPEC"] == "mtp"
     expected = "1" if mode == "single" and values["SPEC"] == "lookup" else None
     assert now["env"].get(LOOKUP.env) == ("auto" if single_mtp else expected)
+
+
+@pytest.mark.parametrize("case", [c for c in cases() if c.endswith("-pdl-auto")])
+def test_pdl_auto_changes_only_its_own_variable(golden, case):
+    """PDL=auto reaches vLLM as HYPERQWEN_PDL=auto alone, in both modes; the default (0)
+    sets nothing, so every other case is as it was before the knob."""
+    mode, values = cases()[case]
+    base = launched(mode, {k: v for k, v in values.items() if k != "PDL"})
+    now = golden[case]
+    assert now["argv"] == base["argv"] and now["warnings"] == base["warnings"]
+    assert now["env"] == {**base["env"], PDL.env: "auto"}
+    assert PDL.env not in base["env"]
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from hyperqwen import bench, capacity_cli, docs, doctor, patches, synth
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.drafter import cli as drafter_cli
 from hyperqwen.engine.features import W4A8_LINEAR
+from hyperqwen.engine.pdl import refusal as pdl_refusal
 from hyperqwen.gpu import REQUIREMENT, NoGpu, list_gpus
 from hyperqwen.kv_choices import capability_refusal
 from hyperqwen.launch import build_launch, effective_config_lines, model_path, redact_argv
@@ -47,8 +48,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gpus, no_gpu = list_gpus(), None
     except NoGpu as reason:
         gpus, no_gpu = [], reason
-    kv = loaded.settings.KV
-    if kv and (refusal := capability_refusal(kv, gpus[: loaded.settings.GPU_COUNT])):
+    kv, serving_gpus = loaded.settings.KV, gpus[: loaded.settings.GPU_COUNT]
+    refusal = (kv and capability_refusal(kv, serving_gpus)) or pdl_refusal(
+        loaded.settings.PDL, serving_gpus
+    )
+    if refusal:
         print(f"hyperqwen serve {args.mode}: refusing to start: {refusal}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
     machine = probe_machine(loaded.settings, model_path(loaded.settings), gpus)

@@ -21,6 +21,7 @@ from hyperqwen.bench.options import (
     build_plan,
     local_server,
 )
+from hyperqwen.bench.pdl import add_subcommand as add_pdl_subcommand
 from hyperqwen.bench.plot import PlotUnavailable, write_plot
 from hyperqwen.bench.quality import add_quality_subcommands
 from hyperqwen.bench.quoting import add_subcommands as add_quoting_subcommands
@@ -203,6 +204,7 @@ def add_subcommand(subparsers) -> None:
     add_ab_subcommand(actions)
     add_kernels_subcommand(actions)
     add_gdn_subcommand(actions)
+    add_pdl_subcommand(actions)
     add_sass_subcommand(actions)
     add_soak_subcommand(actions)
     add_stepmap_subcommand(actions)

@@ -430,6 +430,33 @@ LOOKUP = Feature(
     "CPU-tested, not run on a GPU yet; `hyperqwen bench quoting` (bench/README.md) measures it",
 )
 
+PDL = Feature(
+    name="pdl",
+    seams=(),  # no seam: the launchers in ../kernels read it (engine/pdl.py decides per card)
+    env="HYPERQWEN_PDL",
+    knob="PDL",
+    owned_knob=Knob(
+        OFF,
+        "Programmatic dependent launch for HyperQwen's own decode-step kernels (W4A16 GEMM, "
+        "GDN recurrent update, b/a projection, q|k|v split): each is launched so that its "
+        "prologue and an L2 prefetch of its weights overlap the previous kernel's tail, and "
+        "waits for that kernel before it reads anything a kernel wrote (src/hyperqwen/kernels/"
+        "README.md). auto: on for sm90 and newer (H100/H200, RTX 5090), off below; 1: the "
+        "same, but `hyperqwen serve` refuses it on a card below sm90 (where only a kernel's "
+        "launch sees the card: logged, off); 0: off. Same results bit for bit (CPU tests; GPU "
+        "test not run yet); not timed, so off by default.",
+        values=("auto", OFF, ON),
+    ),
+    launch=lambda settings, mode: None if settings.PDL == OFF else settings.PDL,
+    # it changes how the kernels are launched, inside ops torch.compile does not trace
+    changes_compiled_graph=False,
+    status="off; with auto or 1 the launchers of `../kernels/` (w4a16, gdn_recurrent, ba_proj, "
+    "split_qkv) launch on sm90 and newer with programmatic dependent launch, each kernel "
+    "waiting for its predecessor before its first read of a kernel's output and prefetching "
+    "its weights into L2 before that; sm80/86/89 launch as without it; CPU-tested (same "
+    "results on and off); GPU test and timing not run",
+)
+
 # In this order: Settings adds the owned knobs, the launcher sets the variables and warns.
 FEATURES: tuple[Feature, ...] = (
     GDN_RECURRENT,
@@ -440,6 +467,7 @@ FEATURES: tuple[Feature, ...] = (
     DRAFT_VOCAB,
     ALIGN_OVERLAP,
     LOOKUP,
+    PDL,
 )
 
 

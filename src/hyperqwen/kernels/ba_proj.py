@@ -18,18 +18,27 @@ import torch
 import triton
 import triton.language as tl
 
+from hyperqwen.kernels.pdl import (
+    launch_with_pdl,
+    prefetch_to_l2,
+    release_dependents,
+    wait_for_producers,
+)
+
 MAX_ROWS = 16  # rows of x it takes: decode and verify steps; prefill keeps vLLM's GEMM
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _ba_kernel(x_ptr, w_ptr, b_ptr, a_ptr, M, K, H, stride_xm, stride_wn,
-               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)  # weight row: b's column `row` below H, else a's column row - H
     rows_m = tl.arange(0, BLOCK_M)
     m_mask = rows_m < M
     acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
     w_row = w_ptr + row.to(tl.int64) * stride_wn
+    prefetch_to_l2(w_row, K, PDL)  # the weight row, while the kernel before still runs
+    wait_for_producers(PDL)  # x is the previous kernel's output
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -40,6 +49,7 @@ def _ba_kernel(x_ptr, w_ptr, b_ptr, a_ptr, M, K, H, stride_xm, stride_wn,
             other=0.0,
         ).to(tl.float32)
         acc += tl.sum(x * w[None, :], axis=1)
+    release_dependents(PDL)
     value = acc.to(b_ptr.dtype.element_ty)
     if row < H:
         tl.store(b_ptr + rows_m * H + row, value, mask=m_mask)
@@ -64,10 +74,14 @@ def runs_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def ba_projection(
-    x: torch.Tensor, weight: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] against weight [2H, K] (b's rows, then a's) -> (b [M, H], a [M, H]), both
-    contiguous, in x's dtype, accumulated in fp32; into `out` where given."""
+    contiguous, in x's dtype, accumulated in fp32; into `out` where given. pdl: programmatic
+    dependent launch (kernels/pdl.py); None: as the PDL knob decides for the card."""
     if not runs_here(x, weight):
         raise ValueError(
             f"ba_projection takes 1-{MAX_ROWS} rows x [M, K] with contiguous columns and a "
@@ -85,8 +99,9 @@ def ba_projection(
     block_m = triton.next_power_of_2(m)
     # [BLOCK_M, BLOCK_K] fp32 products per program: 4096 elements (32 registers a thread)
     block_k = min(triton.next_power_of_2(k), max(256, 4096 // block_m))
+    pdl = launch_with_pdl(x.device, pdl)
     _ba_kernel[(2 * heads,)](
         x, weight, b, a, m, k, heads, x.stride(0), weight.stride(0),
-        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4, num_stages=3,
+        BLOCK_M=block_m, BLOCK_K=block_k, PDL=pdl, num_warps=4, num_stages=3, launch_pdl=pdl,
     )  # fmt: skip
     return b, a

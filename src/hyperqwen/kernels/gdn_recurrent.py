@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hyperqwen.kernels.pdl import launch_with_pdl, release_dependents, wait_for_producers
+
 
 @triton.jit
 def _row(tile, offsets, t):
@@ -72,12 +74,17 @@ def _gdn_recurrent_kernel(
     BV: tl.constexpr,
     TOKENS: tl.constexpr,
     VERIFY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
+    # everything it reads but two scalar parameters comes from kernels (the state from the
+    # last step's): nothing worth prefetching, so it waits before the metadata, the state and
+    # every early return
+    wait_for_producers(PDL)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     seq_len = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
     if seq_len == 0:
@@ -110,6 +117,8 @@ def _gdn_recurrent_kernel(
         x = tl.load(a + tokens * HV + i_hv, mask=live, other=0.0).to(tl.float32) + bias
         gate_b = tl.load(b + tokens * HV + i_hv, mask=live, other=0.0).to(tl.float32)
         slots = tl.load(indices_row + start + o_t, mask=live, other=0)
+        if start + TOKENS >= seq_len:  # this program's last inputs are loaded
+            release_dependents(PDL)
         softplus = tl.where(
             softplus_beta * x <= softplus_threshold,
             (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
@@ -187,6 +196,7 @@ def gdn_recurrent_update(
     block_v: int | None = None,
     num_warps: int = DEFAULT_WARPS,
     out: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """The outputs [1, T, HV, V] of the recurrent update, with `state` updated in place; the
     arguments as vLLM's fused_sigmoid_gating_delta_rule_update takes them for decode
@@ -194,7 +204,8 @@ def gdn_recurrent_update(
     num_accepted_tokens [N]), with use_qk_l2norm_in_kernel and inplace_final_state.
     tokens_per_pass: tokens loaded together (a power of two; 1 + drafts fits a verify step);
     longer sequences take several passes. out: where the outputs go (else a new tensor); a
-    skipped sequence's rows are left as they are."""
+    skipped sequence's rows are left as they are. pdl: programmatic dependent launch
+    (kernels/pdl.py); None: as the PDL knob decides for the card."""
     problems = unsupported(q, k, v, state, tokens_per_pass)
     if problems:
         raise ValueError("gdn_recurrent_update: needs " + "; ".join(problems))
@@ -210,6 +221,7 @@ def gdn_recurrent_update(
     if sequences == 0:
         return out
     indices_stride = state_indices.stride(0)
+    pdl = launch_with_pdl(q.device, pdl)
     _gdn_recurrent_kernel[(triton.cdiv(v_dim, block), sequences * v_heads)](
         A_log,
         a.contiguous(),
@@ -235,6 +247,8 @@ def gdn_recurrent_update(
         BV=block,
         TOKENS=tokens_per_pass,
         VERIFY=num_accepted_tokens is not None,
+        PDL=pdl,
         num_warps=num_warps,
+        launch_pdl=pdl,
     )
     return out

@@ -23,13 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
+from hyperqwen.kernels.pdl import launch_with_pdl, release_dependents, wait_for_producers
+
 MAX_BLOCK = 1024
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit(do_not_specialize=["rows"])  # one compile for every row count
 def _split_rows_kernel(src, out, rows, row_stride, Q: tl.constexpr, K: tl.constexpr,
-                       V: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                       V: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     # BLOCK divides Q, K and V, so a program's columns lie in one part: its destination is one
     # contiguous run (vector stores)
     row = tl.program_id(0).to(tl.int64)
@@ -42,7 +44,9 @@ def _split_rows_kernel(src, out, rows, row_stride, Q: tl.constexpr, K: tl.conste
     else:
         start = row * Q + first
     columns = tl.arange(0, BLOCK)
+    wait_for_producers(PDL)  # no weights: only the index arithmetic comes before
     values = tl.load(src + row * row_stride + first + columns)
+    release_dependents(PDL)
     tl.store(out + start + columns, values)
 
 
@@ -61,10 +65,16 @@ def runs_here(mixed: torch.Tensor) -> bool:
 
 
 def split_qkv(
-    mixed: torch.Tensor, q_dim: int, k_dim: int, v_dim: int, out: torch.Tensor | None = None
+    mixed: torch.Tensor,
+    q_dim: int,
+    k_dim: int,
+    v_dim: int,
+    out: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """The flat [T*q_dim + T*k_dim + T*v_dim] buffer of mixed's q, k and v parts (mixed is
-    [T, q_dim + k_dim + v_dim], rows strided, columns contiguous); into `out` if given."""
+    [T, q_dim + k_dim + v_dim], rows strided, columns contiguous); into `out` if given. pdl:
+    programmatic dependent launch (kernels/pdl.py); None: as the PDL knob decides for the card."""
     rows, width = mixed.shape
     if width != q_dim + k_dim + v_dim or mixed.stride(1) != 1:
         raise ValueError(
@@ -78,5 +88,8 @@ def split_qkv(
     if rows:
         block = block_for(q_dim, k_dim, v_dim)
         grid = (rows, width // block)
-        _split_rows_kernel[grid](mixed, out, rows, mixed.stride(0), q_dim, k_dim, v_dim, block)
+        pdl = launch_with_pdl(mixed.device, pdl)
+        _split_rows_kernel[grid](
+            mixed, out, rows, mixed.stride(0), q_dim, k_dim, v_dim, block, pdl, launch_pdl=pdl
+        )
     return out

@@ -47,6 +47,13 @@ import torch
 import triton
 import triton.language as tl
 
+from hyperqwen.kernels.pdl import (
+    launch_with_pdl,
+    prefetch_to_l2,
+    release_dependents,
+    wait_for_producers,
+)
+
 # Triton 3.6's interpreter multiplies bf16 dot operands as raw bits; under it the dot runs in
 # fp32 (exact for these operands), so CPU tests check the same arithmetic.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -168,9 +175,10 @@ def _work_item(
     pid_n, pid_k, pid_m, n_tiles, x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
     groups_per_row, stride_xm, stride_om, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, EVEN: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, EVEN: tl.constexpr, RELEASE: tl.constexpr,
 ):  # fmt: skip
-    """One output tile's slice of K: its dots, then its store or its part of the split-K sum."""
+    """One output tile's slice of K: its dots, then its store or its part of the split-K sum;
+    RELEASE: the next kernel may launch once the dots are done (PDL)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
@@ -209,6 +217,7 @@ def _work_item(
                 x_j = _plane_inputs(x_rows, group * GROUP + 32 * j, m_mask, K, EVEN)
                 part = _pair_dot(words, j, x_j, part, x_ptr, DOT_IN_FP32)
             acc += part * scale.to(tl.float32)
+    release_dependents(RELEASE)
 
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
     out_mask = n_mask[:, None] & m_mask[None, :]
@@ -227,6 +236,28 @@ def _work_item(
                 total += tl.load(slice_base + piece * tile_elems + tile_offs, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _prefetch_weights(
+    pid_n, pid_k, w_ptr, s_ptr, N, K, groups_per_row, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """With PDL, before the wait: ask L2 for one work item's words and scales, which no kernel
+    writes. In tiles each 16-row slab's groups of the item's K slice are one run of each."""
+    if PDL:
+        k_blocks = tl.cdiv(K, BLOCK_K)
+        groups_per_split = tl.cdiv(k_blocks, SPLIT_K) * (BLOCK_K // GROUP)
+        first = pid_k * groups_per_split
+        groups = tl.minimum(first + groups_per_split, groups_per_row) - first
+        if groups > 0:
+            for s in tl.static_range(BLOCK_N // _SLAB):
+                slab = pid_n * (BLOCK_N // _SLAB) + s
+                if slab * _SLAB < N:
+                    run = slab.to(tl.int64) * groups_per_row + first
+                    words: tl.constexpr = _SLAB * GROUP // 8
+                    prefetch_to_l2(w_ptr + run * words, groups * words, PDL)
+                    prefetch_to_l2(s_ptr + run * _SLAB, groups * _SLAB, PDL)
 
 
 @triton.jit
@@ -251,6 +282,7 @@ def _w4a16_kernel(
     DOT_IN_FP32: tl.constexpr,
     EVEN: tl.constexpr,  # N and K are whole tiles: no masks on the weight loads
     PERSISTENT: tl.constexpr,  # a few programs per SM walk the work items; else one each
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     n_tiles = tl.cdiv(N, BLOCK_N)
     m_tiles = tl.cdiv(M, BLOCK_M)
@@ -261,18 +293,30 @@ def _w4a16_kernel(
         # programs per SM; flattened, the loop can prefetch the next item's first blocks while
         # this one finishes, and no last wave runs part-full
         items = m_tiles * n_tiles * SPLIT_K
+        first = tl.program_id(0)
+        _prefetch_weights(
+            (first // m_tiles) % n_tiles, first // (m_tiles * n_tiles), w_ptr, s_ptr, N, K,
+            groups_per_row, GROUP, BLOCK_N, BLOCK_K, SPLIT_K, PDL,
+        )  # fmt: skip
+        wait_for_producers(PDL)  # x, and the split-K workspace the last launch used
         for item in tl.range(tl.program_id(0), items, tl.num_programs(0), flatten=True):
             _work_item(
                 (item // m_tiles) % n_tiles, item // (m_tiles * n_tiles), item % m_tiles, n_tiles,
                 x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, groups_per_row,
                 stride_xm, stride_om, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
-                DOT_IN_FP32, EVEN,
+                DOT_IN_FP32, EVEN, False,
             )  # fmt: skip
+        release_dependents(PDL)  # after every item: a waiting program would take an SM slot
     else:
+        _prefetch_weights(
+            tl.program_id(1), tl.program_id(2), w_ptr, s_ptr, N, K, groups_per_row, GROUP,
+            BLOCK_N, BLOCK_K, SPLIT_K, PDL,
+        )  # fmt: skip
+        wait_for_producers(PDL)
         _work_item(
             tl.program_id(1), tl.program_id(2), tl.program_id(0), n_tiles, x_ptr, w_ptr, s_ptr,
             out_ptr, partial_ptr, counter_ptr, M, N, K, groups_per_row, stride_xm,
-            stride_om, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_IN_FP32, EVEN,
+            stride_om, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_IN_FP32, EVEN, PDL,
         )  # fmt: skip
 
 
@@ -345,7 +389,7 @@ def workspace_size(m: int, n: int, config: TileConfig) -> tuple[int, int]:
     return tiles * config.split_k * config.block_n * block_m, tiles
 
 
-def kernel_constants(config: TileConfig, block_m: int, even: bool) -> dict:
+def kernel_constants(config: TileConfig, block_m: int, even: bool, pdl: bool = False) -> dict:
     """The kernel's compile-time arguments for a launch of `config` (also what `hyperqwen bench
     sass` compiles): GROUP is the pair layout's, which check_config requires."""
     return {
@@ -357,6 +401,7 @@ def kernel_constants(config: TileConfig, block_m: int, even: bool) -> dict:
         "DOT_IN_FP32": _INTERPRETED,
         "EVEN": even,
         "PERSISTENT": config.programs_per_sm > 0,
+        "PDL": pdl,
     }
 
 
@@ -395,9 +440,11 @@ def w4a16_matmul(
     group_size: int,
     config: TileConfig,
     out: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16, rows contiguous) times dequantized weights [N, K]ᵀ -> [M, N];
-    weight_packed and weight_scale in tiles (tile_rows of the pair-plane words, repack_pairs)."""
+    weight_packed and weight_scale in tiles (tile_rows of the pair-plane words, repack_pairs).
+    pdl: programmatic dependent launch (kernels/pdl.py); None: as the PDL knob decides."""
     m, k = x.shape
     n = weight_packed.shape[0] * TILE_ROWS
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -433,6 +480,7 @@ def w4a16_matmul(
         grid = (min(items, sm_count(x.device) * config.programs_per_sm), 1, 1)
     else:
         grid = (m_tiles, n_tiles, config.split_k)
+    pdl = launch_with_pdl(x.device, pdl)
     _w4a16_kernel[grid](
         x,
         weight_packed,
@@ -447,10 +495,11 @@ def w4a16_matmul(
         x.stride(0),
         out.stride(0),
         **kernel_constants(
-            config, block_m, even=n % config.block_n == 0 and k % config.block_k == 0
+            config, block_m, even=n % config.block_n == 0 and k % config.block_k == 0, pdl=pdl
         ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=pdl,
     )
     return out
 
