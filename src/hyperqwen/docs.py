@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import textwrap
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 from hyperqwen.capacity import attention_token_bytes
 from hyperqwen.checkpoint.geometry import PRESETS
@@ -89,16 +92,19 @@ def feature_table() -> str:
     rows = [
         FEATURE_TABLE_BEGIN,
         "",
-        "| feature | module | seams | knob (env) | modes | compile key | status |",
+        "| feature | module (own files) | seams | knob (env) | modes | compile key | status |",
         "|---|---|---|---|---|---|---|",
     ]
     for feature in FEATURES:
-        module = os.path.relpath(feature.module, "engine")
+        module = f"`{os.path.relpath(feature.module, 'engine')}`"
+        if feature.own_files:
+            own = (os.path.relpath(path, "src/hyperqwen/engine") for path in feature.own_files)
+            module += " (" + ", ".join(f"`{path}`" for path in own) + ")"
         rows.append(
             _table_row(
                 [
                     feature.name,
-                    f"`{module}`",
+                    module,
                     ", ".join(
                         f"`{seam.name}` (`{seam.patch}`: {seam.where})" for seam in feature.seams
                     ),
@@ -180,28 +186,46 @@ def _profile_table(mode: Mode) -> str:
 README_OF_MODE: dict[Mode, str] = {"single": "single-user/README.md", "batch": "batch/README.md"}
 
 
-def _replace_between(path: Path, begin: str, end: str, table: str) -> Path:
-    text = path.read_text()
-    start, stop = text.index(begin), text.index(end) + len(end)
-    path.write_text(text[:start] + table.rstrip("\n") + text[stop:])
-    return path
+class GeneratedDoc(NamedTuple):
+    """A file, or the part of it between two marker lines, that `write_docs` writes."""
+
+    path: str
+    """Relative to the repository root."""
+    begin: str | None
+    """None: the whole file."""
+    end: str | None
+    text: Callable[[], str]
+
+
+def generated_docs() -> tuple[GeneratedDoc, ...]:
+    """What `hyperqwen settings --write-docs` writes, in the order it writes them."""
+    return (
+        GeneratedDoc(".env.example", None, None, env_example),
+        *(
+            GeneratedDoc(relative, TABLE_BEGIN, TABLE_END, partial(knob_table, mode))
+            for mode, relative in README_OF_MODE.items()
+        ),
+        GeneratedDoc(ENGINE_README, FEATURE_TABLE_BEGIN, FEATURE_TABLE_END, feature_table),
+        GeneratedDoc(COMPOSE_FILE, COMPOSE_BEGIN, COMPOSE_END, compose_knobs),
+        *(
+            GeneratedDoc(relative, KV_TABLE_BEGIN, KV_TABLE_END, kv_table)
+            for relative in KV_TABLE_FILES
+        ),
+    )
 
 
 def write_docs(root: Path) -> list[Path]:
-    """Rewrite .env.example, the knob table of each mode's README, engine/README.md's feature
-    table, docker-compose.yml's knob list and the KV table of docs/long-context.md and
-    single-user/README.md under `root`."""
-    written = [root / ".env.example"]
-    written[0].write_text(env_example())
-    for mode, relative in README_OF_MODE.items():
-        written.append(_replace_between(root / relative, TABLE_BEGIN, TABLE_END, knob_table(mode)))
-    written.append(
-        _replace_between(
-            root / ENGINE_README, FEATURE_TABLE_BEGIN, FEATURE_TABLE_END, feature_table()
-        )
-    )
-    compose = _replace_between(root / COMPOSE_FILE, COMPOSE_BEGIN, COMPOSE_END, compose_knobs())
-    written.append(compose)
-    for relative in KV_TABLE_FILES:
-        written.append(_replace_between(root / relative, KV_TABLE_BEGIN, KV_TABLE_END, kv_table()))
+    """Rewrite each of `generated_docs()` under `root`: .env.example, the knob table of each
+    mode's README, engine/README.md's feature table, docker-compose.yml's knob list and the KV
+    table of docs/long-context.md and single-user/README.md."""
+    written = []
+    for doc in generated_docs():
+        path = root / doc.path
+        if doc.begin is None:
+            path.write_text(doc.text())
+        else:
+            text = path.read_text()
+            start, stop = text.index(doc.begin), text.index(doc.end) + len(doc.end)
+            path.write_text(text[:start] + doc.text().rstrip("\n") + text[stop:])
+        written.append(path)
     return written

@@ -37,8 +37,9 @@ GROUP_SIZE = 128
 DEFAULT_MS = (1, 2, 4, 5, 8, 16, 32, 64)
 VLLM_BACKENDS = ("machete", "marlin", "exllama", "triton")
 # humming JIT-compiles its GEMMs with nvcc on first use (not timed yet): asked for by name only;
-# hyperqwen_layer is our kernel as LINEAR_BACKEND=hyperqwen serves it (engine/w4a16_linear.py:
-# its own launch shapes, through the custom op), against the sweep's best launch of it
+# hyperqwen_layer is our kernel as LINEAR_BACKEND=hyperqwen serves it (the engine feature on
+# vLLM's linear_kernels seam: its own launch shapes, through the custom op), against the
+# sweep's best launch of it
 LAYER_BACKEND = "hyperqwen_layer"
 OPTIONAL_BACKENDS = ("humming", LAYER_BACKEND)
 
@@ -252,9 +253,10 @@ def vllm_layers(backend: str, w: Weights):
         "humming": "HummingLinearKernel",
     }
     if backend == LAYER_BACKEND:
-        from hyperqwen.engine.w4a16_linear import linear_kernel_class
+        from hyperqwen.engine.features import FEATURES, LINEAR_KERNELS
 
-        kernel_cls = linear_kernel_class()
+        (feature,) = (feature for feature in FEATURES if LINEAR_KERNELS in feature.seams)
+        kernel_cls = feature.code().linear_kernel_class()
     else:
         kernel_cls = getattr(mp, classes[backend])
     config = w4a16_layer_config(w.n, w.k, w.bits)

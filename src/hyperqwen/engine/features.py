@@ -6,8 +6,10 @@ the function of that name in seams.py, which calls the same-named function of ea
 module on it that is switched on), switched by one knob that the launcher turns into one
 environment variable. Its declaration below is all the rest of the project knows of it: Settings
 builds the knob from it, the launcher sets the variable with it, vLLM's compile cache key,
-`hyperqwen doctor`, the generated knob tables and engine/README.md's table read it, and in
-vLLM's process seams.py asks `switched_on(FEATURE)` before it calls the module.
+`hyperqwen doctor`, the generated knob tables and engine/README.md's table read it, `hyperqwen
+prepare` runs its prepare step, and in vLLM's process seams.py asks `switched_on(FEATURE)`
+before it calls the module. Elsewhere code reads the declarations generically (FEATURES, a
+seam's features, a field), never by a feature's name: tests/test_engine_feature_places.py.
 
 Adding a kernel or drafter: its module (a function per seam it hooks), one `Feature` in
 FEATURES, its tests; a new seam only where vLLM has none of the seams below to offer.
@@ -18,9 +20,11 @@ A `launch` or `ignored` function gets the Settings object and reads its knobs by
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 ON, OFF = "1", "0"
@@ -125,6 +129,14 @@ class Feature:
     """(Settings, mode) -> why the knob, set explicitly, has no effect there (a launch warning)."""
     turned_on_by: str = ""
     """KNOB=VALUE that turns it on, where the knob is not its own."""
+    own_files: tuple[str, ...] = ()
+    """Files besides its module that exist only for it (they go with it), relative to the
+    repository root: its kernels, parts, notes, the benchmark of it. They may name it; any
+    other file that does is a place tests/test_engine_feature_places.py counts."""
+    prepare_step: str = ""
+    """Where it needs files in the model folder: the module of its `hyperqwen prepare` step,
+    named after the feature (TITLE, MODEL_FILES, `plan`, `write`, `loads_model_files`;
+    prepare/run.py runs it, the capacity budget counts the files the server loads)."""
 
     def env_for(self, settings: Any, mode: str) -> str | None:
         """The variable's value in `hyperqwen serve MODE`'s environment; None: unset."""
@@ -136,6 +148,10 @@ class Feature:
     def module(self) -> str:
         """Where its code is, relative to src/hyperqwen."""
         return f"engine/{self.name}.py"
+
+    def code(self) -> ModuleType:
+        """Its module, imported (seams.py calls into it; so may a benchmark of the seam)."""
+        return importlib.import_module(f"hyperqwen.engine.{self.name}")
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -208,6 +224,7 @@ GDN_RECURRENT = Feature(
     name="gdn_recurrent",
     seams=(GDN_MODULE_LOADED,),
     env="HYPERQWEN_GDN_RECURRENT",
+    own_files=("src/hyperqwen/kernels/gdn_recurrent.py", "src/hyperqwen/bench/gdn.py"),
     knob="GDN_RECURRENT",
     owned_knob=Knob(
         "0",
@@ -227,6 +244,7 @@ GDN_BA = Feature(
     name="gdn_ba",
     seams=(GDN_LAYER_BUILT,),
     env="HYPERQWEN_GDN_BA",
+    own_files=("src/hyperqwen/kernels/ba_proj.py",),
     knob="GDN_BA",
     owned_knob=Knob(
         "0",
@@ -246,6 +264,7 @@ SPLIT_QKV = Feature(
     name="split_qkv",
     seams=(GDN_MIXED_QKV,),
     env="HYPERQWEN_GDN_SPLIT_QKV",
+    own_files=("src/hyperqwen/kernels/split_qkv.py",),
     knob="GDN_SPLIT_QKV",
     unset=ON,
     owned_knob=Knob(
@@ -268,6 +287,7 @@ W4A16_LINEAR = Feature(
     name="w4a16_linear",
     seams=(LINEAR_KERNELS,),
     env="HYPERQWEN_W4A16",
+    own_files=("src/hyperqwen/kernels/w4a16.py",),
     knob="LINEAR_BACKEND",
     turned_on_by=f"LINEAR_BACKEND={OUR_LINEAR_BACKEND}",
     launch=lambda settings, mode: ON if settings.LINEAR_BACKEND == OUR_LINEAR_BACKEND else None,
@@ -283,6 +303,9 @@ DRAFT_VOCAB = Feature(
     name="draft_vocab",
     seams=(PROPOSER_LOADED,),
     env="HYPERQWEN_DRAFT_VOCAB",
+    # the drafter package builds the vocabulary, prepare runs its step, the module loads it
+    own_files=("src/hyperqwen/drafter", "drafter/README.md"),
+    prepare_step="hyperqwen.drafter.step",
     knob="DRAFT_VOCAB",
     unset="auto",
     owned_knob=Knob(
@@ -355,6 +378,17 @@ LOOKUP = Feature(
         RUNNER_DRAFTED,
     ),
     env="HYPERQWEN_LOOKUP",
+    own_files=(
+        "src/hyperqwen/engine/quoting.py",
+        "src/hyperqwen/engine/quoting.md",
+        "src/hyperqwen/kernels/lookup.py",
+        # `hyperqwen bench quoting`: lookup against vLLM's n-gram drafting
+        "src/hyperqwen/bench/quoting.py",
+        "src/hyperqwen/bench/quoting_configs.py",
+        "src/hyperqwen/bench/quoting_result.py",
+        "src/hyperqwen/bench/quoting_run.py",
+        "src/hyperqwen/bench/quoting_tasks.py",
+    ),
     knob="LOOKUP",
     owned_knob=Knob(
         OFF,
