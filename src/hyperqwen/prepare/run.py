@@ -94,7 +94,10 @@ def _tensor_reports(options: Options, measured, tensor_plan) -> list[StepReport]
     return reports
 
 
-def _feature_step(name: str, base: Base, options: Options, plans: Plans, progress: bool):
+def _feature_step(
+    name: str, base: Base, options: Options, plans: Plans, progress: bool
+) -> StepReport:
+    """An engine feature's step: its module writes its files, or, skipped, they go."""
     step = marker.FEATURE_STEPS[name]
     title = options.title(name)
     if name not in options.steps:
