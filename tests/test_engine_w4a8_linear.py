@@ -22,7 +22,6 @@ from hyperqwen.bench.kernels import (
     w4a16_layer_config,
 )
 from hyperqwen.checkpoint import w4a16 as checkpoint_format
-from hyperqwen.checkpoint.w4a16 import int8_activation_refusal
 from hyperqwen.engine import seams, w4a8_linear, w4a16_linear
 from hyperqwen.engine.features import W4A8_LINEAR, W4A16_LINEAR
 from hyperqwen.engine.w4a8_linear import (
@@ -30,6 +29,7 @@ from hyperqwen.engine.w4a8_linear import (
     Int8ActRefused,
     candidate_for,
     fold_scale_signs,
+    int8_activation_refusal,
     layer_group,
     selected_groups,
 )

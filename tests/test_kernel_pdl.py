@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,12 +80,15 @@ def test_the_knob_takes_auto_0_1_and_refuses_others_by_name(tmp_path):
 
 
 def test_serve_refuses_pdl_1_on_a_card_below_sm90_by_name():
-    message = knob.refusal("1", [H200, RTX_3090])
+    message = knob.serve_refusal("1", [H200, RTX_3090], Path())
     assert message.startswith("PDL=1 needs compute capability 9.0 or newer")
     assert "this machine has NVIDIA GeForce RTX 3090 (sm86). Use" in message
     assert "Use PDL=auto (on where the card has it) or PDL=0." in message
-    assert knob.refusal("1", [H200, RTX_5090]) is None
-    assert knob.refusal("auto", CARDS) is None and knob.refusal("0", CARDS) is None
+    assert knob.serve_refusal("1", [H200, RTX_5090], Path()) is None
+    assert (
+        knob.serve_refusal("auto", CARDS, Path()) is None
+        and knob.serve_refusal("0", CARDS, Path()) is None
+    )
 
 
 def test_the_refusal_comes_before_vllm_through_the_cli(tmp_path):

@@ -2,8 +2,9 @@
 
 `hyperqwen serve` calls `probe_machine` before it builds the launch; capacity.py stays pure.
 Weights are counted from the safetensors headers, less the tensors vLLM will not load with
-these settings: the vision tower with VISION=0 (--language-model-only), the MTP layer and
-HyperQwen's draft head unless SPEC=mtp (and the head with DRAFT_VOCAB=off).
+these settings: the vision tower with VISION=0 (--language-model-only) and the MTP layer unless
+SPEC=mtp; the files an engine feature's prepare step writes count where its step says the
+server loads them (the draft head: prepare/marker.FEATURE_STEPS).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hyperqwen.checkpoint.geometry import MODEL_TYPE, PRESETS, Geometry, Geometr
 from hyperqwen.checkpoint.layout import MTP_PREFIX, VISION_PREFIX
 from hyperqwen.checkpoint.shards import INDEX_NAME, ShardFileError, read_header
 from hyperqwen.gpu import Gpu
-from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
+from hyperqwen.prepare.marker import FEATURE_STEPS
 from hyperqwen.settings import Settings
 
 
@@ -50,14 +51,17 @@ def probe_machine(settings: Settings, model_dir: Path, gpus: list[Gpu]) -> Machi
 
 def loaded_weight_bytes(model_dir: Path, settings: Settings) -> int:
     """Bytes of the tensors vLLM loads from the folder's safetensors with these settings: the
-    shards its index lists (every *.safetensors without one) and the draft head."""
+    shards its index lists (every *.safetensors without one) and the engine features' model
+    files the server loads with them."""
     index = model_dir / INDEX_NAME
+    feature_files = {name for step in FEATURE_STEPS.values() for name in step.MODEL_FILES}
     if index.is_file():
         names = set(json.loads(index.read_text())["weight_map"].values())
     else:
-        names = {path.name for path in model_dir.glob("*.safetensors")} - {DRAFT_HEAD_FILE}
-    if settings.SPEC == "mtp" and settings.DRAFT_VOCAB != "off":
-        names.add(DRAFT_HEAD_FILE)
+        names = {path.name for path in model_dir.glob("*.safetensors")} - feature_files
+    for step in FEATURE_STEPS.values():
+        if step.loads_model_files(settings):
+            names |= {name for name in step.MODEL_FILES if name.endswith(".safetensors")}
     skipped = [] if settings.VISION == "1" else [VISION_PREFIX + "."]
     if settings.SPEC != "mtp":
         skipped.append(MTP_PREFIX + ".")

@@ -12,8 +12,7 @@ from pathlib import Path
 from hyperqwen import bench, capacity_cli, docs, doctor, patches, synth
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.drafter import cli as drafter_cli
-from hyperqwen.engine.features import W4A8_LINEAR
-from hyperqwen.engine.pdl import refusal as pdl_refusal
+from hyperqwen.engine.features import serve_refusal as feature_refusal
 from hyperqwen.gpu import REQUIREMENT, NoGpu, list_gpus
 from hyperqwen.kv_choices import capability_refusal
 from hyperqwen.launch import build_launch, effective_config_lines, model_path, redact_argv
@@ -49,8 +48,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except NoGpu as reason:
         gpus, no_gpu = [], reason
     kv, serving_gpus = loaded.settings.KV, gpus[: loaded.settings.GPU_COUNT]
-    refusal = (kv and capability_refusal(kv, serving_gpus)) or pdl_refusal(
-        loaded.settings.PDL, serving_gpus
+    refusal = (kv and capability_refusal(kv, serving_gpus)) or feature_refusal(
+        loaded.settings, args.mode, serving_gpus, model_path(loaded.settings)
     )
     if refusal:
         print(f"hyperqwen serve {args.mode}: refusing to start: {refusal}", file=sys.stderr)
@@ -74,10 +73,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if config_file.is_file():
         config = json.loads(config_file.read_text())
         refusal = tensor_parallel_refusal(config, plan.tensor_parallel, str(plan.model_path))
-        if not refusal and (setting := plan.env.get(W4A8_LINEAR.env)):
-            from hyperqwen.checkpoint.w4a16 import int8_activation_refusal  # torch: only here
-
-            refusal = int8_activation_refusal(config, str(config_file), setting)
         if refusal:
             print(f"hyperqwen serve {args.mode}: refusing to start: {refusal}", file=sys.stderr)
             return EXIT_BAD_SETTINGS

@@ -22,7 +22,7 @@ from typing import Any, Literal, get_args, get_origin
 from dotenv import dotenv_values
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
-from hyperqwen.engine.features import FEATURES, W4A16_LINEAR, Knob
+from hyperqwen.engine.features import FEATURES, Knob
 from hyperqwen.kv_choices import KvCacheDtype
 
 Mode = Literal["single", "batch"]
@@ -68,6 +68,12 @@ def knob(
 
 # REASONING_PARSER value that leaves --reasoning-parser out.
 NO_REASONING_PARSER = "none"
+
+
+def _switched_by(name: str) -> str:
+    """The variables of the engine features this Settings knob switches (features whose
+    declaration names it as their knob without owning it)."""
+    return ", ".join(f.env for f in FEATURES if f.knob == name and f.owned_knob is None)
 
 
 class ServingKnobs(BaseModel):
@@ -229,7 +235,8 @@ class ServingKnobs(BaseModel):
         "measured). Default: single "
         "marlin (faster at 1-16 tokens per step: 1.14x stock vLLM's MTP at C1 on the H200, "
         "against 1.01x with Machete), batch auto (Machete wins at 64).",
-        f"--linear-backend (hyperqwen: marlin, and env {W4A16_LINEAR.env} for the patched vLLM)",
+        f"--linear-backend (hyperqwen: marlin, and env {_switched_by('LINEAR_BACKEND')} for the "
+        "patched vLLM)",
     )
     VISION: Switch = knob(
         "0",

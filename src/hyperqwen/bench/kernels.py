@@ -37,8 +37,9 @@ GROUP_SIZE = 128
 DEFAULT_MS = (1, 2, 4, 5, 8, 16, 32, 64)
 VLLM_BACKENDS = ("machete", "marlin", "exllama", "triton")
 # humming JIT-compiles its GEMMs with nvcc on first use (not timed yet): asked for by name only;
-# hyperqwen_layer is our kernel as LINEAR_BACKEND=hyperqwen serves it (engine/w4a16_linear.py:
-# its own launch shapes, through the custom op), against the sweep's best launch of it
+# hyperqwen_layer is our kernel as LINEAR_BACKEND=hyperqwen serves it (the engine feature on
+# vLLM's linear_kernels seam: its own launch shapes, through the custom op), against the
+# sweep's best launch of it
 LAYER_BACKEND = "hyperqwen_layer"
 # INT8_ACT's 8-bit-activation kernels (engine/w4a8_linear.py CANDIDATES, whose names follow the
 # prefix), built as the engine builds them: their sm90 timings pick ARCH_TABLE's Hopper entry

@@ -216,36 +216,3 @@ def read_linear(tensors: Mapping[str, torch.Tensor], module: str) -> torch.Tenso
     if packed_name(module, "weight_packed") in tensors:
         return unpack({suffix: tensors[packed_name(module, suffix)] for suffix in PACKED_SUFFIXES})
     return tensors[f"{module}.weight"]
-
-
-def int8_activation_refusal(config: Mapping, where: str, setting: str) -> str | None:
-    """Why INT8_ACT=`setting` cannot serve the model whose config.json is `config`: no int4
-    layers at all, or quantized weights with zero points (asymmetric) or activation order,
-    which the 8-bit-activation kernels do not take (engine/w4a8_linear.py); None: it can."""
-    raw = config.get("quantization_config")
-    fix = "set INT8_ACT=0"
-    if not raw:
-        return f"INT8_ACT={setting}: {where} has no quantization_config (no int4 layers); {fix}"
-    method = raw.get("quant_method")
-    problems = []
-    if method == "compressed-tensors":
-        for name, group in (raw.get("config_groups") or {}).items():
-            weights = group.get("weights") or {}
-            if weights.get("symmetric") is False:
-                problems.append(f"config group {name} has zero points (symmetric: false)")
-            if weights.get("actorder") == "group":
-                problems.append(f"config group {name} has activation order (actorder: group)")
-    elif method == "gptq":
-        if raw.get("sym") is False:
-            problems.append("GPTQ with zero points (sym: false)")
-        if raw.get("desc_act"):
-            problems.append("GPTQ with activation order (desc_act: true)")
-    elif method == "awq" and raw.get("zero_point", True):
-        problems.append("AWQ with zero points (zero_point: true)")
-    if not problems:
-        return None
-    return (
-        f"INT8_ACT={setting}: {where}: {'; '.join(problems)}; the 8-bit-activation kernels "
-        f"take symmetric int4 group scales only. {fix}, or serve a symmetric group-{GROUP_SIZE} "
-        f"checkpoint (hyperqwen prepare refuses any other)"
-    )

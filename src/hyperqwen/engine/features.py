@@ -6,8 +6,10 @@ the function of that name in seams.py, which calls the same-named function of ea
 module on it that is switched on), switched by one knob that the launcher turns into one
 environment variable. Its declaration below is all the rest of the project knows of it: Settings
 builds the knob from it, the launcher sets the variable with it, vLLM's compile cache key,
-`hyperqwen doctor`, the generated knob tables and engine/README.md's table read it, and in
-vLLM's process seams.py asks `switched_on(FEATURE)` before it calls the module.
+`hyperqwen doctor`, the generated knob tables and engine/README.md's table read it, `hyperqwen
+prepare` runs its prepare step, and in vLLM's process seams.py asks `switched_on(FEATURE)`
+before it calls the module. Elsewhere code reads the declarations generically (FEATURES, a
+seam's features, a field), never by a feature's name: tests/test_engine_feature_places.py.
 
 Adding a kernel or drafter: its module (a function per seam it hooks), one `Feature` in
 FEATURES, its tests; a new seam only where vLLM has none of the seams below to offer.
@@ -18,10 +20,13 @@ A `launch` or `ignored` function gets the Settings object and reads its knobs by
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 ON, OFF = "1", "0"
@@ -127,6 +132,22 @@ class Feature:
     """(Settings, mode) -> why the knob, set explicitly, has no effect there (a launch warning)."""
     turned_on_by: str = ""
     """KNOB=VALUE that turns it on, where the knob is not its own."""
+    own_files: tuple[str, ...] = ()
+    """Files besides its module that exist only for it (they go with it), relative to the
+    repository root: its kernels, parts, notes, the benchmark of it. They may name it; any
+    other file that does is a place tests/test_engine_feature_places.py counts."""
+    prepare_step: str = ""
+    """Where it needs files in the model folder: the module of its `hyperqwen prepare` step,
+    named after the feature (TITLE, MODEL_FILES, `plan`, `write`, `loads_model_files`;
+    prepare/run.py runs it, the capacity budget counts the files the server loads)."""
+
+    cards: str = ""
+    """Which path each GPU architecture takes with it on, where that differs by card
+    (kernels/README.md's generated table); empty: every card the same."""
+    checked_at_serve: bool = False
+    """Whether `hyperqwen serve` asks its module's `serve_refusal(value, gpus, model_dir)`,
+    before vLLM starts, why the variable's value cannot serve on these GPUs (hyperqwen.gpu.Gpu)
+    and this model folder (None: it can). Only a feature whose variable is set is asked."""
 
     def env_for(self, settings: Any, mode: str) -> str | None:
         """The variable's value in `hyperqwen serve MODE`'s environment; None: unset."""
@@ -138,6 +159,10 @@ class Feature:
     def module(self) -> str:
         """Where its code is, relative to src/hyperqwen."""
         return f"engine/{self.name}.py"
+
+    def code(self) -> ModuleType:
+        """Its module, imported (seams.py calls into it; so may a benchmark of the seam)."""
+        return importlib.import_module(f"hyperqwen.engine.{self.name}")
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -210,6 +235,7 @@ GDN_RECURRENT = Feature(
     name="gdn_recurrent",
     seams=(GDN_MODULE_LOADED,),
     env="HYPERQWEN_GDN_RECURRENT",
+    own_files=("src/hyperqwen/kernels/gdn_recurrent.py", "src/hyperqwen/bench/gdn.py"),
     knob="GDN_RECURRENT",
     owned_knob=Knob(
         "0",
@@ -229,6 +255,7 @@ GDN_BA = Feature(
     name="gdn_ba",
     seams=(GDN_LAYER_BUILT,),
     env="HYPERQWEN_GDN_BA",
+    own_files=("src/hyperqwen/kernels/ba_proj.py",),
     knob="GDN_BA",
     owned_knob=Knob(
         "0",
@@ -248,6 +275,7 @@ SPLIT_QKV = Feature(
     name="split_qkv",
     seams=(GDN_MIXED_QKV,),
     env="HYPERQWEN_GDN_SPLIT_QKV",
+    own_files=("src/hyperqwen/kernels/split_qkv.py",),
     knob="GDN_SPLIT_QKV",
     unset=ON,
     owned_knob=Knob(
@@ -270,6 +298,7 @@ W4A16_LINEAR = Feature(
     name="w4a16_linear",
     seams=(LINEAR_KERNELS,),
     env="HYPERQWEN_W4A16",
+    own_files=("src/hyperqwen/kernels/w4a16.py", "src/hyperqwen/bench/kernels.py"),
     knob="LINEAR_BACKEND",
     turned_on_by=f"LINEAR_BACKEND={OUR_LINEAR_BACKEND}",
     launch=lambda settings, mode: ON if settings.LINEAR_BACKEND == OUR_LINEAR_BACKEND else None,
@@ -301,6 +330,12 @@ INT8_ALL = "all"
 W4A8_LINEAR = Feature(
     name="w4a8_linear",
     seams=(LINEAR_KERNELS,),
+    checked_at_serve=True,
+    own_files=("src/hyperqwen/engine/w4a8_linear.md",),
+    cards="sm80/86/89 (A100, RTX 3090/4090): Marlin with int8 activations (vLLM's "
+    "`VLLM_MARLIN_INPUT_DTYPE=int8` path, chosen per layer); sm90 (H100/H200): CUTLASS W4A8 with "
+    "fp8 activations until measured (humming's W4A8 and Marlin int8 the other candidates); any "
+    "other architecture refused by name at load; not measured on any card",
     env="HYPERQWEN_INT8_ACT",
     knob="INT8_ACT",
     owned_knob=Knob(
@@ -331,6 +366,9 @@ DRAFT_VOCAB = Feature(
     name="draft_vocab",
     seams=(PROPOSER_LOADED,),
     env="HYPERQWEN_DRAFT_VOCAB",
+    # the drafter package builds the vocabulary, prepare runs its step, the module loads it
+    own_files=("src/hyperqwen/drafter", "drafter/README.md"),
+    prepare_step="hyperqwen.drafter.step",
     knob="DRAFT_VOCAB",
     unset="auto",
     owned_knob=Knob(
@@ -403,6 +441,17 @@ LOOKUP = Feature(
         RUNNER_DRAFTED,
     ),
     env="HYPERQWEN_LOOKUP",
+    own_files=(
+        "src/hyperqwen/engine/quoting.py",
+        "src/hyperqwen/engine/quoting.md",
+        "src/hyperqwen/kernels/lookup.py",
+        # `hyperqwen bench quoting`: lookup against vLLM's n-gram drafting
+        "src/hyperqwen/bench/quoting.py",
+        "src/hyperqwen/bench/quoting_configs.py",
+        "src/hyperqwen/bench/quoting_result.py",
+        "src/hyperqwen/bench/quoting_run.py",
+        "src/hyperqwen/bench/quoting_tasks.py",
+    ),
     knob="LOOKUP",
     owned_knob=Knob(
         OFF,
@@ -433,6 +482,17 @@ LOOKUP = Feature(
 PDL = Feature(
     name="pdl",
     seams=(),  # no seam: the launchers in ../kernels read it (engine/pdl.py decides per card)
+    checked_at_serve=True,
+    cards="sm90 (H100/H200) and sm120 (RTX 5090; compiled here, not run): PDL with auto or 1; "
+    "sm80/86/89 (A100, RTX 3090/4090): never, `auto` off there and `1` refused by `hyperqwen "
+    "serve` where it sees the card (logged and ignored where only a kernel's launch sees it), "
+    "the kernels' PTX the same as without the knob (checked for sm80/86/89/90/120); speed not "
+    "measured on any card",
+    own_files=(
+        "src/hyperqwen/kernels/pdl.py",
+        "src/hyperqwen/bench/pdl.py",
+        "src/hyperqwen/bench/pdl_chain.py",
+    ),
     env="HYPERQWEN_PDL",
     knob="PDL",
     owned_knob=Knob(
@@ -469,6 +529,16 @@ FEATURES: tuple[Feature, ...] = (
     LOOKUP,
     PDL,
 )
+
+
+def serve_refusal(settings: Any, mode: str, gpus: list[Any], model_dir: Path) -> str | None:
+    """The first reason a feature gives why `hyperqwen serve MODE` must not start (a knob value
+    the GPUs or the model folder cannot take), or None."""
+    for feature in FEATURES:
+        value = feature.env_for(settings, mode) if feature.checked_at_serve else None
+        if value is not None and (reason := feature.code().serve_refusal(value, gpus, model_dir)):
+            return reason
+    return None
 
 
 def launch_env(settings: Any, mode: str) -> dict[str, str]:

@@ -3,7 +3,7 @@
 No seam: the launchers in ../kernels ask `for_capability` (through kernels/pdl.py) at each
 launch. PDL is a Hopper feature (sm90 and newer: H100/H200, RTX 5090); below it (A100, RTX
 3090/4090: sm80/86/89) the kernels launch exactly as without the knob. PDL=1 where `hyperqwen
-serve` sees a card below sm90 is refused there (`refusal`); where the card is only known at a
+serve` sees a card below sm90 is refused there (`serve_refusal`); where the card is only known at a
 kernel's launch (the kernels called outside `hyperqwen serve`), 1 is ignored there with one
 logged warning per card.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from hyperqwen.engine.features import ON, PDL, env_value
@@ -30,8 +31,8 @@ def decide(setting: str, capability: tuple[int, int]) -> bool:
     return setting != "0" and tuple(capability) >= MIN_CAPABILITY
 
 
-def refusal(setting: str, gpus: Iterable[Any]) -> str | None:
-    """Why PDL=`setting` cannot serve on these GPUs (hyperqwen.gpu.Gpu), or None."""
+def serve_refusal(setting: str, gpus: Iterable[Any], model_dir: Path) -> str | None:
+    """Why PDL=`setting` cannot serve on these GPUs (hyperqwen.gpu.Gpu), or None; any model."""
     if setting != ON:
         return None
     short = [f"{gpu.name} ({gpu.sm})" for gpu in gpus if gpu.compute_capability < MIN_CAPABILITY]

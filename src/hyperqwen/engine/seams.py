@@ -11,7 +11,6 @@ Runs inside vLLM: it imports the standard library and features.py only.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,8 +40,7 @@ def hooks(seam: Seam) -> Iterator[Callable[..., Any]]:
     """The seam's function in each switched-on feature's module (imported on first use)."""
     for feature in FEATURES:
         if seam in feature.seams and switched_on(feature):
-            module = importlib.import_module(f"hyperqwen.engine.{feature.name}")
-            yield getattr(module, seam.name)
+            yield getattr(feature.code(), seam.name)
 
 
 def gdn_module_loaded(namespace: dict[str, Any]) -> None:

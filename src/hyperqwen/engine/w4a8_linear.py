@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from hyperqwen.checkpoint.w4a16 import GROUP_SIZE
 from hyperqwen.engine.features import INT8_ALL, INT8_LAYER_GROUPS, W4A8_LINEAR, env_value
 from hyperqwen.kernels.w4a16 import pack_codes, unpack_codes
 
@@ -270,3 +274,46 @@ def linear_kernels(kernels: list, on_cuda: bool) -> list:
     """vLLM's mixed-precision kernels in the order it tries them, the dispatcher first on CUDA
     (it hands a layer it does not run 8-bit to the rest of the list)."""
     return [linear_kernel_class(tuple(kernels)), *kernels] if on_cuda else kernels
+
+
+def int8_activation_refusal(config: Mapping, where: str, setting: str) -> str | None:
+    """Why INT8_ACT=`setting` cannot serve the model whose config.json is `config`: no int4
+    layers at all, or quantized weights with zero points (asymmetric) or activation order,
+    which the 8-bit-activation kernels do not take (below); None: it can."""
+    raw = config.get("quantization_config")
+    fix = "set INT8_ACT=0"
+    if not raw:
+        return f"INT8_ACT={setting}: {where} has no quantization_config (no int4 layers); {fix}"
+    method = raw.get("quant_method")
+    problems = []
+    if method == "compressed-tensors":
+        for name, group in (raw.get("config_groups") or {}).items():
+            weights = group.get("weights") or {}
+            if weights.get("symmetric") is False:
+                problems.append(f"config group {name} has zero points (symmetric: false)")
+            if weights.get("actorder") == "group":
+                problems.append(f"config group {name} has activation order (actorder: group)")
+    elif method == "gptq":
+        if raw.get("sym") is False:
+            problems.append("GPTQ with zero points (sym: false)")
+        if raw.get("desc_act"):
+            problems.append("GPTQ with activation order (desc_act: true)")
+    elif method == "awq" and raw.get("zero_point", True):
+        problems.append("AWQ with zero points (zero_point: true)")
+    if not problems:
+        return None
+    return (
+        f"INT8_ACT={setting}: {where}: {'; '.join(problems)}; the 8-bit-activation kernels "
+        f"take symmetric int4 group scales only. {fix}, or serve a symmetric group-{GROUP_SIZE} "
+        f"checkpoint (hyperqwen prepare refuses any other)"
+    )
+
+
+def serve_refusal(setting: str, gpus: object, model_dir: Path) -> str | None:
+    """Why INT8_ACT=`setting` cannot serve the model in `model_dir` (any GPU: the table's
+    architectures are checked where a layer loads), or None; a folder without config.json is
+    the launcher's to report."""
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        return None
+    return int8_activation_refusal(json.loads(config_file.read_text()), str(config_file), setting)

@@ -8,6 +8,9 @@ nvjet_sm90_tst_64x8_64x16 split-K kernel, 48 launches per step, 1 MB of weights 
 patched side's profile).
 Here one program per weight row streams that row against the step's few rows of x and writes
 its column of b or a, both contiguous, in one launch.
+
+Status: correct against float64 (tests/test_kernel_ba_proj.py, CPU interpreter); compiles for
+sm86 and sm90 here without spills; not timed.
 """
 
 from __future__ import annotations

@@ -22,9 +22,14 @@ with the initial state from slot state_indices[n, accepted[n] - 1] (verify) or [
 a sequence whose initial slot is 0 (vLLM's null block) is skipped, as vLLM does. Sums may be
 formed in another order than vLLM's, so results agree to fp32 rounding, not bit for bit.
 
-Status: correct against a float64 reference and vLLM's kernel on the CPU (tests/test_kernel_gdn
-_recurrent.py); `hyperqwen bench gdn` times both on a GPU; not timed yet. An engine feature
-routes the layer's decode and verify calls here (engine/README.md's feature table).
+Status: agrees with a float64 reference and with vLLM's own kernel (tests/test_kernel_gdn
+_recurrent.py, CPU interpreter, and 11 passed compiled on the H200); compiles for sm80/86/89/90
+here (no local memory). Timed on the H200 against vLLM's (`hyperqwen bench gdn`, ffcb893,
+docs/results/2026-12-01-h200-27b-gdn-recurrent.json: a 4-token verify of the 27B's 48 heads at
+one, two and four sequences, each at its best config, one warp at every case; that run's
+serving default was 4 warps, slower than vLLM's at every case, and is 1 since). It serves
+verify steps of at most two sequences; a whole step is not measured. An engine feature routes
+the layer's decode and verify calls here (engine/README.md's feature table).
 """
 
 from __future__ import annotations

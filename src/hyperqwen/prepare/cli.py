@@ -108,6 +108,7 @@ def add_subcommand(subparsers) -> None:
     )
     parser.add_argument(
         "--draft-vocab",
+        dest="ranking",
         metavar="FILE",
         default=None,
         help="ranking to cut the draft vocabulary from, as `hyperqwen drafter recount` writes; "
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     if args.status:
         print("\n".join(marker.status_lines(model_dir)))
         return 0
-    ranking = _ranking(model_dir, args.draft_vocab)
+    ranking = _ranking(model_dir, args.ranking)
     options = resolve_options(args, model_dir, ranking)
     if marker.is_done(model_dir, options):
         print(

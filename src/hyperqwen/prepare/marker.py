@@ -10,6 +10,7 @@ Reading it needs no torch and no safetensors: the quick path stays well under a 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,13 +18,19 @@ from pathlib import Path
 from hyperqwen.checkpoint.shards import INDEX_NAME
 from hyperqwen.doctor import PREPARED_MARKER
 from hyperqwen.drafter.vocab import DEFAULT_DRAFT_SIZE
+from hyperqwen.engine.features import FEATURES
 
-STEPS = ("lm_head", "embed", "mtp", "draft_vocab", "chat_template")
+# The engine features' steps (their declarations' prepare_step modules), named after them, in
+# FEATURES' order between the tensor steps and the chat template's.
+FEATURE_STEPS = {
+    f.name: importlib.import_module(f.prepare_step) for f in FEATURES if f.prepare_step
+}
+STEPS = ("lm_head", "embed", "mtp", *FEATURE_STEPS, "chat_template")
 TITLES = {
     "lm_head": "lm_head -> int8 group-128",
     "embed": "embed_tokens -> int8 group-128",
     "mtp": "MTP linears -> int{bits} group-128",
-    "draft_vocab": "draft vocabulary ({size} ids) and draft head",
+    **{name: step.TITLE for name, step in FEATURE_STEPS.items()},
     "chat_template": "chat template hardening",
 }
 MARKER_REVISION = 1

@@ -2,7 +2,8 @@
 
 Every output is a function of the base checkpoint and the options, computed (and every refusal
 raised) before the first write. Then, under the folder's lock: the tensor steps' shards, config
-and index (`tensors.execute`), the draft head and its id file, the chat template, and last the
+and index (`tensors.execute`), each engine feature's step (the `write` of the module its
+declaration names as prepare_step: marker.FEATURE_STEPS), the chat template, and last the
 marker. Each write is atomic and idempotent, so after a crash at any point the next run
 finishes the job and leaves the same bytes an uninterrupted run would have.
 """
@@ -13,11 +14,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from tqdm import tqdm
+from typing import Any
 
 from hyperqwen.checkpoint import shards
-from hyperqwen.drafter import head, vocab
 from hyperqwen.prepare import folder, marker, template, tensors
 from hyperqwen.prepare.marker import Options
 from hyperqwen.prepare.template import TemplateFile
@@ -42,8 +41,8 @@ class Plans:
     template: TemplateFile | None
     template_text: str | None
     template_report: dict
-    vocabulary: list[int]
-    ranking_text: str | None
+    features: dict[str, Any]
+    """Each feature step's plan, by step name (the steps not skipped)."""
 
 
 def _plan(base: Base, options: Options, ranking: Path) -> Plans:
@@ -57,15 +56,12 @@ def _plan(base: Base, options: Options, ranking: Path) -> Plans:
             hardening = template.harden(found.template)
             text, template_report = hardening.text, hardening.report
         template_text = found.with_template(text)
-    vocabulary, ranking_text = [], None
-    if "draft_vocab" in steps:
-        try:
-            ranked = vocab.read_ranking(ranking)
-            vocabulary = vocab.cut(ranked, options.draft_size, base.geometry.vocab_size)
-        except (OSError, vocab.VocabError) as error:
-            raise folder.Refused(f"draft vocabulary: {error}") from None
-        ranking_text = ranking.read_text()
-    return Plans(tensor_plan, found, template_text, template_report, vocabulary, ranking_text)
+    features = {
+        name: step.plan(base, options, ranking)
+        for name, step in marker.FEATURE_STEPS.items()
+        if name in steps
+    }
+    return Plans(tensor_plan, found, template_text, template_report, features)
 
 
 def _tensor_reports(options: Options, measured, tensor_plan) -> list[StepReport]:
@@ -98,53 +94,23 @@ def _tensor_reports(options: Options, measured, tensor_plan) -> list[StepReport]
     return reports
 
 
-def _draft_step(base: Base, options: Options, plans: Plans, progress: bool) -> StepReport:
-    model_dir = base.directory
-    title = options.title("draft_vocab")
-    head_path = model_dir / folder.DRAFT_HEAD_FILE
-    ids_path = model_dir / folder.DRAFT_IDS_FILE
-    if "draft_vocab" not in options.steps:
-        for path in (head_path, ids_path):
+def _feature_step(
+    name: str, base: Base, options: Options, plans: Plans, progress: bool
+) -> StepReport:
+    """An engine feature's step: its module writes its files, or, skipped, they go."""
+    step = marker.FEATURE_STEPS[name]
+    title = options.title(name)
+    if name not in options.steps:
+        for path in (base.directory / file for file in step.MODEL_FILES):
             if path.exists():
                 folder.remove(path, f"remove:{path.name}")
-        return StepReport("draft_vocab", title, "skipped")
+        return StepReport(name, title, "skipped")
     started = time.monotonic()
-    weight_map = plans.tensors.weight_map
-    expected = head.fingerprint(plans.vocabulary, weight_map)
-    wrote = False
-    if not head.is_current(head_path, expected):
-        with (
-            tqdm(
-                total=len(plans.vocabulary) * head.row_tensors(weight_map),
-                unit="row",
-                desc="draft head",
-                disable=not progress,
-            ) as bar,
-            shards.atomic_file(head_path) as temporary,
-            temporary.open("wb") as handle,
-        ):
-            head.write_head(handle, model_dir, weight_map, plans.vocabulary, bar.update)
-        folder.write_point("draft_head")
-        wrote = True
-    ids_text = (
-        f"# Draft vocabulary: {len(plans.vocabulary)} token ids, sorted; row i of "
-        f"{folder.DRAFT_HEAD_FILE} is token ids[i].\n"
-        f"# Cut from the ranking {folder.DRAFT_RANKING_FILE} (sha256 "
-        f"{options.draft_ranking_sha256[:16]}...): special tokens, then the most frequent ids.\n"
-        + "".join(f"{token_id}\n" for token_id in plans.vocabulary)
+    wrote, details = step.write(
+        base, options, plans.features[name], plans.tensors.weight_map, progress
     )
-    wrote |= folder.write_if_changed(ids_path, ids_text, "draft_ids")
-    wrote |= folder.write_if_changed(
-        model_dir / folder.DRAFT_RANKING_FILE, plans.ranking_text, "draft_ranking"
-    )
-    details = {
-        "size": len(plans.vocabulary),
-        "ids_file": folder.DRAFT_IDS_FILE,
-        "head_file": folder.DRAFT_HEAD_FILE,
-        "ranking_sha256": options.draft_ranking_sha256,
-    }
     status = "done" if wrote else "already done"
-    return StepReport("draft_vocab", title, status, details, time.monotonic() - started)
+    return StepReport(name, title, status, details, time.monotonic() - started)
 
 
 def _template_step(base: Base, options: Options, plans: Plans) -> StepReport:
@@ -177,12 +143,11 @@ def prepare(
         reports = _tensor_reports(options, measured, plans.tensors)
         for report in reports:
             on_step(report)
-        for step in (
-            lambda: _draft_step(base, options, plans, progress),
-            lambda: _template_step(base, options, plans),
-        ):
-            reports.append(step())
+        for name in marker.FEATURE_STEPS:
+            reports.append(_feature_step(name, base, options, plans, progress))
             on_step(reports[-1])
+        reports.append(_template_step(base, options, plans))
+        on_step(reports[-1])
         steps = {report.step: report.details for report in reports if report.status != "skipped"}
         text = marker.render(options, steps, marker.file_sha256(model_dir / shards.INDEX_NAME))
         folder.write_if_changed(marker.marker_path(model_dir), text, "marker")
