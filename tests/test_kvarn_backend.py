@@ -104,12 +104,11 @@ def metadata(requests, num_reqs_decode, num_blocks, width, padding=0):
 def step(impl, pool, requests, num_decodes, queries, padding=0):
     meta = metadata(requests, num_decodes, pool.shape[0], 5, padding)
     n = meta.num_actual_tokens + padding
-    take = (
-        lambda name: torch.cat(  # noqa: E731
-            [getattr(s, name)[c : c + k] for s, c, k in requests]
-            + [torch.randn(padding, KV_HEADS, D, dtype=DTYPE)]
-        )
-    )
+
+    def take(name):
+        parts = [getattr(s, name)[c : c + k] for s, c, k in requests]
+        return torch.cat([*parts, torch.randn(padding, KV_HEADS, D, dtype=DTYPE)])
+
     key, value = take("key"), take("value")
     query = torch.cat([queries, torch.randn(padding, HEADS, D, dtype=DTYPE)])
     output = torch.full((n, HEADS * D), float("nan"), dtype=DTYPE)

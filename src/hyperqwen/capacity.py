@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 
 from hyperqwen.checkpoint.geometry import Geometry
-from hyperqwen.kv_choices import KV_CACHE_DTYPES
+from hyperqwen.kv_choices import KV_CACHE_DTYPES, KVARN
 from hyperqwen.settings import Settings, SettingsError
 
 KiB = 1 << 10
@@ -93,6 +93,10 @@ def attention_token_bytes(kv_cache_dtype: str, kv_heads: int, head_dim: int) -> 
         return 2 * kv_heads * (head_dim // 2) + scales
     if kv_cache_dtype in TURBOQUANT_BITS:
         return kv_heads * turboquant_slot_bytes(kv_cache_dtype, head_dim)
+    if kv_cache_dtype == KVARN:  # the pool vLLM budgets; its 16-bit side cache is outside
+        from hyperqwen.kvarn.layout import TileLayout
+
+        return kv_heads * TileLayout(head_dim=head_dim).slot_bytes
     raise ValueError(f"kv cache dtype {kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from hyperqwen.capacity import attention_token_bytes
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.engine.features import FEATURES
-from hyperqwen.kv_choices import KV_CHOICES
+from hyperqwen.kv_choices import KV_CHOICES, KVARN
 from hyperqwen.launch import BATCH_PROFILE, DEFAULT_DRAFT_TOKENS, SINGLE_PROFILES
 from hyperqwen.settings import Mode, knobs
 
@@ -134,7 +134,12 @@ def kv_table() -> str:
     for kv, choice in KV_CHOICES.items():
         adds = " ".join(f"`{flag} {value}`" for flag, value in choice.launch_flags())
         refused = []
-        if not choice.speculation:
+        if kv == KVARN:
+            refused.append(
+                "SPEC other than off: its tile store is planned from host sequence lengths; "
+                "no KV_MEM: its 16-bit side cache lies outside vLLM's budget"
+            )
+        elif not choice.speculation:
             refused.append("SPEC other than off: vLLM 0.26's TurboQuant has no verify path")
         if choice.min_capability > (8, 0):
             refused.append("GPUs below sm89: Triton stores fp8 only from sm89")

@@ -10,7 +10,8 @@ feature does not take, by name, before the model loads (features.check_environme
 of at the first layer or step that reads it.
 
 Engine parts that vLLM has a registry for (an attention backend, a quantization config) are
-registered here, after that check, rather than patched in.
+registered here, after that check, rather than patched in: KV=kvarn's attention backend
+(engine/kvarn.py) under vLLM's CUSTOM slot, only when its variable asks for it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ ENV_PREFIX = "HYPERQWEN_"
 def register() -> None:
     if not any(name.startswith(ENV_PREFIX) for name in os.environ):
         return
-    from hyperqwen.engine.features import check_environment
+    from hyperqwen.engine.features import KVARN, check_environment, switched_on
 
     check_environment()
+    if switched_on(KVARN):
+        from hyperqwen.engine import kvarn
+
+        kvarn.register()
