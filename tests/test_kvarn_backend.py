@@ -52,6 +52,22 @@ def test_pages_are_the_pool_and_cost_the_layouts_bytes_per_token(head_size):
         KVarNBackend.get_kv_cache_shape(7, 64, 4, head_size)
 
 
+def test_vllms_runner_views_a_layers_bytes_as_the_pool():
+    """gpu_model_runner.py: _reshape_kv_cache_tensors. A hybrid block of 3 tiles (vLLM's block
+    is a multiple of the 128-token kernel block) becomes 3 kernel blocks of the pool."""
+    from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
+
+    blocks, tiles_per_block, heads, d = 5, 3, 4, 256
+    spec = KVarNBackend.kv_cache_spec(tiles_per_block * T, heads, d)
+    raw = torch.zeros(blocks * spec.page_size_bytes, dtype=torch.int8)
+    kernel_blocks = blocks * tiles_per_block
+    shape = KVarNBackend.get_kv_cache_shape(kernel_blocks, T, heads, d)
+    pool = _reshape_attention_kv_cache(raw, spec, shape, (0, 1, 2), kernel_blocks, None)
+    TileLayout(head_dim=d).check_pool(pool)
+    assert pool.shape == (kernel_blocks, heads, TileLayout(head_dim=d).tile_bytes)
+    assert pool.data_ptr() == raw.data_ptr() and pool.is_contiguous()
+
+
 def test_the_backend_takes_only_what_it_serves():
     assert KVarNBackend.get_supported_kernel_block_sizes() == [T]
     assert KVarNBackend.supports_kv_cache_dtype("auto")
