@@ -13,6 +13,7 @@ from pathlib import Path
 from hyperqwen.capacity import attention_token_bytes
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.engine.features import FEATURES
+from hyperqwen.engine.features import KVARN as KVARN_FEATURE
 from hyperqwen.kv_choices import KV_CHOICES, KVARN
 from hyperqwen.launch import BATCH_PROFILE, DEFAULT_DRAFT_TOKENS, SINGLE_PROFILES
 from hyperqwen.settings import Mode, knobs
@@ -132,7 +133,12 @@ def kv_table() -> str:
         "|---|---|---|---|---:|---|---|",
     ]
     for kv, choice in KV_CHOICES.items():
-        adds = " ".join(f"`{flag} {value}`" for flag, value in choice.launch_flags())
+        flags = choice.launch_flags()
+        if choice.cache_dtype:  # not its own name: vLLM gets this dtype, and the variable
+            flags = [("--kv-cache-dtype", choice.vllm_cache_dtype), *flags]
+        adds = " ".join(f"`{flag} {value}`" for flag, value in flags)
+        if kv == KVARN:
+            adds += f", `{KVARN_FEATURE.env}=1`"
         refused = []
         if kv == KVARN:
             refused.append(

@@ -151,7 +151,7 @@ class ServingKnobs(BaseModel):
     )
     KV: KvChoiceName | None = knob(
         None,
-        "KV-cache dtype: vLLM 0.26's own choices that serve this hybrid model. Default: "
+        "KV-cache dtype: vLLM 0.26's own choices that serve this hybrid model, and kvarn. Default: "
         "single: CTX's (fast auto = bf16, long/huge fp8); batch fp8. fp8 halves the cache "
         "(fp8_e4m3 is the same; fp8_e5m2 keeps less precision); *_per_token_head add a scale "
         "per token and head (int4 halves fp8 again) and run Triton attention, fp8_per_token_head "
