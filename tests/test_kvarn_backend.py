@@ -125,10 +125,12 @@ def step(impl, pool, requests, num_decodes, queries, padding=0):
         parts = [getattr(s, name)[c : c + k] for s, c, k in requests]
         return torch.cat([*parts, torch.randn(padding, KV_HEADS, D, dtype=DTYPE)])
 
-    key, value = take("key"), take("value")
     query = torch.cat([queries, torch.randn(padding, HEADS, D, dtype=DTYPE)])
+    # column slices of one fused projection, as vLLM hands them over
+    qkv = torch.cat([x.view(n, -1) for x in (query, take("key"), take("value"))], dim=1)
+    query, key, value = qkv.split([HEADS * D, KV_HEADS * D, KV_HEADS * D], dim=1)
     output = torch.full((n, HEADS * D), float("nan"), dtype=DTYPE)
-    impl.forward(None, query.view(n, -1), key.view(n, -1), value.view(n, -1), pool, meta, output)
+    impl.forward(None, query, key, value, pool, meta, output)
     return output[: meta.num_actual_tokens].view(-1, HEADS, D)
 
 

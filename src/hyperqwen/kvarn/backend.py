@@ -275,12 +275,14 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
             return output.fill_(0)
         n = attn_metadata.num_actual_tokens
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_size
-        q = query[:n].view(n, heads, d)
+        # q, k and v may be column slices of one fused projection (vLLM splits qkv): reshape
+        # keeps them views where it can
+        q = query[:n].reshape(n, heads, d)
         out = output[:n].view(n, heads, d)
         side = self._side_cache(kv_cache, q.dtype)
         slots = attn_metadata.slot_mapping[:n]
-        side.key[slots] = key[:n].view(n, kv_heads, d).to(q.dtype)
-        side.value[slots] = value[:n].view(n, kv_heads, d).to(q.dtype)
+        side.key[slots] = key[:n].reshape(n, kv_heads, d).to(q.dtype)
+        side.value[slots] = value[:n].reshape(n, kv_heads, d).to(q.dtype)
         side_k, side_v = side.tiles(side.key), side.tiles(side.value)
         block_table = attn_metadata.block_table
 
