@@ -1,10 +1,11 @@
 """KVarN's vLLM attention backend (kvarn/backend.py) on the CPU.
 
-The impl is driven directly, as vLLM's Attention layer would, through two steps with metadata
-built by hand the way vLLM's runner lays out a batch (decodes first, slots = block * 128 +
-offset, -1 for padding): step 1 prefills two requests, step 2 decodes one (its token fills a
-tile) and prefills the next chunk of the other (filling a tile and reading it quantized from
-its later queries). Every output row is compared with attention.py's float64
+The metadata builder and the impl are driven directly, as vLLM's runner and Attention layer
+would, through two steps whose CommonAttentionMetadata is built by hand the way vLLM's runner
+lays out a batch (decodes first, slots = block * 128 + offset, -1 for padding, q, k and v
+slices of one fused projection): step 1 prefills two requests, step 2 decodes one (its token
+fills a tile) and prefills the next chunk of the other (filling a tile and reading it quantized
+from its later queries). Every output row is compared with attention.py's float64
 attention_reference at that query's own context, over the pool the impl wrote; each tile the
 impl stored is compared byte for byte with store.py run on the original K and V. Output, pool
 and the side cache start poisoned (NaN, 0xFF bytes), so a read outside the plan shows. Under
@@ -21,13 +22,7 @@ from kvarn_data import outlier_keys, outlier_values
 
 from hyperqwen.bench.kernels import relative_error
 from hyperqwen.kvarn.attention import attention_reference
-from hyperqwen.kvarn.backend import (
-    KVarNBackend,
-    KVarNImpl,
-    KVarNMetadata,
-    SideCache,
-    tiles_filled,
-)
+from hyperqwen.kvarn.backend import KVarNBackend, KVarNImpl, SideCache, tiles_filled
 from hyperqwen.kvarn.layout import TileLayout, bytes_per_token
 from hyperqwen.kvarn.store import store_tiles
 
@@ -90,9 +85,13 @@ class Sequence:
         self.blocks = blocks  # pool block of each position
 
 
-def metadata(requests, num_reqs_decode, num_blocks, width, padding=0):
-    """requests: (sequence, computed, scheduled) in batch order; padding: extra token rows
-    with slot -1, as vLLM pads a batch."""
+def common_metadata(requests, num_blocks, width, padding=0):
+    """vLLM's per-step batch description (v1/attention/backend.py: CommonAttentionMetadata) as
+    its runner fills it: requests (sequence, computed, scheduled) in batch order, decodes first;
+    slots block * 128 + offset, then `padding` rows of slot -1; the host's sequence lengths
+    exact (no speculation)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
     query_lens = [scheduled for _, _, scheduled in requests]
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens = torch.tensor([c + s for _, c, s in requests], dtype=torch.int32)
@@ -101,24 +100,23 @@ def metadata(requests, num_reqs_decode, num_blocks, width, padding=0):
     for row, (seq, computed, scheduled) in enumerate(requests):
         table[row, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
         slots += [seq.blocks[p // T] * T + p % T for p in range(computed, computed + scheduled)]
-    rows, positions = tiles_filled(starts, seq_lens)
-    return KVarNMetadata(
-        num_actual_tokens=len(slots),
-        num_decodes=num_reqs_decode,
-        num_decode_tokens=num_reqs_decode,
+    return CommonAttentionMetadata(
         query_start_loc=starts,
+        query_start_loc_cpu=starts.clone(),
         seq_lens=seq_lens,
-        block_table=table,
+        num_reqs=len(requests),
+        num_actual_tokens=len(slots),
+        max_query_len=max(query_lens),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=table,
         slot_mapping=torch.tensor(slots + [-1] * padding, dtype=torch.int64),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=seq_lens,
-        store_rows=torch.tensor(rows, dtype=torch.int64),
-        store_positions=torch.tensor(positions, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
 
 
-def step(impl, pool, requests, num_decodes, queries, padding=0):
-    meta = metadata(requests, num_decodes, pool.shape[0], 5, padding)
+def step(impl, builder, pool, requests, num_decodes, queries, padding=0):
+    meta = builder.build(0, common_metadata(requests, pool.shape[0], 5, padding))
+    assert (meta.num_decodes, meta.num_decode_tokens) == (num_decodes, num_decodes)
     n = meta.num_actual_tokens + padding
 
     def take(name):
@@ -163,11 +161,16 @@ def check_tiles(pool, seq, positions, layout):
 
 
 @pytest.mark.usefixtures("interpreted")
-def test_store_and_decode_through_the_impl_match_float64():
+def test_store_and_decode_through_the_impl_match_float64(vllm_cpu_platform):
+    from vllm.config import VllmConfig
+
     layout = TileLayout(head_dim=D)
     num_blocks = 10
     pool = torch.full(layout.pool_shape(num_blocks, KV_HEADS), POISON_BYTE, dtype=torch.uint8)
-    impl = KVarNImpl(HEADS, D, D**-0.5, KV_HEADS)
+    spec = KVarNBackend.kv_cache_spec(T, KV_HEADS, D)
+    builder = KVarNBackend.get_builder_cls()(spec, ["layer"], VllmConfig(), pool.device)
+    assert builder.reorder_batch_threshold == 1  # vLLM puts decodes first
+    impl = KVarNBackend.get_impl_cls()(HEADS, D, D**-0.5, KV_HEADS)
     impl.side = SideCache(pool, D, DTYPE)
     impl.side.key.fill_(float("nan"))
     impl.side.value.fill_(float("nan"))
@@ -179,7 +182,7 @@ def test_store_and_decode_through_the_impl_match_float64():
     # step 1: prefill a's first 383 tokens (tile 1 stored) and b's first 100, one padding row
     first = [(a, 0, 3 * T - 1), (b, 0, 100)]
     queries = torch.randn(3 * T - 1 + 100, HEADS, D, generator=g).to(DTYPE)
-    out = step(impl, pool, first, 0, queries, padding=1)
+    out = step(impl, builder, pool, first, 0, queries, padding=1)
     check_tiles(pool, a, [1], layout)
     want = expected(pool, first, queries, layout)
     errors = [relative_error(out[i], want[i]) for i in range(out.shape[0])]
@@ -189,7 +192,7 @@ def test_store_and_decode_through_the_impl_match_float64():
     # queries from context 256 on read that tile quantized
     second = [(a, 3 * T - 1, 1), (b, 100, 200)]
     queries = torch.randn(201, HEADS, D, generator=g).to(DTYPE)
-    out = step(impl, pool, second, 1, queries)
+    out = step(impl, builder, pool, second, 1, queries)
     check_tiles(pool, a, [1, 2], layout)
     check_tiles(pool, b, [1], layout)
     assert (pool[[6, 1, 5, 9]] == POISON_BYTE).all(), "a sink or filling block was quantized"
