@@ -30,7 +30,9 @@ from hyperqwen.capacity import (
     turboquant_slot_bytes,
 )
 from hyperqwen.checkpoint.geometry import PRESETS
-from hyperqwen.kv_choices import KV_CACHE_DTYPES
+from hyperqwen.engine import seams
+from hyperqwen.engine.features import KVARN as KVARN_FEATURE
+from hyperqwen.kv_choices import KV_CACHE_DTYPES, KVARN_CHOICE
 from hyperqwen.settings import StateDtype
 
 G27 = PRESETS["27b"]
@@ -258,19 +260,25 @@ def vllm_kv_cache(model_dir, setup: CacheSetup, max_len: int, pool: int):
         get_kv_quant_mode,
     )
 
+    from hyperqwen.kvarn.backend import KVarNBackend
+
     draft = {"method": "mtp", "num_speculative_tokens": setup.draft_tokens}
     config = EngineArgs(
         model=str(model_dir),
         language_model_only=True,
         block_size=16,  # CUDA backends' block; vLLM's CPU platform would pick 128
         max_model_len=max_len,
-        kv_cache_dtype=setup.kv_cache_dtype,
+        kv_cache_dtype="auto" if setup.kv_cache_dtype == KVARN_CHOICE else setup.kv_cache_dtype,
         mamba_ssm_cache_dtype=setup.ssm_dtype,
         enable_prefix_caching=setup.prefix_caching,
         speculative_config=draft if setup.draft_tokens else None,
     ).create_engine_config()
     turboquant = setup.kv_cache_dtype.startswith("turboquant_")
     backend = TurboQuantAttentionBackend if turboquant else TritonAttentionBackend
+    kvarn = setup.kv_cache_dtype == KVARN_CHOICE
+    if kvarn:  # the launcher's flags: cache dtype auto, KVarN's backend (the seam sizes it)
+        config.cache_config.cache_dtype = "auto"
+        backend = KVarNBackend
     CpuPlatform._align_hybrid_block_size(config, backend)
     cache = config.cache_config
     # the specs Attention.get_kv_cache_spec and MambaBase.get_kv_cache_spec build
@@ -279,7 +287,9 @@ def vllm_kv_cache(model_dir, setup: CacheSetup, max_len: int, pool: int):
         if cache.cache_dtype == "auto" or turboquant
         else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
     )
-    if turboquant:
+    if kvarn:
+        attention = seams.attention_kv_spec(backend, cache.block_size, 4, 256)
+    elif turboquant:
         slot = TurboQuantConfig.from_cache_dtype(cache.cache_dtype, 256).slot_size_aligned
         attention = TQFullAttentionSpec(
             block_size=cache.block_size,
@@ -329,8 +339,13 @@ VLLM_CASES = list(
 )
 
 
+# KV=kvarn serves without speculation only (kv_choices.py)
+VLLM_CASES += [(KVARN_CHOICE, False, True), (KVARN_CHOICE, False, False)]
+
+
 @pytest.mark.parametrize(("kv", "mtp", "prefix_caching"), VLLM_CASES)
-def test_vllm_sizes_the_pool_as_computed(vllm_27b, kv, mtp, prefix_caching):
+def test_vllm_sizes_the_pool_as_computed(vllm_27b, kv, mtp, prefix_caching, monkeypatch):
+    monkeypatch.setenv(KVARN_FEATURE.env, "1" if kv == KVARN_CHOICE else "0")
     from vllm.v1.core.kv_cache_utils import (
         _estimate_max_model_len_from_groups,
         get_kv_cache_capacity,

@@ -73,6 +73,7 @@ print(json.dumps({
     "cut": seams.runner_cut_drafts(runner, None),
     "count": seams.runner_draft_count(runner, 3),
     "drafts": seams.runner_drafted(runner, "MTP's", None),
+    "kv_spec": seams.attention_kv_spec(object, 16, 4, 256),
     "imported": sorted(m for m in sys.modules if m.startswith("hyperqwen.engine.")),
 }))
 """
@@ -95,5 +96,6 @@ def test_with_every_feature_off_each_seam_is_vllms_path_and_imports_nothing():
         "cut": {},
         "count": 3,
         "drafts": "MTP's",
+        "kv_spec": None,
         "imported": ["hyperqwen.engine.features", "hyperqwen.engine.seams"],
     }

@@ -13,13 +13,17 @@ from cli_runner import ROOT, hyperqwen
 
 from hyperqwen import docs
 from hyperqwen.capacity import TURBOQUANT_BITS
+from hyperqwen.engine.features import KVARN as KVARN_FEATURE
 from hyperqwen.gpu import parse_smi_line
 from hyperqwen.kv_choices import (
+    CUSTOM,
     KV_CACHE_DTYPES,
     KV_CHOICES,
+    KVARN_CHOICE,
     TRITON,
     TURBOQUANT,
     capability_refusal,
+    kv_mem_refusal,
     speculation_refusal,
 )
 from hyperqwen.launch import KvRefusal, build_launch
@@ -183,3 +187,31 @@ def test_turboquant_still_has_no_speculative_verify_path(vllm_cpu_platform):
     assert "_init_reorder_batch_threshold(1, supports_spec_as_decode=False)" in source
     prefill = inspect.getsource(TurboQuantMetadataBuilder.build)
     assert "seq_lens_cpu=cam.seq_lens_cpu_upper_bound" in prefill
+
+
+def test_kvarn_reaches_vllm_as_its_custom_backend_on_auto_pages(vllm_serve):
+    """KV=kvarn: vLLM's cache dtype stays auto, `--attention-backend CUSTOM` selects the backend
+    the plugin registers because the launcher sets its variable (test_vllm_plugin.py)."""
+    for mode, values in [("single", dict(SPEC="off")), ("batch", {})]:
+        plan = build_launch(loaded(KV=KVARN_CHOICE, KV_MEM="2G", **values), mode, api_key=None)
+        args = vllm_serve(plan.argv)
+        assert (args.kv_cache_dtype, args.attention_backend) == ("auto", CUSTOM)
+        assert plan.env[KVARN_FEATURE.env] == "1"
+    plan = build_launch(loaded(KV="fp8"), "single", api_key=None)
+    assert KVARN_FEATURE.env not in plan.env
+
+
+@pytest.mark.parametrize("spec", SPECULATING)
+def test_kvarn_with_speculation_is_refused_naming_both_knobs(spec):
+    with pytest.raises(KvRefusal) as refusal:
+        build_launch(loaded(KV=KVARN_CHOICE, KV_MEM="2G", SPEC=spec), "single", api_key=None)
+    message = str(refusal.value)
+    assert message.startswith(f"KV=kvarn cannot serve with SPEC={spec}: ")
+    assert message.endswith("Use SPEC=off with KV=kvarn.")
+
+
+@pytest.mark.parametrize("mode", ["single", "batch"])
+def test_kvarn_without_kv_mem_is_refused_naming_both_knobs(mode):
+    with pytest.raises(KvRefusal, match=r"^KV=kvarn needs KV_MEM: .* Set KV_MEM"):
+        build_launch(loaded(KV=KVARN_CHOICE, SPEC="off"), mode, api_key=None)
+    assert kv_mem_refusal("fp8", None) is None

@@ -45,7 +45,7 @@ def test_unknown_variables_are_ignored_and_defaults_hold():
             "nvfp4",
             "auto | fp8 | fp8_e4m3 | fp8_e5m2 | int8_per_token_head | fp8_per_token_head | "
             "int4_per_token_head | turboquant_k8v4 | turboquant_4bit_nc | turboquant_k3v4_nc | "
-            "turboquant_3bit_nc. Fix",
+            "turboquant_3bit_nc | kvarn. Fix",
         ),
         ("KV_MEM", "6GiB", "bytes, e.g. 6G"),
         ("TOOLS", "true", "0 | 1"),

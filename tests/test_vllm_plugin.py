@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 from cli_runner import ROOT
 
-from hyperqwen.engine.features import FEATURES, GDN_BA, FeatureSwitchError, check_environment
+from hyperqwen.engine.features import (
+    FEATURES,
+    GDN_BA,
+    KVARN,
+    ON,
+    FeatureSwitchError,
+    check_environment,
+)
 from hyperqwen.vllm_plugin import ENV_PREFIX, register
 
 GROUP = "vllm.general_plugins"
@@ -46,12 +53,24 @@ def plugin_path(tmp_path_factory) -> Path:
     return folder
 
 
-def load_plugins(plugin_path: Path, **variables: str) -> subprocess.CompletedProcess:
+# after the plugins: what vLLM's registry resolves its CUSTOM attention backend to
+CUSTOM_PROBE = """
+from vllm.v1.attention.backends.registry import AttentionBackendEnum as Backends
+custom = Backends.CUSTOM
+resolved = custom.get_class() if custom.is_overridden() else None
+print(json.dumps({"custom": resolved and f"{resolved.__module__}.{resolved.__qualname__}",
+                  "name": resolved and resolved.get_name()}))
+"""
+
+
+def load_plugins(
+    plugin_path: Path, probe: str = PROBE, **variables: str
+) -> subprocess.CompletedProcess:
     """vLLM's plugin loading in a process whose HyperQwen variables are exactly `variables`."""
     env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
     env.pop("VLLM_PLUGINS", None)
     env["PYTHONPATH"] = os.pathsep.join([str(plugin_path), str(ROOT / "src")])
-    return subprocess.run([sys.executable, "-c", PROBE], env={**env, **variables},
+    return subprocess.run([sys.executable, "-c", probe], env={**env, **variables},
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
@@ -87,6 +106,24 @@ def test_good_engine_values_pass_and_load_only_the_declarations(plugin_path):
         "hyperqwen.engine.features",
         "hyperqwen.vllm_plugin",
     ]
+
+
+@pytest.mark.parametrize("kvarn", [None, "0", "1"])
+def test_the_kvarn_backend_is_registered_as_vllms_custom_one_only_when_asked(plugin_path, kvarn):
+    """HYPERQWEN_KV_KVARN=1 (KV=kvarn): vLLM's registry resolves CUSTOM, the backend
+    `--attention-backend CUSTOM` selects, to KVarN's class, which vLLM's Attention layer finds
+    again by its name; unset or 0: nothing registered, no KVarN module imported."""
+    variables = {} if kvarn is None else {KVARN.env: kvarn}
+    done = load_plugins(plugin_path, PROBE + CUSTOM_PROBE, **variables)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the probes' two lines of JSON (importing the backend may log to stdout between them)
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    modules, registry = reports[-2:]
+    if kvarn == ON:
+        assert registry == {"custom": "hyperqwen.kvarn.backend.KVarNBackend", "name": "CUSTOM"}
+    else:
+        assert registry == {"custom": None, "name": None}
+        assert not [m for m in modules["hyperqwen"] if "kvarn" in m]
 
 
 def test_vllm_plugins_can_leave_it_out(plugin_path):

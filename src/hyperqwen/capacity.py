@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 
 from hyperqwen.checkpoint.geometry import Geometry
-from hyperqwen.kv_choices import KV_CACHE_DTYPES
+from hyperqwen.kv_choices import KV_CACHE_DTYPES, KVARN_CHOICE
 from hyperqwen.settings import Settings, SettingsError
 
 KiB = 1 << 10
@@ -37,6 +37,9 @@ GiB = 1 << 30
 # TurboQuant) takes 16-token kernel blocks, so the hybrid block is a multiple of 16 tokens
 # (interface.py: _align_hybrid_block_size, kernel_block_alignment_size).
 KERNEL_BLOCK_TOKENS = 16
+# KVarN's backend takes only its 128-token tiles (kvarn/quantize.py: TILE_TOKENS; not imported
+# here, which would load torch and Triton into every launch)
+KVARN_TILE_TOKENS = 128
 # Qwen3.5 checkpoints are bfloat16: the conv state and an "auto" KV cache take the model dtype
 # (mamba_utils.py: MambaStateDtypeCalculator._mamba_state_dtype).
 MODEL_DTYPE_BYTES = 2
@@ -93,6 +96,10 @@ def attention_token_bytes(kv_cache_dtype: str, kv_heads: int, head_dim: int) -> 
         return 2 * kv_heads * (head_dim // 2) + scales
     if kv_cache_dtype in TURBOQUANT_BITS:
         return kv_heads * turboquant_slot_bytes(kv_cache_dtype, head_dim)
+    if kv_cache_dtype == KVARN_CHOICE:  # the pool vLLM budgets; its 16-bit side cache is outside
+        from hyperqwen.kvarn.layout import TileLayout
+
+        return kv_heads * TileLayout(head_dim=head_dim).slot_bytes
     raise ValueError(f"kv cache dtype {kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
 
 
@@ -166,7 +173,7 @@ def pool_layout(g: Geometry, setup: CacheSetup) -> PoolLayout:
     state = recurrent_state_bytes(g, setup.ssm_dtype, setup.draft_tokens, tp)
     # interface.py: _align_hybrid_block_size (no "all" mode: Qwen3.5 does not declare
     # SupportsMambaPrefixCaching, so prefix caching runs in "align" mode, same block size)
-    align = KERNEL_BLOCK_TOKENS
+    align = KVARN_TILE_TOKENS if setup.kv_cache_dtype == KVARN_CHOICE else KERNEL_BLOCK_TOKENS
     block_tokens = align * math.ceil(state / (align * token_bytes))
     attention_layers = g.layer_types.count("full_attention") + setup.mtp_layers
     state_layers = g.layer_types.count("linear_attention")

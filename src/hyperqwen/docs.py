@@ -16,7 +16,7 @@ from typing import NamedTuple
 from hyperqwen.capacity import attention_token_bytes
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.engine.features import FEATURES
-from hyperqwen.kv_choices import KV_CHOICES
+from hyperqwen.kv_choices import KV_CHOICES, KVARN_CHOICE
 from hyperqwen.launch import BATCH_PROFILE, DEFAULT_DRAFT_TOKENS, SINGLE_PROFILES
 from hyperqwen.settings import Mode, knobs
 
@@ -157,9 +157,18 @@ def kv_table() -> str:
         "|---|---|---|---|---:|---|---|",
     ]
     for kv, choice in KV_CHOICES.items():
-        adds = " ".join(f"`{flag} {value}`" for flag, value in choice.launch_flags())
+        flags = choice.launch_flags()
+        if choice.cache_dtype:  # not its own name: vLLM gets this dtype, and the variable
+            flags = [("--kv-cache-dtype", choice.vllm_cache_dtype), *flags]
+        adds = " ".join(f"`{flag} {value}`" for flag, value in flags)
+        adds += "".join(f", `{f.env}=1`" for f in FEATURES if f.turned_on_by == f"KV={kv}")
         refused = []
-        if not choice.speculation:
+        if kv == KVARN_CHOICE:
+            refused.append(
+                "SPEC other than off: its tile store is planned from host sequence lengths; "
+                "no KV_MEM: its 16-bit side cache lies outside vLLM's budget"
+            )
+        elif not choice.speculation:
             refused.append("SPEC other than off: vLLM 0.26's TurboQuant has no verify path")
         if choice.min_capability > (8, 0):
             refused.append("GPUs below sm89: Triton stores fp8 only from sm89")

@@ -1,7 +1,8 @@
 """KV=: the KV-cache dtypes of vLLM 0.26.0 that serve Qwen3.5 (Gated DeltaNet + attention
-layers), what each needs on vLLM's command line, and the combinations refused before vLLM
-starts. Pure data and checks: settings.py takes the allowed names, launch.py the flags,
-capacity.py the bytes (attention_token_bytes), cli.py the GPU check, the docs the table.
+layers) and HyperQwen's KVarN cache (kvarn), what each needs on vLLM's command line, and the
+combinations refused before vLLM starts. Pure data and checks: settings.py takes the allowed
+names, launch.py the flags, capacity.py the bytes (attention_token_bytes), cli.py the GPU
+check, the docs the table.
 
 What vLLM 0.26.0's source says (vllm/...: function), read for these facts:
 - The dtypes: config/cache.py CacheDType. Left out here: float16 (this bf16 model's cache is
@@ -54,6 +55,10 @@ KvCacheDtype = Literal[
     "turboquant_3bit_nc",
 ]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
+# KV's values: vLLM's dtypes, and HyperQwen's own cache (src/hyperqwen/kvarn), which vLLM gets
+# as an attention backend the package registers (its engine feature), its dtype left auto
+KVARN_CHOICE = "kvarn"
+KvChoiceName = Literal[KvCacheDtype, "kvarn"]
 
 # The attention kernels each dtype runs on (Ampere/Ada sm80/86/89, Hopper sm90), where the
 # launcher names no backend: vLLM's selector's first that takes it.
@@ -64,6 +69,7 @@ SELECTOR_PATHS = {
 }
 TRITON = "TRITON_ATTN"
 TURBOQUANT = "TURBOQUANT"
+CUSTOM = "CUSTOM"  # vLLM's slot for a registered backend: KVarN's, with KV=kvarn
 ADA = (8, 9)
 
 
@@ -74,6 +80,11 @@ class KvChoice:
     paths: tuple[str, str]  # the attention kernels it runs on Ampere/Ada and on Hopper
     min_capability: tuple[int, int] = (8, 0)
     speculation: bool = True  # serves with SPEC != off
+    cache_dtype: str = ""  # --kv-cache-dtype; "": the choice's own name
+
+    @property
+    def vllm_cache_dtype(self) -> str:
+        return self.cache_dtype or self.dtype
 
     def launch_flags(self) -> list[tuple[str, str]]:
         """Flags besides --kv-cache-dtype: the backend, and FA2 for TurboQuant's prefills
@@ -87,6 +98,9 @@ class KvChoice:
 
 
 def _choice(dtype: str) -> KvChoice:
+    if dtype == KVARN_CHOICE:
+        path = "KVarN (Triton decode, torch prefill)"
+        return KvChoice(dtype, CUSTOM, (path, path), speculation=False, cache_dtype="auto")
     if dtype.startswith("turboquant_"):
         path = "TurboQuant (Triton decode, FlashAttention 2 prefill)"
         return KvChoice(dtype, TURBOQUANT, (path, path), speculation=False)
@@ -96,13 +110,22 @@ def _choice(dtype: str) -> KvChoice:
     return KvChoice(dtype, None, SELECTOR_PATHS["fp8" if dtype == "fp8_e4m3" else dtype])
 
 
-KV_CHOICES: dict[str, KvChoice] = {dtype: _choice(dtype) for dtype in KV_CACHE_DTYPES}
+KV_CHOICES: dict[str, KvChoice] = {
+    dtype: _choice(dtype) for dtype in (*KV_CACHE_DTYPES, KVARN_CHOICE)
+}
 
 
 def speculation_refusal(kv: str, spec: str) -> str | None:
     """Why KV cannot serve with this SPEC (single mode), or None."""
     if spec == "off" or KV_CHOICES[kv].speculation:
         return None
+    if kv == KVARN_CHOICE:
+        return (
+            f"KV=kvarn cannot serve with SPEC={spec}: KVarN's backend plans which tiles a step "
+            "quantizes from the host's sequence lengths, which vLLM makes an upper bound "
+            "under speculation, and its verify path has not run in a server "
+            "(src/hyperqwen/kvarn/backend.py). Use SPEC=off with KV=kvarn."
+        )
     return (
         f"KV={kv} cannot serve with SPEC={spec}: vLLM 0.26's TurboQuant attention has no "
         "speculative-verify path (it runs each verify step through its per-request prefill "
@@ -124,4 +147,17 @@ def capability_refusal(kv: str, gpus: list[Gpu]) -> str | None:
         "vLLM 0.26's Triton attention, the only backend that reads it, stores fp8 natively "
         f"only from sm89; this machine has {', '.join(short)}. Use KV=int8_per_token_head "
         "(the same size) or KV=fp8."
+    )
+
+
+def kv_mem_refusal(kv: str, kv_mem: str | None) -> str | None:
+    """Why KV cannot serve without KV_MEM, or None."""
+    if kv != KVARN_CHOICE or kv_mem:
+        return None
+    return (
+        "KV=kvarn needs KV_MEM: its 16-bit side cache is, for now, a 16-bit copy of every "
+        "block allocated outside vLLM's KV budget (src/hyperqwen/kvarn/backend.py), about "
+        "five times the KVarN pool at head_dim 256, so vLLM's budget must leave that room. "
+        "Set KV_MEM (the pool's bytes) and keep six times it free on the card, or use a "
+        "vLLM dtype (KV=fp8)."
     )

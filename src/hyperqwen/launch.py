@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hyperqwen.capacity import CacheSetup, CapacityRefusal, Machine, fit_to_card
 from hyperqwen.engine.features import FEATURES, MTP_DRAFTS, OUR_LINEAR_BACKEND, launch_env
-from hyperqwen.kv_choices import KV_CHOICES, speculation_refusal
+from hyperqwen.kv_choices import KV_CHOICES, kv_mem_refusal, speculation_refusal
 from hyperqwen.settings import (
     NO_REASONING_PARSER,
     LoadedSettings,
@@ -227,6 +227,8 @@ def build_launch(
     kv_dtype = kv_cache_dtype(settings, profile)
     if mode == "single" and (refusal := speculation_refusal(kv_dtype, settings.SPEC)):
         raise KvRefusal(refusal)
+    if refusal := kv_mem_refusal(kv_dtype, settings.KV_MEM):
+        raise KvRefusal(refusal)
     split = settings.GPU_SPLIT or profile.gpu_split
     tensor_parallel = settings.GPU_COUNT if split == "tp" else 1
     spec = speculative_config(settings) if mode == "single" else None
@@ -250,7 +252,11 @@ def build_launch(
         ),
         ("--gpu-memory-utilization", f"{settings.GPU_UTIL:g}", "GPU_UTIL"),
         ("--tensor-parallel-size", str(tensor_parallel), "GPU_COUNT"),
-        ("--kv-cache-dtype", kv_dtype, "KV" if settings.KV or mode == "batch" else "CTX"),
+        (
+            "--kv-cache-dtype",
+            KV_CHOICES[kv_dtype].vllm_cache_dtype,
+            "KV" if settings.KV or mode == "batch" else "CTX",
+        ),
         *((flag, value, "KV") for flag, value in KV_CHOICES[kv_dtype].launch_flags()),
         (
             "--mamba-ssm-cache-dtype",

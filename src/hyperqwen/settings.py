@@ -23,7 +23,7 @@ from dotenv import dotenv_values
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from hyperqwen.engine.features import FEATURES, Knob
-from hyperqwen.kv_choices import KvCacheDtype
+from hyperqwen.kv_choices import KvChoiceName
 
 Mode = Literal["single", "batch"]
 MODES: tuple[Mode, ...] = ("single", "batch")
@@ -155,13 +155,15 @@ class ServingKnobs(BaseModel):
         "--kv-cache-memory-bytes",
         pattern=r"^(\d+[KMGT]?|\d+(\.\d+)?[kmgt])$",
     )
-    KV: KvCacheDtype | None = knob(
+    KV: KvChoiceName | None = knob(
         None,
-        "KV-cache dtype: vLLM 0.26's own choices that serve this hybrid model. Default: "
+        "KV-cache dtype: vLLM 0.26's own choices that serve this hybrid model, and kvarn. Default: "
         "single: CTX's (fast auto = bf16, long/huge fp8); batch fp8. fp8 halves the cache "
         "(fp8_e4m3 is the same; fp8_e5m2 keeps less precision); *_per_token_head add a scale "
         "per token and head (int4 halves fp8 again) and run Triton attention, fp8_per_token_head "
-        "on sm89+ only; turboquant_* (3-4 bit) run TurboQuant, never with SPEC other than off. "
+        "on sm89+ only; turboquant_* (3-4 bit) run TurboQuant, never with SPEC other than off; "
+        "kvarn: HyperQwen's 4-bit K / 2-bit V tiles (src/hyperqwen/kvarn), SPEC=off and KV_MEM "
+        "only, no memory saved yet. "
         "Which works with what, and what a card holds with each: docs/long-context.md; "
         "batch/README.md has fp8's measured cost.",
         "--kv-cache-dtype (with --attention-backend where the dtype needs one)",

@@ -10,7 +10,8 @@ feature does not take, by name, before the model loads (features.check_environme
 of at the first layer or step that reads it.
 
 Engine parts that vLLM has a registry for (an attention backend, a quantization config) are
-registered here, after that check, rather than patched in.
+registered here, after that check, rather than patched in: each feature whose declaration says
+it `registers`, while it is switched on (KV=kvarn's attention backend under vLLM's CUSTOM slot).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ ENV_PREFIX = "HYPERQWEN_"
 def register() -> None:
     if not any(name.startswith(ENV_PREFIX) for name in os.environ):
         return
-    from hyperqwen.engine.features import check_environment
+    from hyperqwen.engine.features import FEATURES, check_environment, switched_on
 
     check_environment()
+    for feature in FEATURES:
+        if feature.registers and switched_on(feature):
+            feature.code().register()

@@ -77,6 +77,11 @@ PROPOSER_LOADED = Seam(
     "proposer_loaded", "proposer-loaded.patch", "a speculative proposer's model is loaded, V1/V2"
 )
 NGRAM_DRAFTS = Seam("ngram_drafts", "ngram-drafts.patch", "vLLM's CPU n-gram proposer")
+ATTENTION_KV_SPEC = Seam(
+    "attention_kv_spec",
+    "attention-kv-spec.patch",
+    "an attention layer's KV cache spec, and the hybrid page alignment's bytes per token",
+)
 
 
 def _v1_runner_seam(name: str, where: str) -> Seam:
@@ -144,6 +149,10 @@ class Feature:
     cards: str = ""
     """Which path each GPU architecture takes with it on, where that differs by card
     (kernels/README.md's generated table); empty: every card the same."""
+    registers: bool = False
+    """Whether its module's `register()` puts its part into one of vLLM's registries (an
+    attention backend, a quantization config): the vLLM plugin (../vllm_plugin.py) calls it in
+    each vLLM process while the feature is switched on."""
     checked_at_serve: bool = False
     """Whether `hyperqwen serve` asks its module's `serve_refusal(value, gpus, model_dir)`,
     before vLLM starts, why the variable's value cannot serve on these GPUs (hyperqwen.gpu.Gpu)
@@ -517,6 +526,25 @@ PDL = Feature(
     "results on and off); GPU test and timing not run",
 )
 
+KVARN = Feature(
+    name="kvarn",
+    seams=(ATTENTION_KV_SPEC,),
+    registers=True,
+    own_files=("src/hyperqwen/kvarn",),
+    env="HYPERQWEN_KV_KVARN",
+    knob="KV",
+    turned_on_by="KV=kvarn",
+    launch=lambda settings, mode: ON if settings.KV == "kvarn" else None,
+    status="off (on with KV=kvarn); the vLLM plugin registers `../kvarn/backend.py` under "
+    "vLLM's CUSTOM attention backend and the launcher selects it for the full-attention "
+    "layers: 4-bit K / 2-bit V tiles of 128 tokens in uint8 pages (this seam sizes them), the "
+    "sink and filling tiles in a 16-bit side cache that is, for now, a full 16-bit copy outside "
+    "vLLM's budget (so no memory saved yet, KV_MEM required); decode by the fused Triton kernel, "
+    "prefill in torch over dequantized tiles, no CUDA graphs for attention, no speculation; "
+    "CPU-tested (`tests/test_kvarn_backend.py`, `tests/test_engine_kvarn.py`); the greedy GPU "
+    "test (`tests/test_kvarn_serve_gpu.py`) not run",
+)
+
 # In this order: Settings adds the owned knobs, the launcher sets the variables and warns.
 FEATURES: tuple[Feature, ...] = (
     GDN_RECURRENT,
@@ -528,6 +556,7 @@ FEATURES: tuple[Feature, ...] = (
     ALIGN_OVERLAP,
     LOOKUP,
     PDL,
+    KVARN,
 )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from hyperqwen.engine.features import (
+    ATTENTION_KV_SPEC,
     FEATURES,
     GDN_LAYER_BUILT,
     GDN_MIXED_QKV,
@@ -67,6 +68,16 @@ def gdn_mixed_qkv(mixed_qkv: Any, q_dim: int, k_dim: int, v_dim: int) -> Any | N
         fused = hook(mixed_qkv, q_dim, k_dim, v_dim)
         if fused is not None:
             return fused
+    return None
+
+
+def attention_kv_spec(backend: Any, block_size: int, num_kv_heads: int, head_size: int) -> Any:
+    """The KV cache spec of an attention layer on this backend (block_size 1: the hybrid page
+    alignment's bytes per token), from the first feature that declares one; None: vLLM's."""
+    for hook in hooks(ATTENTION_KV_SPEC):
+        spec = hook(backend, block_size, num_kv_heads, head_size)
+        if spec is not None:
+            return spec
     return None
 
 

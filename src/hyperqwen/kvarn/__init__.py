@@ -3,5 +3,5 @@
 quantize.py the float64 reference encoding, store.py and dequant.py the Triton tile kernels,
 attention.py the read and write rules and a float64 attention over them, decode.py the fused
 split-K decode attention, fit.py the kernels' shared memory per GPU architecture, bench.py the
-decode microbenchmark. README.md says what is done and what is next; nothing here is wired
-into vLLM yet."""
+decode microbenchmark, backend.py the vLLM attention backend that KV=kvarn registers
+(../engine/kvarn.py). README.md says what is done and what is next."""

@@ -16,7 +16,16 @@ import triton.language as tl
 
 from hyperqwen.kvarn.hadamard import hadamard_chunk_into, hadamard_chunks_done
 from hyperqwen.kvarn.layout import TileLayout
-from hyperqwen.kvarn.store import check_block_ids, check_tiles, fp16_section, program_tile
+from hyperqwen.kvarn.store import (
+    SIXTEEN_BIT,
+    check_block_ids,
+    check_tiles,
+    fp16_section,
+    program_tile,
+)
+
+# fp32 for readers that keep the decoded tile unrounded (the backend's prefill)
+OUT_DTYPES = (*SIXTEEN_BIT, torch.float32)
 
 
 @triton.jit
@@ -109,15 +118,15 @@ def dequantize_tiles(
     unrotate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of pool[block_ids[i], :], each [n, 128, num_kv_heads, D] (bf16 unless `out`
-    gives bf16 or fp16 tensors of that shape, contiguous along D)."""
+    gives bf16, fp16 or fp32 tensors of that shape, contiguous along D)."""
     layout.check_pool(pool)
     shape = (block_ids.shape[0], layout.tokens, pool.shape[1], layout.head_dim)
     check_block_ids(block_ids, pool, shape[0])
     if out is None:
         out = tuple(torch.empty(shape, dtype=torch.bfloat16, device=pool.device) for _ in range(2))
     k, v = out
-    check_tiles("out[0] (K)", k, shape)
-    check_tiles("out[1] (V)", v, shape)
+    check_tiles("out[0] (K)", k, shape, OUT_DTYPES)
+    check_tiles("out[1] (V)", v, shape, OUT_DTYPES)
     if shape[0]:
         _dequant_kernel[(shape[0], pool.shape[1])](
             pool, block_ids, k, v,

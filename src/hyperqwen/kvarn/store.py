@@ -143,12 +143,17 @@ def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr,
         tl.store(fp16_section(tile, AT.v_zero) + tokens, v_zero.to(tl.float16))
 
 
-def check_tiles(name: str, part: torch.Tensor, shape: tuple[int, ...]) -> None:
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+SHORT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def check_tiles(name: str, part: torch.Tensor, shape: tuple[int, ...], dtypes=SIXTEEN_BIT) -> None:
     """K or V tiles [tiles, tokens, KV heads, head_dim] as the kernels take them."""
-    fits = part.shape == shape and part.dtype in (torch.bfloat16, torch.float16)
+    fits = part.shape == shape and part.dtype in dtypes
     if not fits or part.stride(3) != 1:
+        allowed = " or ".join(SHORT_NAMES[t] for t in dtypes)
         raise ValueError(
-            f"{name} must be bf16 or fp16 {list(shape)} (tiles, tokens, KV heads of the pool, "
+            f"{name} must be {allowed} {list(shape)} (tiles, tokens, KV heads of the pool, "
             f"head_dim) contiguous along head_dim; got {part.dtype} {list(part.shape)} stride "
             f"{part.stride()}"
         )

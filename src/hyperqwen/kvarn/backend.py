@@ -1,0 +1,355 @@
+"""KVarN as a vLLM 0.26 attention backend: the backend class, its metadata builder and its impl.
+
+vLLM finds it through its own registry: the package's `vllm.general_plugins` entry point
+(../vllm_plugin.py) calls `register_backend(AttentionBackendEnum.CUSTOM, ...)` with this
+module's `KVarNBackend` when the launcher set HYPERQWEN_KV_KVARN=1 (`KV=kvarn`), and the
+launcher passes `--attention-backend CUSTOM`, which vLLM applies to its `Attention` layers (the
+full-attention ones; the GDN layers pick their backend from the mamba registry).
+
+The pieces:
+- KV cache: one tensor per layer, layout.py's pool uint8 [num_blocks, num_kv_heads, tile_bytes]
+  with vLLM blocks of 128 tokens (the only kernel block size it declares); `kv_cache_spec`
+  budgets a page as `TQFullAttentionSpec(tq_slot_size=slot_bytes)` does, block_size *
+  num_kv_heads * slot_bytes bytes, uint8.
+- Each step (`forward`, which includes the cache update): every new token's K and V go to the
+  16-bit side cache at its slot; then each tile the step fills (attention.blocks_to_store,
+  planned on the host by the builder) is quantized by store.py from its 16-bit copy into the
+  pool block the block table names; then decodes (query length 1) run decode.decode_attention
+  and prefills a torch attention over dequantized tiles (below).
+
+What is not handled yet, and why:
+- The side cache holds a 16-bit tile for every pool block (side table = block table), so a block
+  id finds its sink or filling tile with no allocator; it is allocated here, outside vLLM's KV
+  budget, at the first step, and is the size of a bf16 cache. KVarN therefore saves no memory
+  yet: the memory saving needs a side cache of a few tiles per running request (a slot
+  allocator that follows requests across the runner's row moves), which is the next step.
+- vLLM's Attention layer builds its KV cache spec from the cache dtype, not from the backend
+  (model_executor/layers/attention/attention.py: get_kv_cache_spec), and so does the hybrid
+  page alignment (platforms/interface.py: _align_hybrid_block_size): serving needs a seam that
+  asks the backend (`kv_cache_spec` below) in both places; without it vLLM sizes bf16 pages and
+  the pool shape does not fit them.
+- Prefill is a reference-exact torch attention per request (fp32, the [queries, context] score
+  matrix whole): correct, not fast, and its memory grows with chunk x context.
+- CUDA graphs: the builder declares none (AttentionCGSupport.NEVER), so vLLM runs this
+  attention eagerly between piecewise graphs; the tile store's size is decided on the host.
+- Speculative decoding: the store plan uses the host's sequence lengths, which vLLM makes an
+  optimistic upper bound under asynchronous speculation, and this impl's verify path is not
+  tested; kv_choices.py refuses KV=kvarn with SPEC != off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+from hyperqwen.kvarn.attention import blocks_to_store
+from hyperqwen.kvarn.decode import decode_attention
+from hyperqwen.kvarn.dequant import dequantize_tiles
+from hyperqwen.kvarn.layout import TileLayout
+from hyperqwen.kvarn.quantize import TILE_TOKENS
+from hyperqwen.kvarn.store import store_tiles
+
+# vLLM resolves a layer's backend by this name (Attention.__init__: AttentionBackendEnum[name])
+BACKEND_NAME = "CUSTOM"
+HEAD_SIZES = (64, 128, 256)
+# split-K programs per KV head in decode; untuned (bench.py has not been run on a GPU yet)
+DECODE_SPLITS = 8
+
+
+class KVarNBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    # the layer's cache dtype stays auto: the pages are KVarN's whatever vLLM's dtype says
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[KVarNImpl]:
+        return KVarNImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KVarNMetadataBuilder]:
+        return KVarNMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int]:
+        return [TILE_TOKENS]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(HEAD_SIZES)
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        if block_size != TILE_TOKENS:
+            raise ValueError(
+                f"KVarN's kernel block is one {TILE_TOKENS}-token tile; vLLM asked for "
+                f"{block_size} (KV=kvarn)"
+            )
+        return TileLayout(head_dim=head_size).pool_shape(num_blocks, num_kv_heads)
+
+    @staticmethod
+    def kv_cache_spec(block_size: int, num_kv_heads: int, head_size: int):
+        """The layer's KV cache spec: uint8 pages of block_size * num_kv_heads * slot_bytes."""
+        from vllm.v1.kv_cache_interface import TQFullAttentionSpec
+
+        return TQFullAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            head_size_v=head_size,
+            dtype=torch.uint8,
+            tq_slot_size=TileLayout(head_dim=head_size).slot_bytes,
+        )
+
+
+@dataclass
+class KVarNMetadata:
+    """One step's batch, decodes first (the builder's reorder threshold is 1)."""
+
+    num_actual_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 for padding
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    # the tiles this step fills: (request row, block position) pairs, on the device
+    store_rows: torch.Tensor
+    store_positions: torch.Tensor
+
+
+def tiles_filled(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor):
+    """(rows, positions) of the tiles a step fills: attention.blocks_to_store per request, from
+    seq_len - query_len to seq_len tokens."""
+    rows, positions = [], []
+    query_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).tolist()
+    for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens_cpu.tolist(), strict=True)):
+        for position in blocks_to_store(seq_len - query_len, seq_len):
+            rows.append(row)
+            positions.append(position)
+    return rows, positions
+
+
+class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> KVarNMetadata:
+        cam = common_attn_metadata
+        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(cam)
+        seq_lens_cpu = cam.seq_lens_cpu_upper_bound
+        if seq_lens_cpu is None:
+            seq_lens_cpu = cam.seq_lens.cpu()
+        seq_lens_cpu = seq_lens_cpu[: cam.num_reqs]
+        query_start_loc_cpu = cam.query_start_loc_cpu[: cam.num_reqs + 1]
+        rows, positions = tiles_filled(query_start_loc_cpu, seq_lens_cpu)
+        device = cam.block_table_tensor.device
+        return KVarNMetadata(
+            num_actual_tokens=cam.num_actual_tokens,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            query_start_loc=cam.query_start_loc,
+            seq_lens=cam.seq_lens,
+            block_table=cam.block_table_tensor,
+            slot_mapping=cam.slot_mapping,
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            store_rows=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+            store_positions=torch.tensor(positions, dtype=torch.int64).to(
+                device, non_blocking=True
+            ),
+        )
+
+
+class SideCache:
+    """The 16-bit K and V of every pool block, [num_blocks * 128 + 1, Hkv, D] each: a token's
+    row is its vLLM slot, and the last row takes the writes of padding tokens (slot -1)."""
+
+    def __init__(self, pool: torch.Tensor, head_size: int, dtype: torch.dtype) -> None:
+        num_blocks, kv_heads, _ = pool.shape
+        shape = (num_blocks * TILE_TOKENS + 1, kv_heads, head_size)
+        self.key = torch.empty(shape, dtype=dtype, device=pool.device)
+        self.value = torch.empty(shape, dtype=dtype, device=pool.device)
+        self.num_blocks = num_blocks
+
+    def fits(self, pool: torch.Tensor, dtype: torch.dtype) -> bool:
+        return (
+            self.num_blocks == pool.shape[0]
+            and self.key.dtype == dtype
+            and self.key.device == pool.device
+        )
+
+    def tiles(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows viewed as [num_blocks, 128, Hkv, D] (decode.py's side_k / side_v)."""
+        return rows[: self.num_blocks * TILE_TOKENS].view(
+            self.num_blocks, TILE_TOKENS, *rows.shape[1:]
+        )
+
+
+class KVarNImpl(AttentionImpl[KVarNMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **unused,
+    ) -> None:
+        refused = {
+            "ALiBi": alibi_slopes is not None,
+            "a sliding window": sliding_window is not None,
+            "a logits soft cap": bool(logits_soft_cap),
+            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+            "KV sharing between layers": kv_sharing_target_layer_name is not None,
+            f"kv_cache_dtype {kv_cache_dtype}": kv_cache_dtype != "auto",
+        }
+        if any(refused.values()):
+            names = ", ".join(name for name, on in refused.items() if on)
+            raise NotImplementedError(f"KV=kvarn's attention does not take {names}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.layout = TileLayout(head_dim=head_size)
+        self.side: SideCache | None = None
+
+    def _side_cache(self, pool: torch.Tensor, dtype: torch.dtype) -> SideCache:
+        if self.side is None or not self.side.fits(pool, dtype):
+            self.side = SideCache(pool, self.head_size, dtype)
+        return self.side
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: KVarNMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("KV=kvarn's attention has no fused output quantization")
+        if attn_metadata is None:  # vLLM's profiling run: no cache yet
+            return output.fill_(0)
+        n = attn_metadata.num_actual_tokens
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_size
+        # q, k and v may be column slices of one fused projection (vLLM splits qkv): reshape
+        # keeps them views where it can
+        q = query[:n].reshape(n, heads, d)
+        out = output[:n].view(n, heads, d)
+        side = self._side_cache(kv_cache, q.dtype)
+        slots = attn_metadata.slot_mapping[:n]
+        side.key[slots] = key[:n].reshape(n, kv_heads, d).to(q.dtype)
+        side.value[slots] = value[:n].reshape(n, kv_heads, d).to(q.dtype)
+        side_k, side_v = side.tiles(side.key), side.tiles(side.value)
+        block_table = attn_metadata.block_table
+
+        if attn_metadata.store_rows.numel():
+            block_ids = block_table[attn_metadata.store_rows, attn_metadata.store_positions]
+            store_tiles(side_k[block_ids], side_v[block_ids], kv_cache, block_ids, self.layout)
+
+        decodes, decode_tokens = attn_metadata.num_decodes, attn_metadata.num_decode_tokens
+        if decodes:
+            decode_attention(
+                q[:decode_tokens], kv_cache, block_table[:decodes], side_k, side_v,
+                block_table[:decodes], attn_metadata.seq_lens[:decodes],
+                attn_metadata.query_start_loc[: decodes + 1], 1, DECODE_SPLITS,
+                scale=self.scale, out=out[:decode_tokens], layout=self.layout,
+            )  # fmt: skip
+        starts = attn_metadata.query_start_loc_cpu.tolist()
+        seq_lens = attn_metadata.seq_lens_cpu.tolist()
+        for row in range(decodes, len(seq_lens)):
+            first, last = starts[row], starts[row + 1]
+            out[first:last] = prefill_attention(
+                q[first:last], kv_cache, block_table[row], side_k, side_v, seq_lens[row],
+                self.scale, self.layout,
+            )  # fmt: skip
+        return output
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    blocks: torch.Tensor,
+    side_k: torch.Tensor,
+    side_v: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    layout: TileLayout,
+) -> torch.Tensor:
+    """One request's queries [q_len, Hq, D], the last q_len of its seq_len tokens, each reading
+    its own context L by attention.read_plan(L): keys and values of blocks 1 .. L // 128 - 1
+    dequantized from the pool, the others from the 16-bit side tiles; in fp32 torch."""
+    q_len, heads = query.shape[:2]
+    tile = layout.tokens
+    num_blocks = -(-seq_len // tile)
+    block_ids = blocks[:num_blocks].long()
+    exact_k = side_k[block_ids].flatten(0, 1)[:seq_len].float()
+    exact_v = side_v[block_ids].flatten(0, 1)[:seq_len].float()
+    quant_k, quant_v = exact_k.clone(), exact_v.clone()
+    full = seq_len // tile
+    if full > 1:  # blocks 1 .. full - 1 have tiles in the pool
+        # decoded in fp32 straight into place: no 16-bit rounding the decode kernel has not
+        tiles = (full - 1, tile, *exact_k.shape[1:])
+        out = (quant_k[tile : full * tile].view(tiles), quant_v[tile : full * tile].view(tiles))
+        dequantize_tiles(pool, block_ids[1:full], layout, out)
+
+    group = heads // exact_k.shape[1]
+    context = torch.arange(seq_len - q_len + 1, seq_len + 1, device=query.device)  # L per query
+    position = torch.arange(seq_len, device=query.device)
+    block = position // tile
+    quantized = (block[None, :] >= 1) & (block[None, :] < (context // tile)[:, None])
+    visible = position[None, :] < context[:, None]
+    q = query.float().transpose(0, 1)  # [Hq, q_len, D]
+
+    def per_head(x: torch.Tensor) -> torch.Tensor:  # [seq_len, Hkv, D] -> [Hq, seq_len, D]
+        return x.transpose(0, 1).repeat_interleave(group, dim=0)
+
+    scores = torch.where(
+        quantized, q @ per_head(quant_k).transpose(1, 2), q @ per_head(exact_k).transpose(1, 2)
+    )
+    weights = (scores * scale).masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    out = (weights * quantized) @ per_head(quant_v) + (weights * ~quantized) @ per_head(exact_v)
+    return out.transpose(0, 1).to(query.dtype)
