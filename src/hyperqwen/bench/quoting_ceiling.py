@@ -18,7 +18,7 @@ from pathlib import Path
 from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND, ABError
 from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.header import git_commit, gpu_facts, server_version
-from hyperqwen.bench.options import DATE_FORMAT, _positive, add_server_start_options
+from hyperqwen.bench.options import DATE_FORMAT, _positive, add_server_start_options, at_least
 from hyperqwen.bench.quoting import EXIT_BAD_INPUT, EXIT_FAILED, _named_url, _passes
 from hyperqwen.bench.quoting_ceiling_result import (
     CEILING_KIND,
@@ -43,7 +43,7 @@ from hyperqwen.bench.results import ResultFileError
 from hyperqwen.bench.server_process import ServerStartError
 from hyperqwen.bench.workload import Workload
 
-MIN_REQUESTS = 16  # per row and pass: a median of fewer says little
+MIN_REQUESTS = 16  # per row and pass
 DEFAULT_CONFIGS = "k0,k3,k4,k8,k15"
 PROMPT_TOKENS = 128
 OUTPUT_TOKENS = 241  # 240 decode tokens: whole steps at k = 0, 3, 4 and 15
@@ -336,7 +336,7 @@ def add_subcommands(actions) -> None:
     )
     parser.add_argument(
         "--requests",
-        type=_at_least_16,
+        type=at_least(MIN_REQUESTS, "a median of fewer says little"),
         default=MIN_REQUESTS,
         metavar="N",
         help=f"requests per pass (default and least {MIN_REQUESTS})",
@@ -418,10 +418,3 @@ def add_subcommands(actions) -> None:
     )
     result.add_argument("--out", required=True, metavar="PATH", help="result JSON")
     result.set_defaults(func=cmd_quoting_ceiling_result)
-
-
-def _at_least_16(text: str) -> int:
-    value = _positive(text)
-    if value < MIN_REQUESTS:
-        raise argparse.ArgumentTypeError(f"{text}: at least {MIN_REQUESTS} requests per row")
-    return value

@@ -105,7 +105,7 @@ def refusal(drafts: int, counters: ServerCounters, results: Sequence[StreamResul
     if counters.draft_tokens != drafts * counted:
         return (
             f"{counters.draft_tokens:g} drafts over {counted:g} drafting steps, not {drafts} "
-            "per step: the drafter is not FixedDrafts, or the context reached max_model_len"
+            "per step: the drafter proposed fewer, or the context reached max_model_len"
         )
     if counters.accepted_tokens != counters.draft_tokens:
         return (
