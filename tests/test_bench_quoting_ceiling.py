@@ -177,10 +177,10 @@ def test_passes_alternate_the_order() -> None:
 
 
 def quoting_result(path: Path, per_step: dict[str, float | None]) -> Path:
-    """A `bench quoting-result` file (docs/results' format): `lookup` verifying 4 tokens and
-    `ngram-k4` 5, by their commands, with per_step tokens per step on every kind."""
+    """A `bench quoting-result` file (docs/results' format): `lookup` verifying 5 tokens and
+    `ngram-k8` 9, by their commands, with per_step tokens per step on every kind."""
     configs = {}
-    for name, drafts in (("lookup", 3), ("ngram-k4", 4)):
+    for name, drafts in (("lookup", 4), ("ngram-k8", 8)):
         command = ["python", "-m", "vllm", "serve", "m", "--speculative-config",
                    json.dumps({"method": "ngram", "num_speculative_tokens": drafts})]  # fmt: skip
         configs[name] = {"command": command, "passes": []}
@@ -196,24 +196,25 @@ def quoting_result(path: Path, per_step: dict[str, float | None]) -> Path:
 
 
 def test_measured_steps_and_the_projection_join(tmp_path, capsys) -> None:
-    """Three servers by URL: k0, k3 (all accepted) and k4 at rate 0.5, which the counters
-    refuse; then lookup (k3) projected and ngram-k4 left empty, by name."""
+    """Four servers by URL: k0, k3, k4 (all accepted) and k8 at rate 0.5, which the counters
+    refuse; then lookup (copy kinds verify 5, chat 4) projected, and ngram-k8's copy kinds
+    left empty, by name; then chat's tokens per step given from a file of its own."""
     steps, out = tmp_path / "steps.json", tmp_path / "result.json"
     with contextlib.ExitStack() as servers:
         urls = {
             "k0": servers.enter_context(stand_in(tmp_path, "k0", None)),
             "k3": servers.enter_context(stand_in(tmp_path, "k3", spec(3, ALL[:3]))),
-            "k4": servers.enter_context(stand_in(tmp_path, "k4", spec(4, [0.5] * 4))),
+            "k4": servers.enter_context(stand_in(tmp_path, "k4", spec(4, ALL))),
+            "k8": servers.enter_context(stand_in(tmp_path, "k8", spec(8, [0.5] * 8))),
         }
         given = [f"--url={name}={url}" for name, url in urls.items()]
         argv = ["--output-tokens", str(OUTPUT), "--prompt-tokens", "48", "--out", str(steps)]
-        assert run_in_process("bench", "quoting-ceiling", *given, *argv) == 1  # k4 refused
+        assert run_in_process("bench", "quoting-ceiling", *given, *argv) == 1  # k8 refused
     assert "drafts accepted: synthetic acceptance at rate 1.0" in capsys.readouterr().out
-    measured = json.loads(steps.read_text())
-    records = measured["configs"]
-    assert [p["position"] for p in records["k0"]["passes"]] == [0, 2]  # reversed in pass 2
-    assert [p["position"] for p in records["k4"]["passes"]] == [2, 0]
-    for name, drafts in (("k0", 0), ("k3", 3)):
+    records = json.loads(steps.read_text())["configs"]
+    assert [p["position"] for p in records["k0"]["passes"]] == [0, 3]  # reversed in pass 2
+    assert [p["position"] for p in records["k8"]["passes"]] == [3, 0]
+    for name, drafts in (("k0", 0), ("k3", 3), ("k4", 4)):
         for measured_pass in records[name]["passes"]:
             assert measured_pass["refused"] is None and len(measured_pass["step_ms"]) == 16
             row = measured_pass["row"]
@@ -222,25 +223,25 @@ def test_measured_steps_and_the_projection_join(tmp_path, capsys) -> None:
 
     per_step = dict.fromkeys(KINDS, 3.5) | {"chat": 1.2}
     quoting = quoting_result(tmp_path / "qr.json", per_step)
-    project = ["--project", "lookup,ngram-k4", "--out", str(out)]
-    assert run_in_process("bench", "quoting-ceiling-result", str(steps), "--quoting-result",
-                          str(quoting), *project) == 0  # fmt: skip
+    project = ["--quoting-result", str(quoting), "--project", "lookup,ngram-k8"]
+    assert run_in_process("bench", "quoting-ceiling-result", str(steps), *project, "--out",
+                          str(out)) == 0  # fmt: skip
     printed = capsys.readouterr().out
     document, rows = load_result(out)
     named = {row.name: row for row in rows}
-    k0, k3 = (step_figures(records[name]).step_ms for name in ("k0", "k3"))
-    assert named["measured_step_k3"].stock == k0 and named["measured_step_k3"].patched == k3
-    assert named["measured_step_k4"].patched is None  # every pass refused
+    k0, k3, k4 = (step_figures(records[name]).step_ms for name in ("k0", "k3", "k4"))
+    assert named["measured_step_k4"].stock == k0 and named["measured_step_k4"].patched == k4
+    assert named["measured_step_k8"].patched is None  # every pass refused
     chat = round(1000 / k0, 1)
     assert named["measured_chat_decode"].patched == chat
-    for kind in KINDS:
+    for kind in COPY_KINDS:
         projected = named[f"projected_{kind}_lookup_decode"]
-        assert projected.stock == chat
-        assert projected.patched == round(1000 * per_step[kind] / k3, 1)
-        assert named[f"projected_{kind}_ngram-k4_decode"].patched is None
-    own = named["projected_quote_lookup_vs_own_chat"]
-    assert own.stock == named["projected_chat_lookup_decode"].patched
-    assert not any(name.startswith("projected_chat") and "own_chat" in name for name in named)
+        assert projected.stock == chat and projected.patched == round(1000 * 3.5 / k4, 1)
+        assert named[f"projected_{kind}_ngram-k8_decode"].patched is None
+    lookup_chat = named["projected_chat_lookup_decode"].patched
+    assert lookup_chat == named["projected_chat_ngram-k8_decode"].patched == round(1200 / k3, 1)
+    assert named["projected_quote_lookup_vs_own_chat"].stock == lookup_chat
+    assert "projected_chat_lookup_vs_own_chat" not in named
     provenance = document["provenance"]
     assert provenance["measured_step_k3"] == {"kind": "measured", "inputs": [str(steps)]}
     assert provenance["projected_quote_lookup_decode"] == {
@@ -248,16 +249,32 @@ def test_measured_steps_and_the_projection_join(tmp_path, capsys) -> None:
     assert set(provenance) == set(named)
     assert len(document["criteria"]) == 2 * (len(COPY_KINDS) + 1)
     quote = next(item for item in document["criteria"] if item["criterion"].startswith(
-        "quote: lookup"))  # fmt: skip
+        "quote: lookup projected 27B tok/s (verifying 5)"))  # fmt: skip
     assert quote["target"] == 3.0
     assert quote["value"] == round(named["projected_quote_lookup_decode"].patched / chat, 3)
-    ngram = [item for item in document["criteria"] if " ngram-k4 " in item["criterion"]]
-    assert ngram and all(item["status"] == "not measured" for item in ngram)
-    assert any(
-        "ngram-k4 verifies 5 tokens, and k4 has no step time" in n for n in document["notes"]
-    )
-    assert any(n.startswith("k4: refused passes left out") for n in document["notes"])
+    ngram = {item["criterion"].split(":")[0]: item["status"] for item in document["criteria"]
+             if " ngram-k8 " in item["criterion"]}  # fmt: skip
+    assert all(ngram[kind] == "not measured" for kind in COPY_KINDS)
+    assert ngram["chat"] != "not measured" and len(ngram) == len(COPY_KINDS) + 1
+    assert any("ngram-k8's copy steps verify 9 tokens, and k8 has no step time" in note
+               for note in document["notes"])  # fmt: skip
+    assert any(note.startswith("k8: refused passes left out") for note in document["notes"])
     assert "measured_step_k3" in printed and "NOT MEASURED" in printed
+
+    mtp = tmp_path / "mtp-real-weights.json"
+    mtp.write_text("{}")
+    given_chat = ["--chat-tokens-per-step", "2.5", "--chat-source", str(mtp)]
+    assert run_in_process("bench", "quoting-ceiling-result", str(steps), *project, *given_chat,
+                          "--out", str(out)) == 0  # fmt: skip
+    document, rows = load_result(out)
+    named = {row.name: row for row in rows}
+    assert named["projected_chat_lookup_decode"].patched == round(2500 / k3, 1)
+    chat_inputs = document["provenance"]["projected_chat_lookup_decode"]["inputs"]
+    assert chat_inputs == [str(mtp), str(steps)]
+    assert document["provenance"]["projected_quote_lookup_vs_own_chat"]["inputs"] == [
+        str(quoting), str(steps), str(mtp)]  # fmt: skip
+    assert document["chat_assumption"] == {"drafts": 3, "tokens_per_step": 2.5,
+                                           "source": str(mtp)}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -319,6 +336,13 @@ def test_the_result_refuses_bad_input_by_name(tmp_path, capsys) -> None:
     (tmp_path / "ab.json").write_text(json.dumps(ab_result))
     assert "not a `hyperqwen bench quoting-result` file" in refused(
         str(steps), "--quoting-result", str(tmp_path / "ab.json"))  # fmt: skip
+    alone = ["--quoting-result", str(quoting), "--chat-tokens-per-step", "2.5"]
+    assert "--chat-tokens-per-step and --chat-source go together" in refused(str(steps), *alone)
+    missing = [*alone, "--chat-source", str(tmp_path / "nowhere.json")]
+    assert "--chat-source " in refused(str(steps), *missing)
+    too_many = [*alone[:2], "--chat-tokens-per-step", "5", "--chat-source", str(steps)]
+    assert "--chat-tokens-per-step 5: a step verifying --chat-drafts 3" in refused(
+        str(steps), *too_many)  # fmt: skip
     document = json.loads(quoting.read_text())
     document["configs"]["lookup"] = {"url": "http://127.0.0.1:9", "speculative_config": None}
     (tmp_path / "given.json").write_text(json.dumps(document))

@@ -24,13 +24,16 @@ from hyperqwen.bench.quoting_ceiling_result import (
     CEILING_KIND,
     CEILING_SCHEMA,
     DEFAULT_PROJECTED,
+    ChatAssumption,
     build_result,
     format_result,
     load_inputs,
 )
 from hyperqwen.bench.quoting_ceiling_run import (
     MTP,
+    MTP_DRAFTS,
     SAME_FLAGS,
+    VERIFY_DRAFTS,
     ceiling_configs,
     connect,
     drafts_of,
@@ -243,23 +246,37 @@ def cmd_quoting_ceiling(args: argparse.Namespace) -> int:
     return EXIT_FAILED if refused else 0
 
 
+def chat_assumption(args: argparse.Namespace) -> ChatAssumption:
+    """--chat-drafts, and --chat-tokens-per-step with the file it was read from, checked."""
+    if (args.chat_tokens_per_step is None) != (args.chat_source is None):
+        raise ResultFileError(
+            "--chat-tokens-per-step and --chat-source go together: the figure and the result "
+            "file it was read from (e.g. MTP's tokens per step on real weights)"
+        )
+    if args.chat_source and not Path(args.chat_source).is_file():
+        raise ResultFileError(f"--chat-source {args.chat_source}: no such file")
+    if args.chat_tokens_per_step is not None and not 1 <= args.chat_tokens_per_step <= (
+        args.chat_drafts + 1
+    ):
+        raise ResultFileError(
+            f"--chat-tokens-per-step {args.chat_tokens_per_step:g}: a step verifying "
+            f"--chat-drafts {args.chat_drafts} + 1 makes 1 to {args.chat_drafts + 1} tokens"
+        )
+    return ChatAssumption(args.chat_drafts, args.chat_tokens_per_step, args.chat_source)
+
+
 def cmd_quoting_ceiling_result(args: argparse.Namespace) -> int:
-    command = [
-        "hyperqwen",
-        "bench",
-        "quoting-ceiling-result",
-        *args.measurements,
-        "--quoting-result",
-        args.quoting_result,
-        "--project",
-        args.project,
-        "--out",
-        args.out,
-    ]
+    command = ["hyperqwen", "bench", "quoting-ceiling-result", *args.measurements,
+               "--quoting-result", args.quoting_result, "--project", args.project,
+               "--chat-drafts", str(args.chat_drafts)]  # fmt: skip
+    if args.chat_tokens_per_step is not None:
+        command += ["--chat-tokens-per-step", f"{args.chat_tokens_per_step:g}",
+                    "--chat-source", args.chat_source]  # fmt: skip
+    command += ["--out", args.out]
     try:
         inputs = load_inputs([Path(path) for path in args.measurements], Path(args.quoting_result))
         projected = [name.strip() for name in args.project.split(",") if name.strip()]
-        document, _ = build_result(inputs, projected, shlex.join(command))
+        document, _ = build_result(inputs, projected, chat_assumption(args), shlex.join(command))
     except ResultFileError as error:
         print(f"hyperqwen bench quoting-ceiling-result: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -415,6 +432,26 @@ def add_subcommands(actions) -> None:
         default=DEFAULT_PROJECTED,
         metavar="LIST",
         help="its configurations to project, comma separated (default %(default)s)",
+    )
+    result.add_argument(
+        "--chat-drafts",
+        type=int,
+        choices=VERIFY_DRAFTS,
+        default=MTP_DRAFTS,
+        metavar="K",
+        help=f"drafts a chat step of the projected server verifies (default {MTP_DRAFTS}: a 27B "
+        "lookup server's step without a match verifies MTP's, src/hyperqwen/engine/quoting.md; "
+        "0 for vLLM's ngram, which drafts nothing then)",
+    )
+    result.add_argument(
+        "--chat-tokens-per-step",
+        type=float,
+        metavar="X",
+        help="tokens a chat step makes (default: the quoting result's chat tokens per step of "
+        "the configuration; SmolLM2 has no MTP, so give MTP's from a real-weights run here)",
+    )
+    result.add_argument(
+        "--chat-source", metavar="FILE", help="the file --chat-tokens-per-step was read from"
     )
     result.add_argument("--out", required=True, metavar="PATH", help="result JSON")
     result.set_defaults(func=cmd_quoting_ceiling_result)

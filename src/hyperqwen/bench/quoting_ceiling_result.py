@@ -7,16 +7,19 @@ between passes, the chat speed without speculation (one token per k0 step) and, 
 was measured, MTP's drafting (mtp-k3's step less k3's).
 
 Projected (rows `projected_*`): per kind of the `bench quoting-result` file and configuration
-projected, tokens_per_step(kind) / step time of the k it verifies (its --speculative-config's
-num_speculative_tokens: 15 for lookup at DRAFT_TOKENS=15). Stock is the measured chat speed, so
-the ratio is the projected speed over it; `_vs_own_chat` rows compare a copy kind with the
-same configuration's projected chat. The result's `provenance` names each row's input files.
+projected, tokens_per_step(kind) / step time of the k that kind verifies: for the copy kinds the
+configuration's --speculative-config num_speculative_tokens (15 for lookup at DRAFT_TOKENS=15),
+for chat --chat-drafts (3: where nothing matches, the 27B lookup server verifies MTP's drafts),
+with chat's tokens per step from --chat-tokens-per-step where given (SmolLM2 has no MTP; its file
+is --chat-source). Stock is the measured chat speed, so the ratio is the projected speed over
+it; `_vs_own_chat` rows compare a copy kind with the same configuration's projected chat. The
+result's `provenance` names each row's input files.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hyperqwen.bench.ab_argv import spec_config
@@ -56,9 +59,12 @@ NOTES = (
     f"Every server ran with {SAME_FLAGS} (vLLM turns it off for custom_class drafting): a "
     "server with async scheduling hides part of each step's host work, so its steps are at "
     "most these.",
-    "A projection takes every step of a configuration to verify k + 1 tokens, while vLLM's "
-    "tokens per step counts only steps that drafted: a step without drafts costs less and "
-    "makes one token, which this does not model.",
+    "A projection takes every step of a kind to verify the same k + 1 tokens (copy kinds: the "
+    "configuration's drafts; chat: the chat assumption's), while vLLM's tokens per step counts "
+    "only steps that drafted: a step without drafts costs less and makes one token, which this "
+    "does not model.",
+    "The step times are verify steps: a 27B lookup server also runs MTP's drafting every step, "
+    f"which measured_mtp_drafting prices where {MTP} was measured and the projections leave out.",
 )
 
 
@@ -115,16 +121,29 @@ def verified_drafts(name: str, record: dict, source: str) -> int:
 
 
 @dataclass(frozen=True)
+class ChatAssumption:
+    """How the projected server's chat steps go: the drafts each verifies and, where given,
+    the tokens each makes (else the quoting result's chat tokens per step) and its file."""
+
+    drafts: int
+    tokens_per_step: float | None = None
+    source: str | None = None
+
+
+@dataclass(frozen=True)
 class Projection:
     config: str
-    drafts: int
-    step: StepFigures | None
-    """The step time of k = drafts (None: not measured)."""
+    drafts: dict[str, int]
+    """Kind -> the drafts its steps verify (copy kinds: the configuration's; chat: assumed)."""
+    steps: dict[str, StepFigures | None]
+    """Kind -> the step time of those drafts (None: not measured)."""
     speeds: dict[str, float | None]
     """Kind -> projected tok/s."""
 
 
-def project(inputs: Inputs, names: Sequence[str], figures: dict[str, StepFigures]) -> list:
+def project(
+    inputs: Inputs, names: Sequence[str], figures: dict[str, StepFigures], chat: ChatAssumption
+) -> list[Projection]:
     projections = []
     for name in names:
         if name not in inputs.quoting["configs"]:
@@ -132,15 +151,19 @@ def project(inputs: Inputs, names: Sequence[str], figures: dict[str, StepFigures
                 f"--project {name}: {inputs.quoting_source} has no such configuration; it has "
                 f"{', '.join(inputs.quoting['configs'])}"
             )
-        drafts = verified_drafts(name, inputs.quoting["configs"][name], inputs.quoting_source)
-        step = figures.get(config_name(drafts))
+        own = verified_drafts(name, inputs.quoting["configs"][name], inputs.quoting_source)
+        drafts = {kind: chat.drafts if kind == CONTROL_KIND else own for kind in KINDS}
+        steps = {kind: figures.get(config_name(drafts[kind])) for kind in KINDS}
         speeds = {}
         for kind in KINDS:
             row = inputs.quoting_rows.get(f"{kind}_{name}_tokens_per_step")
             per_step = row.patched if row else None
-            usable = step is not None and step.step_ms and per_step is not None
-            speeds[kind] = round(1000 * per_step / step.step_ms, 1) if usable else None  # type: ignore[union-attr, operator]
-        projections.append(Projection(name, drafts, step, speeds))
+            if kind == CONTROL_KIND and chat.tokens_per_step is not None:
+                per_step = chat.tokens_per_step
+            step_ms = steps[kind].step_ms if steps[kind] else None  # type: ignore[union-attr]
+            usable = step_ms and per_step is not None
+            speeds[kind] = round(1000 * per_step / step_ms, 1) if usable else None  # type: ignore[operator]
+        projections.append(Projection(name, drafts, steps, speeds))
     return projections
 
 
@@ -164,29 +187,28 @@ def criteria(projections: list[Projection], chat: float | None, chat_step) -> li
     """Issue 24's 27B targets per projected configuration, judged against the step spreads."""
     judged_criteria = []
     for projection in projections:
-        spread = _spread(projection.step, chat_step)
-        name, width = projection.config, projection.drafts + 1
-        for kind in COPY_KINDS:
+        name = projection.config
+        for kind in (*COPY_KINDS, CONTROL_KIND):
+            width = projection.drafts[kind] + 1
+            if kind == CONTROL_KIND:
+                text = f"projected 27B tok/s (verifying {width}) not below the measured chat tok/s"
+                target = CHAT_TARGET
+            else:
+                text = (
+                    f"projected 27B tok/s (verifying {width}) >= {QUOTING_TARGET:g}x the measured "
+                    "chat tok/s"
+                )
+                target = QUOTING_TARGET
+            spread = _spread(projection.steps[kind], chat_step)
             judged_criteria.append(
                 _criterion(
-                    f"{kind}: {name} projected 27B tok/s (verifying {width}) >= "
-                    f"{QUOTING_TARGET:g}x the measured chat tok/s ({CHAT_STEP})",
-                    QUOTING_TARGET,
+                    f"{kind}: {name} {text} without speculation ({CHAT_STEP})",
+                    target,
                     projection.speeds[kind],
                     chat,
                     spread,
                 )
             )
-        judged_criteria.append(
-            _criterion(
-                f"{CONTROL_KIND}: {name} projected 27B tok/s not below the measured chat tok/s "
-                f"without speculation ({CHAT_STEP})",
-                CHAT_TARGET,
-                projection.speeds[CONTROL_KIND],
-                chat,
-                spread,
-            )
-        )
     return judged_criteria
 
 
@@ -213,37 +235,44 @@ def measured_rows(figures: dict[str, StepFigures], origin: dict[str, str]):
     return rows, sources
 
 
-def projected_rows(projections: list[Projection], chat: float | None, inputs: Inputs):
-    """The projected rows and, per row, its input files: the quoting result, the step time's
-    file and the chat step's."""
+def projected_rows(
+    projections: list[Projection], chat: float | None, inputs: Inputs, assumed: ChatAssumption
+):
+    """The projected rows and, per row, its input files: where its tokens per step came from
+    (the quoting result, or --chat-source), its step time's file and the chat step's."""
     rows, sources = [], {}
     for projection in projections:
-        steps = (config_name(projection.drafts), CHAT_STEP)
-        files = [
-            inputs.quoting_source,
-            *dict.fromkeys(inputs.origin[name] for name in steps if name in inputs.origin),
-        ]
-        own_chat = projection.speeds[CONTROL_KIND]
+
+        def files(kind: str) -> list[str]:
+            read = assumed.source if kind == CONTROL_KIND and assumed.source else None
+            steps = (config_name(projection.drafts[kind]), CHAT_STEP)  # noqa: B023
+            measured = [inputs.origin[name] for name in steps if name in inputs.origin]
+            return [read or inputs.quoting_source, *measured]
+
         for kind in KINDS:
             prefix = f"projected_{kind}_{projection.config}"
             speed = projection.speeds[kind]
-            made = [comparison_row(f"{prefix}_decode", "tok/s", chat, speed)]
+            rows.append(comparison_row(f"{prefix}_decode", "tok/s", chat, speed))
+            sources[rows[-1].name] = list(dict.fromkeys(files(kind)))
             if kind in COPY_KINDS:
-                made.append(comparison_row(f"{prefix}_vs_own_chat", "tok/s", own_chat, speed))
-            rows += made
-            sources |= {row.name: files for row in made}
+                own_chat = projection.speeds[CONTROL_KIND]
+                rows.append(comparison_row(f"{prefix}_vs_own_chat", "tok/s", own_chat, speed))
+                both = [*files(kind), *files(CONTROL_KIND)]
+                sources[rows[-1].name] = list(dict.fromkeys(both))
     return rows, sources
 
 
-def build_result(inputs: Inputs, names: Sequence[str], command: str) -> tuple[dict, list]:
+def build_result(
+    inputs: Inputs, names: Sequence[str], chat_assumed: ChatAssumption, command: str
+) -> tuple[dict, list]:
     """The docs/results document: measured rows, projected rows, provenance, criteria."""
     records = inputs.steps["configs"]
     order = sorted(records, key=lambda name: (name == MTP, records[name]["drafts"]))
     figures = {name: step_figures(records[name]) for name in order}
-    projections = project(inputs, names, figures)
+    projections = project(inputs, names, figures, chat_assumed)
     measured, measured_from = measured_rows(figures, inputs.origin)
     chat = next((row.patched for row in measured if row.name == "measured_chat_decode"), None)
-    projected, projected_from = projected_rows(projections, chat, inputs)
+    projected, projected_from = projected_rows(projections, chat, inputs, chat_assumed)
     provenance = {
         name: {"kind": "measured", "inputs": files} for name, files in measured_from.items()
     }
@@ -267,17 +296,18 @@ def build_result(inputs: Inputs, names: Sequence[str], command: str) -> tuple[di
         if figure.refused
     ]
     missing = [
-        f"{p.config} verifies {p.drafts + 1} tokens, and {config_name(p.drafts)} has no step "
-        "time (not measured, or every pass refused): its projection is empty"
+        f"{p.config}'s {label} steps verify {p.drafts[kind] + 1} tokens, and "
+        f"{config_name(p.drafts[kind])} has no step time (not measured, or every pass "
+        "refused): those projections are empty"
         for p in projections
-        if p.step is None or p.step.step_ms is None
+        for label, kind in (("copy", COPY_KINDS[0]), (CONTROL_KIND, CONTROL_KIND))
+        if p.steps[kind] is None or p.steps[kind].step_ms is None  # type: ignore[union-attr]
     ]
     details = {
         "criteria": criteria(projections, chat, figures.get(CHAT_STEP)),
         "provenance": provenance,
-        "projected": {
-            p.config: {"drafts": p.drafts, "verify_tokens": p.drafts + 1} for p in projections
-        },
+        "projected": {p.config: {"drafts_per_kind": p.drafts} for p in projections},
+        "chat_assumption": asdict(chat_assumed),
         "quoting_result": inputs.quoting_source,
         "plan": plan,
         "configs": records,
