@@ -235,30 +235,31 @@ def measured_rows(figures: dict[str, StepFigures], origin: dict[str, str]):
     return rows, sources
 
 
+def _inputs_of(projection: Projection, kind: str, inputs: Inputs, assumed: ChatAssumption):
+    """Where a projected speed's tokens per step came from (the quoting result, or for chat
+    --chat-source), its step time's file and the chat step's."""
+    read = assumed.source if kind == CONTROL_KIND and assumed.source else None
+    steps = (config_name(projection.drafts[kind]), CHAT_STEP)
+    return [read or inputs.quoting_source, *(inputs.origin[n] for n in steps if n in inputs.origin)]
+
+
 def projected_rows(
     projections: list[Projection], chat: float | None, inputs: Inputs, assumed: ChatAssumption
 ):
-    """The projected rows and, per row, its input files: where its tokens per step came from
-    (the quoting result, or --chat-source), its step time's file and the chat step's."""
+    """The projected rows and, per row, its input files."""
     rows, sources = [], {}
     for projection in projections:
-
-        def files(kind: str) -> list[str]:
-            read = assumed.source if kind == CONTROL_KIND and assumed.source else None
-            steps = (config_name(projection.drafts[kind]), CHAT_STEP)  # noqa: B023
-            measured = [inputs.origin[name] for name in steps if name in inputs.origin]
-            return [read or inputs.quoting_source, *measured]
-
+        chat_inputs = _inputs_of(projection, CONTROL_KIND, inputs, assumed)
         for kind in KINDS:
             prefix = f"projected_{kind}_{projection.config}"
             speed = projection.speeds[kind]
+            own = _inputs_of(projection, kind, inputs, assumed)
             rows.append(comparison_row(f"{prefix}_decode", "tok/s", chat, speed))
-            sources[rows[-1].name] = list(dict.fromkeys(files(kind)))
+            sources[rows[-1].name] = list(dict.fromkeys(own))
             if kind in COPY_KINDS:
                 own_chat = projection.speeds[CONTROL_KIND]
                 rows.append(comparison_row(f"{prefix}_vs_own_chat", "tok/s", own_chat, speed))
-                both = [*files(kind), *files(CONTROL_KIND)]
-                sources[rows[-1].name] = list(dict.fromkeys(both))
+                sources[rows[-1].name] = list(dict.fromkeys([*own, *chat_inputs]))
     return rows, sources
 
 
