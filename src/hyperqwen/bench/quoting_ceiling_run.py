@@ -19,7 +19,7 @@ its source, not assumed):
 * vLLM turns async scheduling off for `custom_class` (and `ngram`) drafting (config/vllm.py),
   so every server here runs with --no-async-scheduling, k = 0 too: the rows differ in the
   verify width alone. A real server with async scheduling hides some host time per step, so
-  these step times are upper bounds of its.
+  its steps take at most these times.
 * `mtp-k3` is vLLM's MTP with the model's own draft head at rate 1.0: its step less k3's is
   what MTP's three drafting passes cost on this geometry.
 
@@ -28,6 +28,10 @@ steps, ceil((output tokens - 1) / (k + 1)): every step verifies k + 1, the last 
 drops what passes max_tokens after verifying it). vLLM's spec-decode counters over the pass
 check it (`refusal`): every draft accepted, k drafts per drafting step, and as many drafting
 steps as decode steps; a pass that fails is kept with the reason and left out of the figures.
+The counts can be exact: the scheduler counts a step's drafts before it trims what passes
+max_tokens (v1/core/sched/scheduler.py), and the API server records a step's counters in the
+same pass over the engine's outputs that queues its tokens (v1/engine/async_llm.py), so a
+stream's last token is never seen before its step is counted.
 """
 
 from __future__ import annotations
