@@ -127,31 +127,37 @@ def _refuse_spec_keys(argv: list[str]) -> None:
         )
 
 
-def with_synthetic_acceptance(argv: list[str], rates: tuple[float, ...]) -> list[str]:
-    """argv with vLLM 0.26's synthetic rejection sampling in every --speculative-config.
+def synthetic_spec(config: dict, rates: tuple[float, ...]) -> dict:
+    """A --speculative-config with vLLM 0.26's synthetic rejection sampling at these rates.
 
     rejection_sample_method "synthetic" accepts drafts at the given per-position rates
-    whatever the weights say, so dummy weights still measure speculative decoding.
+    whatever the weights say, so dummy weights still measure speculative decoding. Rates vLLM
+    would refuse (not one per draft, outside [0, 1], increasing) are refused here by name.
     """
     # Imported here: vLLM's config module is slow to import and only this check needs it.
     from vllm.config.speculative import SpeculativeConfig
 
+    drafts = config.get("num_speculative_tokens")
+    try:
+        SpeculativeConfig._resolve_synthetic_acceptance_rates(drafts, list(rates), None)
+    except (ValueError, TypeError) as error:
+        raise ABError(
+            f"--synthetic-acceptance {','.join(map(str, rates))}: {error} (the server "
+            f"drafts {drafts} tokens: give that many rates, each in [0, 1], non-increasing)"
+        ) from None
+    return {**config, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": list(rates)}  # fmt: skip
+
+
+def with_synthetic_acceptance(argv: list[str], rates: tuple[float, ...]) -> list[str]:
+    """argv with synthetic rejection sampling (synthetic_spec) in every --speculative-config."""
     _refuse_spec_keys(argv)
     patched = list(argv)
     for index, prefix in value_positions(argv, SPECULATIVE_CONFIG):
         if index >= len(argv):
             raise ABError("--speculative-config at the end of the flags has no value")
         config = json.loads(argv[index][len(prefix) :])
-        drafts = config.get("num_speculative_tokens")
-        try:
-            SpeculativeConfig._resolve_synthetic_acceptance_rates(drafts, list(rates), None)
-        except (ValueError, TypeError) as error:
-            raise ABError(
-                f"--synthetic-acceptance {','.join(map(str, rates))}: {error} (the server "
-                f"drafts {drafts} tokens: give that many rates, each in [0, 1], non-increasing)"
-            ) from None
-        config.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=list(rates))
-        patched[index] = prefix + compact(config)
+        patched[index] = prefix + compact(synthetic_spec(config, rates))
     return patched
 
 

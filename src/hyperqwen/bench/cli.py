@@ -25,6 +25,7 @@ from hyperqwen.bench.pdl import add_subcommand as add_pdl_subcommand
 from hyperqwen.bench.plot import PlotUnavailable, write_plot
 from hyperqwen.bench.quality import add_quality_subcommands
 from hyperqwen.bench.quoting import add_subcommands as add_quoting_subcommands
+from hyperqwen.bench.quoting_ceiling import add_subcommands as add_ceiling_subcommands
 from hyperqwen.bench.rows import Row, format_row
 from hyperqwen.bench.run import run_bench, served_model, write_results
 from hyperqwen.bench.sass import add_subcommand as add_sass_subcommand
@@ -209,3 +210,4 @@ def add_subcommand(subparsers) -> None:
     add_soak_subcommand(actions)
     add_stepmap_subcommand(actions)
     add_quoting_subcommands(actions)
+    add_ceiling_subcommands(actions)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Protocol
 
 from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND
@@ -66,6 +67,18 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text}: must be 1 or more")
     return value
+
+
+def at_least(minimum: int, why: str) -> Callable[[str], int]:
+    """An argparse type: an integer of `minimum` or more; a smaller one is refused with `why`."""
+
+    def parse(text: str) -> int:
+        value = _positive(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text}: at least {minimum}, {why}")
+        return value
+
+    return parse
 
 
 def add_vllm_tree_options(parser: argparse.ArgumentParser) -> None:

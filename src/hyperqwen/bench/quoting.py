@@ -17,7 +17,12 @@ from pathlib import Path
 from hyperqwen.bench.ab_argv import PREVIEW_PORT, environment_knobs
 from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND, ABError
 from hyperqwen.bench.client import BenchError
-from hyperqwen.bench.options import _positive, add_server_start_options, add_vllm_tree_options
+from hyperqwen.bench.options import (
+    _positive,
+    add_server_start_options,
+    add_vllm_tree_options,
+    at_least,
+)
 from hyperqwen.bench.quoting_configs import (
     DEFAULT_LOOKUP_KNOBS,
     catalogue,
@@ -49,13 +54,7 @@ def _named_url(text: str) -> tuple[str, str]:
     return name, url.rstrip("/")
 
 
-def _passes(text: str) -> int:
-    value = _positive(text)
-    if value < MIN_PASSES:
-        raise argparse.ArgumentTypeError(
-            f"{text}: at least {MIN_PASSES}, as the spread between passes needs two"
-        )
-    return value
+_passes = at_least(MIN_PASSES, "as the spread between passes needs two")
 
 
 def quoting_plan(args: argparse.Namespace) -> QuotingPlan:

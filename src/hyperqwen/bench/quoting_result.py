@@ -260,26 +260,28 @@ def comparison_rows(table, best: dict[str, str], records: dict[str, dict]) -> li
     return rows
 
 
-def merge(documents: Sequence[tuple[str, dict]]) -> dict:
-    """One measurements document from several (one per GPU command): the same prompts and
-    passes in each, each configuration measured once."""
+def merge(
+    documents: Sequence[tuple[str, dict]],
+    kind: str = MEASUREMENTS_KIND,
+    schema: int = MEASUREMENTS_SCHEMA,
+    agree: tuple[str, ...] = ("prompts", "plan"),
+) -> dict:
+    """One measurements document from several (one per GPU command) of `kind` (`bench
+    quoting`'s by default): the same `agree` facts in each, each configuration measured once."""
+    command = f"hyperqwen {kind.removesuffix(' measurements')}"
     if not documents:
-        raise ResultFileError("give at least one measurements file of `hyperqwen bench quoting`")
+        raise ResultFileError(f"give at least one measurements file of `{command}`")
     merged: dict = {}
     for source, document in documents:
-        if (
-            document.get("kind") != MEASUREMENTS_KIND
-            or document.get("schema") != MEASUREMENTS_SCHEMA
-        ):
+        if document.get("kind") != kind or document.get("schema") != schema:
             raise ResultFileError(
-                f"{source}: not a `hyperqwen bench quoting` measurements file (schema "
-                f"{MEASUREMENTS_SCHEMA})"
+                f"{source}: not a `{command}` measurements file (schema {schema})"
             )
         if not merged:
             merged = {**document, "configs": dict(document["configs"]), "sources": [source]}
             merged["command"] = [document["command"]]
             continue
-        for key in ("prompts", "plan"):
+        for key in agree:
             if document[key] != merged[key]:
                 raise ResultFileError(
                     f"{source}: its {key} differ from {merged['sources'][0]}'s; merge only runs "
@@ -400,8 +402,13 @@ def format_table(document: dict) -> list[str]:
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
         for line in lines
     ]
-    table.append("")
-    for criterion in document["criteria"]:
+    return [*table, "", *format_criteria(document["criteria"])]
+
+
+def format_criteria(criteria: Sequence[dict]) -> list[str]:
+    """A line per judged criterion: its status, its text, its value and spread."""
+    lines = []
+    for criterion in criteria:
         value = criterion["value"]
         spread = criterion["spread_pct"]
         measured = (
@@ -409,8 +416,8 @@ def format_table(document: dict) -> list[str]:
             if value is None
             else f"{value:g}" + ("" if spread is None else f" (spread {spread:g}%)")
         )
-        table.append(f"{criterion['status'].upper():>12}  {criterion['criterion']}: {measured}")
-    return table
+        lines.append(f"{criterion['status'].upper():>12}  {criterion['criterion']}: {measured}")
+    return lines
 
 
 def _shown(value: float | None, unit: str = "") -> str:

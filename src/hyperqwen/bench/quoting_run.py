@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 from hyperqwen.bench.ab_argv import server_command
 from hyperqwen.bench.ab_run import check_vllm_tree
@@ -38,6 +39,21 @@ from hyperqwen.bench.server_process import (
 MEASUREMENTS_SCHEMA = 1
 MEASUREMENTS_KIND = "bench quoting measurements"
 WARM_UP = "warm-up"
+
+
+class ServerPlan(Protocol):
+    """What starting a benchmark's servers reads of its plan (`bench quoting`'s and
+    `bench quoting-ceiling`'s)."""
+
+    model: str | None
+    stock_vllm: str | None
+    patched_vllm: str | None
+    vllm_args: str
+    env_file: str | None
+    server_command: str
+    startup_timeout: float
+    start_together: bool
+    workdir: Path
 
 
 @dataclass(frozen=True)
@@ -119,7 +135,7 @@ class Launch:
     parent: Path
     patches: str
 
-    def server(self, plan: QuotingPlan) -> contextlib.AbstractContextManager[HealthyServer]:
+    def server(self, plan: ServerPlan) -> contextlib.AbstractContextManager[HealthyServer]:
         return running_server(
             self.command,
             self.env,
@@ -130,7 +146,7 @@ class Launch:
         )
 
 
-def launch(plan: QuotingPlan, config: ServerConfig) -> Launch:
+def launch(plan: ServerPlan, config: ServerConfig) -> Launch:
     """The configuration's server command and environment, its vllm/ tree checked."""
     build_tree = plan.stock_vllm if config.build == "vllm" else plan.patched_vllm
     parent = Path(build_tree).resolve()  # type: ignore[arg-type]
@@ -178,7 +194,7 @@ def measure_started(
 
 
 @contextlib.contextmanager
-def all_healthy(plan: QuotingPlan, launches: Sequence[Launch]) -> Iterator[list[HealthyServer]]:
+def all_healthy(plan: ServerPlan, launches: Sequence[Launch]) -> Iterator[list[HealthyServer]]:
     """Every server started at once, yielded once all are healthy; all stopped on exit (also
     when one fails to start: its error is raised once the others are up or have failed)."""
     servers = [started.server(plan) for started in launches]
