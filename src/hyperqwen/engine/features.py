@@ -460,6 +460,10 @@ LOOKUP = Feature(
         "src/hyperqwen/bench/quoting_result.py",
         "src/hyperqwen/bench/quoting_run.py",
         "src/hyperqwen/bench/quoting_tasks.py",
+        "src/hyperqwen/bench/quoting_ceiling.py",
+        "src/hyperqwen/bench/quoting_ceiling_run.py",
+        "src/hyperqwen/bench/quoting_ceiling_result.py",
+        "src/hyperqwen/bench/fixed_drafts.py",
     ),
     knob="LOOKUP",
     owned_knob=Knob(
