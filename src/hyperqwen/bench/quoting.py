@@ -212,20 +212,11 @@ Examples:
 Exit codes: 0 done, 1 a server failed while measured, 2 bad options, trees or start."""
 
 
-def add_subcommands(actions) -> None:
-    """Add `quoting` and `quoting-result` to the `hyperqwen bench` actions."""
-    parser = actions.add_parser(
-        "quoting",
-        help="copy tasks and chat: lookup against vLLM's n-gram drafting, lossless checked",
-        description=QUOTING_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_server_choice_options(parser: argparse.ArgumentParser, configs_help: str) -> None:
+    """MODEL_DIR, --configs and --url: which servers a quoting benchmark measures, and which of
+    them already run."""
     parser.add_argument("model", nargs="?", metavar="MODEL_DIR", help="model folder to serve")
-    parser.add_argument(
-        "--configs",
-        metavar="LIST",
-        help="configurations to measure, comma separated, or all (default: all, or those of --url)",
-    )
+    parser.add_argument("--configs", metavar="LIST", help=configs_help)
     parser.add_argument(
         "--url",
         type=_named_url,
@@ -234,6 +225,20 @@ def add_subcommands(actions) -> None:
         metavar="NAME=URL",
         help="measure the running server at URL as configuration NAME instead of starting it "
         "(repeatable)",
+    )
+
+
+def add_subcommands(actions) -> None:
+    """Add `quoting` and `quoting-result` to the `hyperqwen bench` actions."""
+    parser = actions.add_parser(
+        "quoting",
+        help="copy tasks and chat: lookup against vLLM's n-gram drafting, lossless checked",
+        description=QUOTING_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_server_choice_options(
+        parser,
+        "configurations to measure, comma separated, or all (default: all, or those of --url)",
     )
     add_vllm_tree_options(parser)
     parser.add_argument(

@@ -19,7 +19,12 @@ from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND, ABError
 from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.header import git_commit, gpu_facts, server_version
 from hyperqwen.bench.options import DATE_FORMAT, _positive, add_server_start_options, at_least
-from hyperqwen.bench.quoting import EXIT_BAD_INPUT, EXIT_FAILED, _named_url, _passes
+from hyperqwen.bench.quoting import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    _passes,
+    add_server_choice_options,
+)
 from hyperqwen.bench.quoting_ceiling_result import (
     CEILING_KIND,
     CEILING_SCHEMA,
@@ -328,20 +333,10 @@ def add_subcommands(actions) -> None:
         description=CEILING_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", nargs="?", metavar="MODEL_DIR", help="model folder to serve")
-    parser.add_argument(
-        "--configs",
-        metavar="LIST",
-        help=f"configurations, comma separated: some of k0, k3, k4, k8, k15, "
-        f"{MTP} (default {DEFAULT_CONFIGS}, or those of --url)",
-    )
-    parser.add_argument(
-        "--url",
-        type=_named_url,
-        action="append",
-        default=[],
-        metavar="NAME=URL",
-        help="measure the running server at URL as configuration NAME (repeatable)",
+    add_server_choice_options(
+        parser,
+        f"configurations, comma separated: some of k0, k3, k4, k8, k15, {MTP} (default "
+        f"{DEFAULT_CONFIGS}, or those of --url)",
     )
     parser.add_argument("--stock-vllm", metavar="PARENT_DIR", help="folder holding a stock vllm/")
     parser.add_argument(

@@ -33,7 +33,7 @@ from hyperqwen.bench.quoting_ceiling_run import (
     step_figures,
 )
 from hyperqwen.bench.quoting_configs import LOOKUP
-from hyperqwen.bench.quoting_result import format_criteria, judged, load_measurements, merge
+from hyperqwen.bench.quoting_result import criterion, format_criteria, load_measurements, merge
 from hyperqwen.bench.quoting_tasks import CONTROL_KIND, COPY_KINDS, KINDS
 from hyperqwen.bench.results import (
     ComparisonRow,
@@ -174,13 +174,7 @@ def _spread(*figures: StepFigures | None) -> float | None:
 
 def _criterion(text: str, target: float, value, reference, spread) -> dict:
     ratio = round(value / reference, 3) if value is not None and reference else None
-    return {
-        "criterion": text,
-        "target": target,
-        "value": ratio,
-        "spread_pct": spread,
-        "status": judged(ratio, target, spread),
-    }
+    return criterion(text, target, ratio, spread)
 
 
 def criteria(projections: list[Projection], chat: float | None, chat_step) -> list[dict]:

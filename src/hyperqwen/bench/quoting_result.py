@@ -221,13 +221,17 @@ def _ratio_criterion(text, table, measured, reference, target) -> dict:
         return {"criterion": text, "target": target, "value": None, "spread_pct": None,
                 "status": "not measured"}  # fmt: skip
     ratio = round(table[measured].decode / table[reference].decode, 3)
-    spread = _pair_spread(table[measured], table[reference])
+    return criterion(text, target, ratio, _pair_spread(table[measured], table[reference]))
+
+
+def criterion(text: str, target: float, ratio: float | None, spread_pct: float | None) -> dict:
+    """One judged criterion of a result: its measured ratio against its target."""
     return {
         "criterion": text,
         "target": target,
         "value": ratio,
-        "spread_pct": spread,
-        "status": judged(ratio, target, spread),
+        "spread_pct": spread_pct,
+        "status": judged(ratio, target, spread_pct),
     }
 
 
