@@ -14,6 +14,7 @@ from hyperqwen.bench.copy_tasks import copy_prompts
 from hyperqwen.bench.gdn import add_subcommand as add_gdn_subcommand
 from hyperqwen.bench.header import collect_header, format_header
 from hyperqwen.bench.kernels import add_subcommand as add_kernels_subcommand
+from hyperqwen.bench.needle import add_subcommand as add_needle_subcommand
 from hyperqwen.bench.options import (
     DATE_FORMAT,
     _json_object,
@@ -211,3 +212,4 @@ def add_subcommand(subparsers) -> None:
     add_stepmap_subcommand(actions)
     add_quoting_subcommands(actions)
     add_ceiling_subcommands(actions)
+    add_needle_subcommand(actions)

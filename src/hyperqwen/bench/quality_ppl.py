@@ -90,14 +90,16 @@ def combine(scores: Iterable[SourceScore]) -> SourceScore:
     )
 
 
-def window_nll(window: list[int], prompt_logprobs: list[dict[str, Any] | None]) -> float:
-    """Summed NLL of tokens 2..n of a window, from the prompt_logprobs of its choice."""
+def prompt_token_logprobs(
+    window: list[int], prompt_logprobs: list[dict[str, Any] | None]
+) -> list[float]:
+    """The logprob of each of tokens 2..n of a window, from the prompt_logprobs of its choice."""
     if len(prompt_logprobs) != len(window):
         raise BenchError(
             f"the server returned prompt_logprobs for {len(prompt_logprobs)} positions of a "
             f"{len(window)}-token prompt; is it vLLM with prompt_logprobs support?"
         )
-    total = 0.0
+    logprobs = []
     for position in range(1, len(window)):
         entries = prompt_logprobs[position] or {}
         # JSON object keys are strings: {"1234": {"logprob": -0.5, "rank": 1, ...}}.
@@ -107,11 +109,18 @@ def window_nll(window: list[int], prompt_logprobs: list[dict[str, Any] | None]) 
                 f"prompt_logprobs position {position} lacks the prompt token "
                 f"{window[position]} (has {sorted(entries)})"
             )
-        total -= float(entry["logprob"])
-    return total
+        logprobs.append(float(entry["logprob"]))
+    return logprobs
 
 
-def score_window(client: BenchClient, model: str, window: list[int]) -> float:
+def window_nll(window: list[int], prompt_logprobs: list[dict[str, Any] | None]) -> float:
+    """Summed NLL of tokens 2..n of a window, from the prompt_logprobs of its choice."""
+    return -sum(prompt_token_logprobs(window, prompt_logprobs))
+
+
+def request_prompt_logprobs(client: BenchClient, model: str, window: list[int]) -> list[float]:
+    """The served model's logprob of each of tokens 2..n of `window` (vLLM's prompt_logprobs,
+    which it computes without reading the prefix cache: skip_reading_prefix_cache)."""
     body = {
         "model": model,
         "prompt": window,
@@ -125,7 +134,11 @@ def score_window(client: BenchClient, model: str, window: list[int]) -> float:
             f"{client.base_url}{COMPLETIONS_PATH} answered without prompt_logprobs; perplexity "
             "needs vLLM's OpenAI server (it honours the prompt_logprobs extra field)"
         )
-    return window_nll(window, choice["prompt_logprobs"])
+    return prompt_token_logprobs(window, choice["prompt_logprobs"])
+
+
+def score_window(client: BenchClient, model: str, window: list[int]) -> float:
+    return -sum(request_prompt_logprobs(client, model, window))
 
 
 def cut_windows(

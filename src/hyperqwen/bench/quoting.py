@@ -35,7 +35,13 @@ from hyperqwen.bench.quoting_result import (
     load_measurements,
     merge,
 )
-from hyperqwen.bench.quoting_run import QuotingPlan, measurements_document, run_configs, save
+from hyperqwen.bench.quoting_run import (
+    QuotingPlan,
+    measure_quoting,
+    measurements_document,
+    run_configs,
+    save,
+)
 from hyperqwen.bench.quoting_tasks import KINDS, MAX_TOKENS, prompt_facts, quoting_tasks
 from hyperqwen.bench.results import ResultFileError
 from hyperqwen.bench.server_process import ServerStartError
@@ -146,7 +152,7 @@ def cmd_quoting(args: argparse.Namespace) -> int:
         print(f"hyperqwen bench quoting: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        run_configs(plan, tasks, document)
+        run_configs(plan, lambda client: measure_quoting(client, plan, tasks), document)
     except (ABError, ServerStartError, BenchError) as error:
         kept = f" (measured before: {', '.join(document['configs'])}, in {plan.out})"
         print(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,6 +54,20 @@ class ServerPlan(Protocol):
     startup_timeout: float
     start_together: bool
     workdir: Path
+
+
+class ConfigsPlan(ServerPlan, Protocol):
+    """What run_configs reads of a plan that measures server configurations in turn (`bench
+    quoting`'s and `bench needle`'s)."""
+
+    configs: tuple[ServerConfig, ...]
+    urls: dict[str, str]
+    timeout: float
+    out: Path
+
+
+# What a benchmark measures on one healthy server: its part of the configuration's record.
+Measure = Callable[[BenchClient], dict]
 
 
 @dataclass(frozen=True)
@@ -170,15 +184,15 @@ def _record(config: ServerConfig) -> dict:
     }
 
 
-def measure_given(plan: QuotingPlan, config: ServerConfig, tasks: dict[str, list[Task]]) -> dict:
+def measure_given(plan: ConfigsPlan, config: ServerConfig, measure: Measure) -> dict:
     """A configuration whose server runs at its --url."""
     print(f"== {config.name}: the server at {plan.urls[config.name]}", flush=True)
     client = BenchClient(plan.urls[config.name], None, plan.timeout)
-    return {**_record(config), "url": client.base_url, **_measure(client, plan, tasks)}
+    return {**_record(config), "url": client.base_url, **measure(client)}
 
 
 def measure_started(
-    plan: QuotingPlan, started: Launch, healthy: HealthyServer, tasks: dict[str, list[Task]]
+    plan: ConfigsPlan, started: Launch, healthy: HealthyServer, measure: Measure
 ) -> dict:
     """A configuration whose server this run started and that is healthy now."""
     print(f"== {started.config.name}: measuring ({started.base})", flush=True)
@@ -189,7 +203,7 @@ def measure_started(
         "patches": started.patches,
         "startup_s": round(healthy.startup_s, 2),
         "log": str(started.log),
-        **_measure(BenchClient(started.base, None, plan.timeout), plan, tasks),
+        **measure(BenchClient(started.base, None, plan.timeout)),
     }
 
 
@@ -213,7 +227,8 @@ def all_healthy(plan: ServerPlan, launches: Sequence[Launch]) -> Iterator[list[H
         yield healthy
 
 
-def _measure(client: BenchClient, plan: QuotingPlan, tasks: dict[str, list[Task]]) -> dict:
+def measure_quoting(client: BenchClient, plan: QuotingPlan, tasks: dict[str, list[Task]]) -> dict:
+    """`bench quoting`'s part of a configuration's record."""
     model, max_model_len = served_model(client, None)
     check_fit(client, model, max_model_len, tasks)
     return {
@@ -239,7 +254,7 @@ def measurements_document(plan: QuotingPlan, command: str, prompts: dict) -> dic
     }
 
 
-def run_configs(plan: QuotingPlan, tasks: dict[str, list[Task]], document: dict) -> dict:
+def run_configs(plan: ConfigsPlan, measure: Measure, document: dict) -> dict:
     """Measure every configuration of the plan in turn, writing the document after each.
     Servers started here start one after another, or (--start-together) all at once before the
     first is measured: a starting server's compilation and graph capture would share the GPU
@@ -251,18 +266,18 @@ def run_configs(plan: QuotingPlan, tasks: dict[str, list[Task]], document: dict)
 
     for config in plan.configs:
         if config.name in plan.urls:
-            keep(config.name, measure_given(plan, config, tasks))
+            keep(config.name, measure_given(plan, config, measure))
     launched = [config for config in plan.configs if config.name not in plan.urls]
     if plan.start_together:
         launches = [launch(plan, config) for config in launched]
         with all_healthy(plan, launches) as healthy:
             for started, server in zip(launches, healthy, strict=True):
-                keep(started.config.name, measure_started(plan, started, server, tasks))
+                keep(started.config.name, measure_started(plan, started, server, measure))
         return document
     for config in launched:
         started = launch(plan, config)
         with started.server(plan) as server:
-            keep(config.name, measure_started(plan, started, server, tasks))
+            keep(config.name, measure_started(plan, started, server, measure))
     return document
 
 
