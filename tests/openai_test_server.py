@@ -37,6 +37,7 @@ import contextlib
 import gzip
 import json
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -59,6 +60,19 @@ def record(event: str, **facts: float) -> None:
 
 def not_recorded(event: str, **facts: float) -> None:
     """build_app's default: an app served inside another program logs nothing."""
+
+
+NEEDLE = re.compile(r"magic number for (\w+) is (\d+)\.")
+
+
+def recalled(prompt: list[int], recall_within: int) -> str:
+    """A needle test's answer: the value of the last needle sentence in the prompt (ids are
+    code points) when it starts within recall_within tokens of the end, else a wrong number."""
+    text = "".join(map(chr, prompt))
+    needles = list(NEEDLE.finditer(text))
+    if needles and len(text) - needles[-1].start() <= recall_within:
+        return f" {needles[-1].group(2)}."
+    return " 0."
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
@@ -91,6 +105,24 @@ def build_app(
         name: prometheus_client.Counter(f"vllm:spec_decode_{name}", name, registry=registry)
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
     }
+    prefix_cache = (
+        {
+            name: prometheus_client.Counter(f"vllm:prefix_cache_{name}", name, registry=registry)
+            for name in ("queries", "hits")
+        }
+        if behaviour.get("prefix_cache")
+        else {}
+    )
+    seen_prompts: set[tuple[int, ...]] = set()
+
+    def count_prefix_cache(prompt: list[int]) -> None:
+        """As vLLM's counters, in tokens: a prompt seen before is all hits (whole blocks aside,
+        which a stand-in need not model)."""
+        if prefix_cache:
+            prefix_cache["queries"].inc(len(prompt))
+            prefix_cache["hits"].inc(len(prompt) if tuple(prompt) in seen_prompts else 0)
+            seen_prompts.add(tuple(prompt))
+
     histograms = {
         name: prometheus_client.Histogram(f"vllm:{name}_seconds", name, registry=registry)
         for name in ("e2e_request_latency", "request_time_per_output_token")
@@ -171,12 +203,16 @@ def build_app(
             logprob = {"logprob": behaviour["prompt_logprob"], "rank": 1}
             scored = [None] + [{str(token): logprob} for token in prompt[1:]]
             return JSONResponse({"choices": [{"index": 0, "text": "x", "prompt_logprobs": scored}]})
+        if isinstance(prompt, list) and "recall_within" in behaviour:
+            answer = [recalled(prompt, behaviour["recall_within"])]
+            count_prefix_cache(prompt)
+        else:
+            answer = ["t"] * max_tokens
 
         def chunk(text: str) -> str:
             choice = {"index": 0, "text": text, "finish_reason": None}
             return f"data: {json.dumps({'choices': [choice]})}\n\n"
 
-        answer = ["t"] * max_tokens
         return StreamingResponse(stream(answer, len(prompt), chunk), media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
