@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from hyperqwen.bench.ab_argv import PREVIEW_PORT
 from hyperqwen.bench.ab_plan import ABError
 from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.header import git_commit, gpu_facts
@@ -101,7 +102,7 @@ def needle_plan(args: argparse.Namespace) -> NeedlePlan:
         raise ABError(f"--vllm-args {args.vllm_args!r} cannot be read: {error}") from None
     for config in started:  # the profile refuses a bad knob now, not after other servers ran
         try:
-            config.serve(Path(args.model), 0, args.vllm_args, args.env_file, Path())
+            config.serve(Path(args.model), PREVIEW_PORT, args.vllm_args, args.env_file, Path())
         except ABError as error:
             raise ABError(f"KV={config.name} (with --knobs {args.knobs!r}): {error}") from None
     workdir = Path(args.workdir)
