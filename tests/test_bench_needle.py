@@ -207,6 +207,24 @@ def test_given_servers_measured_judged_and_written(tmp_path, capsys) -> None:
     assert "agreement" not in summary["configs"]["auto"]
 
 
+def test_needles_alone_skip_the_logprobs(tmp_path) -> None:
+    out = tmp_path / "needles.json"
+    with (
+        stand_in(tmp_path, "auto", behaviour(-0.5)) as auto,
+        stand_in(tmp_path, "kvarn", behaviour(-0.6)) as kvarn,
+    ):
+        argv = ["bench", "needle", "--url", f"auto={auto}", "--url", f"kvarn={kvarn}"]
+        argv += ["--depths", "1000", "--positions", "0.5", "--skip-logprobs", "--out", str(out)]
+        assert run_in_process(*argv) == 0
+    document = json.loads(out.read_text())
+    assert "--skip-logprobs" in document["command"] and document["plan"]["passes"] == 0
+    assert document["configs"]["kvarn"]["prompt_logprobs"] == {}
+    assert document["summary"]["configs"]["kvarn"]["agreement"] == {}
+    assert document["summary"]["configs"]["kvarn"]["needle_pass_rate"] == {
+        "1000": {"cold": 1.0, "reused": 1.0}
+    }
+
+
 def test_refusals_name_the_option(tmp_path, capsys) -> None:
     with stand_in(tmp_path, "auto", behaviour(-0.5)) as auto:
         given = ["bench", "needle", "--url", f"auto={auto}"]

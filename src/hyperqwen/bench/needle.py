@@ -113,7 +113,7 @@ def needle_plan(args: argparse.Namespace) -> NeedlePlan:
         urls=urls,
         depths=args.depths,
         positions=args.positions,
-        passes=args.passes,
+        passes=0 if args.skip_logprobs else args.passes,
         seed=args.seed,
         knobs=" ".join(f"{name}={value}" for name, value in knobs.items()),
         vllm_args=args.vllm_args,
@@ -146,7 +146,8 @@ def equivalent_command(plan: NeedlePlan) -> str:
         command += ["--url", f"{name}={url}"]
     command += ["--depths", ",".join(map(depth_name, plan.depths))]
     command += ["--positions", ",".join(f"{position:g}" for position in plan.positions)]
-    command += ["--passes", str(plan.passes), "--seed", str(plan.seed), f"--knobs={plan.knobs}"]
+    command += ["--passes", str(plan.passes)] if plan.passes else ["--skip-logprobs"]
+    command += ["--seed", str(plan.seed), f"--knobs={plan.knobs}"]
     for option, value in (("--patched-vllm", plan.patched_vllm), ("--env-file", plan.env_file)):
         command += [option, value] if value else []
     if plan.vllm_args:
@@ -248,6 +249,12 @@ def add_subcommand(actions) -> None:
         default=2,
         metavar="N",
         help="prompt_logprobs passes per depth (default 2; the spread needs two)",
+    )
+    parser.add_argument(
+        "--skip-logprobs",
+        action="store_true",
+        help="needle trials only, no prompt_logprobs (dummy weights: their logprobs judge "
+        "nothing, and a long prompt's logprobs take the most time and memory)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, metavar="N", help="seed of the needles (default 0)"

@@ -47,6 +47,7 @@ class NeedlePlan:
     depths: tuple[int, ...]
     positions: tuple[float, ...]
     passes: int
+    """prompt_logprobs passes per depth; 0: none (dummy weights' logprobs judge nothing)."""
     seed: int
     knobs: str
     vllm_args: str
@@ -182,5 +183,9 @@ def measure_needle(client: BenchClient, plan: NeedlePlan) -> dict:
         "version": server_version(client),
         "haystack": facts,
         "trials": needle_trials(client, model, haystack, plan, nonce),
-        "prompt_logprobs": prompt_logprobs(client, model, haystack, plan.depths, plan.passes),
+        "prompt_logprobs": (
+            prompt_logprobs(client, model, haystack, plan.depths, plan.passes)
+            if plan.passes
+            else {}
+        ),
     }
