@@ -148,12 +148,14 @@ def needle_trials(
                 "reused": reused,
                 "reuse": reuse_status(reused),
             })  # fmt: skip
-            print(f"   {label}: cold {_word(cold)}, reused {_word(reused)}", flush=True)
+            print(f"   {label}: cold {_said(cold)}, reused {_said(reused)}", flush=True)
     return trials
 
 
-def _word(answer: dict) -> str:
-    return "pass" if answer["passed"] else "FAIL"
+def _said(answer: dict) -> str:
+    cached = answer["prefix_cache_hit_tokens"]
+    hits = "" if cached is None else f", {cached:.0f} tokens from the prefix cache"
+    return f"{'pass' if answer['passed'] else 'FAIL'} (TTFT {answer['ttft_s']:.2f} s{hits})"
 
 
 def prompt_logprobs(
