@@ -220,6 +220,11 @@ def test_needles_alone_skip_the_logprobs(tmp_path) -> None:
     assert "--skip-logprobs" in document["command"] and document["plan"]["passes"] == 0
     assert document["configs"]["kvarn"]["prompt_logprobs"] == {}
     assert document["summary"]["configs"]["kvarn"]["agreement"] == {}
+    alone = tmp_path / "alone.json"
+    with stand_in(tmp_path, "kvarn", behaviour(-0.6)) as kvarn:
+        argv = ["bench", "needle", "--url", f"kvarn={kvarn}", "--depths", "1000"]
+        assert run_in_process(*argv, "--skip-logprobs", "--out", str(alone)) == 0
+    assert list(json.loads(alone.read_text())["configs"]) == ["kvarn"]  # no baseline needed
     assert document["summary"]["configs"]["kvarn"]["needle_pass_rate"] == {
         "1000": {"cold": 1.0, "reused": 1.0}
     }

@@ -85,7 +85,7 @@ def needle_plan(args: argparse.Namespace) -> NeedlePlan:
             f"--url {unknown[0]}=...: no such KV choice; name one of {', '.join(configs)}"
         )
     measured = chosen(args.configs or (",".join(urls) if urls else "all"), configs)
-    if BASELINE not in {config.name for config in measured}:
+    if not args.skip_logprobs and BASELINE not in {config.name for config in measured}:
         measured.insert(0, configs[BASELINE])  # the agreement needs bf16 KV's logprobs
     started = [config for config in measured if config.name not in urls]
     if started and (not args.model or not (Path(args.model) / "config.json").is_file()):
@@ -203,10 +203,11 @@ prefix cache); the summary gives per depth the mean |logprob difference| to KV=a
 perplexity delta, judged against +2 % for the 4-bit class where it lies beyond the pass-to-pass
 spread ("decides nothing" otherwise).
 
-Configurations (--configs): the KV choices ({", ".join(KV_CHOICES)}); KV=auto is always
-measured. Each is the profile (`hyperqwen serve single`, vLLM from --patched-vllm) with --knobs
-and KV=NAME, started here in turn, all at once with --start-together, or given by --url
-NAME=URL. Writes --out after every configuration, with the summary at the end.
+Configurations (--configs): the KV choices ({", ".join(KV_CHOICES)}); KV=auto is
+measured too unless --skip-logprobs. Each is the profile (`hyperqwen serve single`, vLLM from
+--patched-vllm) with --knobs and KV=NAME, started here in turn, all at once with
+--start-together, or given by --url NAME=URL. Writes --out after every configuration, with
+the summary at the end.
 
 Examples:
   hyperqwen bench needle /tmp/smollm2 --patched-vllm /tmp/gpu-kit/vllm-patched \\
