@@ -20,6 +20,7 @@ from hyperqwen.bench.client import BenchError
 from hyperqwen.bench.needle import kv_configs
 from hyperqwen.bench.needle_haystack import ANSWER_TOKENS, Needle, parse_depth, place
 from hyperqwen.bench.needle_result import agreement, four_bit_class, judged_delta, pass_rates
+from hyperqwen.bench.results import load_result
 from hyperqwen.kv_choices import KV_CHOICES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,6 +206,14 @@ def test_given_servers_measured_judged_and_written(tmp_path, capsys) -> None:
     assert int4_agreement["status"] == "met"
     assert summary["configs"]["fp8"]["agreement"]["2048"]["status"] == "no target"
     assert "agreement" not in summary["configs"]["auto"]
+    result, rows = load_result(out.with_suffix(".result.json"))  # docs/results' format
+    named = {row.name: row for row in rows}
+    ppl = named["int4_per_token_head_1k_ppl"]
+    assert (ppl.stock, ppl.patched) == (round(math.exp(0.5), 4), round(math.exp(0.51), 4))
+    assert named["fp8_2k_needle_reused"].stock == named["fp8_2k_needle_reused"].patched == 1 / 3
+    assert named["auto_1k_needle_cold"].stock == 2 / 3 and "auto_1k_ppl" not in named
+    assert named["fp8_1k_cold_ttft"].unit == "s" and named["fp8_1k_cold_ttft"].patched > 0
+    assert result["summary"] == summary and "prompt_logprobs" not in json.dumps(result)
 
 
 def test_needles_alone_skip_the_logprobs(tmp_path) -> None:

@@ -20,7 +20,7 @@ from hyperqwen.bench.ab_plan import ABError
 from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.header import git_commit, gpu_facts
 from hyperqwen.bench.needle_haystack import depth_name, parse_depth
-from hyperqwen.bench.needle_result import BASELINE, format_table, summary
+from hyperqwen.bench.needle_result import BASELINE, build_result, format_table, summary
 from hyperqwen.bench.needle_run import NeedlePlan, depth_refusal, measure_needle
 from hyperqwen.bench.options import (
     DATE_FORMAT,
@@ -182,8 +182,13 @@ def cmd_needle(args: argparse.Namespace) -> int:
         return EXIT_FAILED if isinstance(error, BenchError) else EXIT_BAD_INPUT
     document["summary"] = summary(document["configs"])
     save(plan.out, document)
+    result = plan.out.with_suffix(".result.json")
+    save(result, build_result(document))
     print("\n".join(format_table(document["summary"])))
-    print(f"wrote {plan.out}")
+    print(
+        f"wrote {plan.out} (the measurements) and {result} (the rows; publish with: hyperqwen "
+        f"bench publish {result} --name NAME)"
+    )
     return 0
 
 
@@ -206,8 +211,9 @@ spread ("decides nothing" otherwise).
 Configurations (--configs): the KV choices ({", ".join(KV_CHOICES)}); KV=auto is
 measured too unless --skip-logprobs. Each is the profile (`hyperqwen serve single`, vLLM from
 --patched-vllm) with --knobs and KV=NAME, started here in turn, all at once with
---start-together, or given by --url NAME=URL. Writes --out after every configuration, with
-the summary at the end.
+--start-together, or given by --url NAME=URL. Writes --out (the measurements) after every
+configuration, with the summary at the end, and beside it OUT.result.json in docs/results'
+format (stock: KV=auto; patched: the KV choice), for `hyperqwen bench publish`.
 
 Examples:
   hyperqwen bench needle /tmp/smollm2 --patched-vllm /tmp/gpu-kit/vllm-patched \\

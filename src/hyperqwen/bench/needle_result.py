@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 from hyperqwen.bench.needle_haystack import depth_name
+from hyperqwen.bench.quoting_result import vllm_fact
+from hyperqwen.bench.results import ComparisonRow, comparison_row, result_document
 from hyperqwen.capacity import attention_token_bytes
 from hyperqwen.kv_choices import KV_CHOICES
 
@@ -137,3 +140,64 @@ def format_table(judged: dict) -> list[str]:
                 f"{rates['reused']:>8.0%}{figures}"
             )
     return lines
+
+
+def result_rows(configs: dict[str, dict], judged: dict) -> list[ComparisonRow]:
+    """docs/results' rows: per KV choice and depth, stock = KV=auto and patched = the choice:
+    perplexity over the haystack, needle pass rates cold and reused, and the cold TTFT."""
+    base = configs.get(BASELINE)
+    rows = []
+    for name, entry in judged["configs"].items():
+        for depth, rates in entry["needle_pass_rate"].items():
+            prefix = f"{name}_{depth_name(int(depth))}"
+            auto = judged["configs"][BASELINE]["needle_pass_rate"][depth] if base else None
+            if agreed := entry.get("agreement", {}).get(depth):
+                rows.append(
+                    comparison_row(f"{prefix}_ppl", "ppl", agreed["ppl_baseline"], agreed["ppl"])
+                )
+            for state in ("cold", "reused"):
+                rows.append(
+                    comparison_row(
+                        f"{prefix}_needle_{state}", "pass rate", auto and auto[state], rates[state]
+                    )
+                )
+            rows.append(
+                comparison_row(
+                    f"{prefix}_cold_ttft",
+                    "s",
+                    base and _mean_cold_ttft(base, depth),
+                    _mean_cold_ttft(configs[name], depth),
+                )
+            )
+    return rows
+
+
+def _mean_cold_ttft(record: dict, depth: str) -> float | None:
+    ttfts = [t["cold"]["ttft_s"] for t in record["trials"] if str(t["depth"]) == depth]
+    return round(sum(ttfts) / len(ttfts), 4) if ttfts else None
+
+
+def build_result(document: dict) -> dict:
+    """The docs/results document of a `bench needle` run's measurements (its summary made
+    first): the rows, the judged summary and the plan, without the per-token logprobs."""
+    configs = document["configs"]
+    served = sorted({record["served_model"] for record in configs.values()})
+    facts = {
+        "gpu": document["gpu"],
+        "vllm": vllm_fact(configs),
+        "commit": document["commit"],
+        "date": document["date"],
+        "command": document["command"],
+        "model": f"{Path(document['plan']['model'] or served[0]).name} (served as "
+        f"{', '.join(served)})",
+    }
+    return result_document(
+        facts,
+        result_rows(configs, document["summary"]),
+        summary=document["summary"],
+        plan=document["plan"],
+        notes=[
+            "stock = KV=auto (the bf16 cache), patched = the KV choice named by the row; "
+            "pass rate: the share of needle positions answered",
+        ],
+    )

@@ -313,7 +313,7 @@ def _ordered(configs: dict[str, dict]) -> dict[str, dict]:
     )
 
 
-def _vllm_fact(records: dict[str, dict]) -> str:
+def vllm_fact(records: dict[str, dict]) -> str:
     builds = {}
     for record in records.values():
         patches = record.get("patches", "patch state not checked: a given server")
@@ -332,7 +332,7 @@ def build_result(merged: dict, merge_command: str = "") -> tuple[dict, list[Comp
     served = sorted({record["served_model"] for record in records.values()})
     facts = {
         "gpu": merged["gpu"],
-        "vllm": _vllm_fact(records),
+        "vllm": vllm_fact(records),
         "commit": merged["commit"],
         "date": merged["date"],
         "command": " && ".join(filter(None, [*merged["command"], merge_command])),
