@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from hyperqwen.bench.ab_argv import PREVIEW_PORT
-from hyperqwen.bench.ab_plan import ABError
+from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND, ABError
 from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.header import git_commit, gpu_facts
 from hyperqwen.bench.needle_haystack import depth_name, parse_depth
@@ -152,6 +152,8 @@ def equivalent_command(plan: NeedlePlan) -> str:
         command += [option, value] if value else []
     if plan.vllm_args:
         command.append(f"--vllm-args={plan.vllm_args}")
+    if plan.server_command != DEFAULT_SERVER_COMMAND:
+        command += ["--server-command", plan.server_command]
     command += ["--start-together"] * plan.start_together
     return shlex.join([*command, "--out", str(plan.out)])
 
