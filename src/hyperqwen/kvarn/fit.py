@@ -87,6 +87,8 @@ def compile_for(name: str, arch: int, d: int = HEAD_DIM_27B):
     }
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
     options = {"num_warps": warps, "num_stages": stages}
+    if name == "store":
+        options |= store.EXACT_ARITHMETIC
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
