@@ -123,3 +123,6 @@ def test_a_few_ulps_move_a_grid_only_near_a_tie():
     moved = (moved_scale != scale) | (moved_zero != zero)
     assert ((moved_scale - scale).abs() > 2**-10 * scale).any()
     assert (margin[moved] < TIE_MARGIN).all()
+    # the tile whose v_scale failed the old bit-equality test on the H200: tile 6, head 0, where
+    # IEEE fp32 on the CPU takes the other branch at token 9
+    assert margin[6, 0, 9] < TIE_MARGIN
