@@ -2,6 +2,7 @@
 block), compiled here for sm86 at the 27B's shapes by `python -m hyperqwen.kvarn.fit` (no GPU
 needed). The store and dequantize kernels needed 129 KB when they rotated a whole tile with one
 dot; a kernel that outgrows the limit fails to launch on those cards, which this catches first.
+The same compile checks that the store kernel's PTX divides and takes roots correctly rounded.
 
 The command runs in its own Python: the test session sets TRITON_INTERPRET=1 (conftest), under
 which Triton interprets kernels instead of compiling them."""
@@ -21,10 +22,13 @@ def test_every_kernel_fits_99_kb_of_shared_memory():
     command = [sys.executable, "-m", "hyperqwen.kvarn.fit", "--json", "86"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    sizes = {name: sm86["shared"] for name, sm86 in json.loads(done.stdout)["86"].items()}
+    compiled = json.loads(done.stdout)["86"]
+    sizes = {name: sm86["shared"] for name, sm86 in compiled.items()}
     assert set(sizes) == set(KERNELS)
     too_big = {name: size for name, size in sizes.items() if not 0 < size <= SHARED_LIMIT[86]}
     assert not too_big, f"over sm86's {SHARED_LIMIT[86]} bytes: {too_big}"
+    # the store's fp32 rounds as the interpreter's does (store.py): no approximate / or sqrt
+    assert compiled["store"]["approximate_math"] == 0, compiled["store"]
 
 
 def test_the_command_refuses_to_run_interpreted():

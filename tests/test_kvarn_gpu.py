@@ -1,6 +1,8 @@
 """KVarN's kernels compiled on the GPU at full size, against the float64 reference: 64 tiles
 of the 27B's 4 KV heads of head_dim 256 in a pool past 2^32 bytes (int32 block ids, as
-vLLM's block tables are), bytes outside the named blocks left alone, outputs poisoned; the
+vLLM's block tables are) judged by tests/kvarn_encoding.py's criterion (exact away from
+ties; a failure lists each violation's first place and the worst tile's error ratio), bytes
+outside the named blocks left alone, outputs poisoned; the
 decode kernel at the 27B's 24 / 4 heads with its 16-bit dot operands, decodes and verify
 blocks, in a pool past 2^32 bytes."""
 

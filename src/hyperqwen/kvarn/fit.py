@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import triton
@@ -87,17 +88,29 @@ def compile_for(name: str, arch: int, d: int = HEAD_DIM_27B):
     }
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
     options = {"num_warps": warps, "num_stages": stages}
+    if name == "store":
+        options |= store.EXACT_ARITHMETIC
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
+# PTX of divisions and roots that are not correctly rounded (Triton's `/` and tl.sqrt)
+APPROXIMATE_MATH = re.compile(r"\b(div\.full|div\.approx|sqrt\.approx|rsqrt\.approx|rcp\.approx)\.")
+
+
 def footprint(name: str, arch: int) -> dict[str, int]:
-    """Shared memory bytes, and register spill stores (STL) in its SASS: spills are not an
-    error, but local memory traffic that a decode kernel's time pays for."""
+    """Shared memory bytes, register spill stores (STL) in its SASS (not an error, but local
+    memory traffic that a decode kernel's time pays for), and approximate divisions and
+    roots in its PTX (the store kernel must have none: store.py)."""
     from hyperqwen.bench.sass import disassemble
 
     compiled = compile_for(name, arch)
     stores = disassemble(compiled.asm["cubin"]).count(" STL")
-    return {"shared": compiled.metadata.shared, "spill_stores": stores}
+    approximate = len(APPROXIMATE_MATH.findall(compiled.asm["ptx"]))
+    return {
+        "shared": compiled.metadata.shared,
+        "spill_stores": stores,
+        "approximate_math": approximate,
+    }
 
 
 KERNELS = tuple(_launches(HEAD_DIM_27B))

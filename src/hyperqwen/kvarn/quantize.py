@@ -93,10 +93,19 @@ def codes_on_grid(y: torch.Tensor, scale, zero, levels: int) -> torch.Tensor:
 def fit_grid(y: torch.Tensor, levels: int, dim: int, rounds: int = GRID_ROUNDS):
     """Step 3's scale and zero of each group of y [..., T, D], the groups running along `dim`
     (-2: one grid per channel, -1: one per token), as fp16 values in float64, keepdim shapes."""
+    scale, zero, _ = _fitted_grid(y, levels, dim, rounds)
+    return to_fp16_values(scale), to_fp16_values(zero)
+
+
+def _fitted_grid(y: torch.Tensor, levels: int, dim: int, rounds: int):
+    """fit_grid before the fp16 rounding, and each group's smallest code margin over its
+    rounds (code_margin)."""
     low, high = y.amin(dim=dim, keepdim=True), y.amax(dim=dim, keepdim=True)
     zero = low
     scale = ((high - low) / levels).clamp_min(MIN_STEP)
+    margin = torch.full_like(low, torch.inf)
     for _ in range(rounds):
+        margin = torch.minimum(margin, code_margin(y, scale, zero, levels).amin(dim, True))
         q = codes_on_grid(y, scale, zero, levels)
         q_dev = q - q.mean(dim=dim, keepdim=True)
         y_mean = y.mean(dim=dim, keepdim=True)
@@ -105,7 +114,48 @@ def fit_grid(y: torch.Tensor, levels: int, dim: int, rounds: int = GRID_ROUNDS):
         fitted = cov / torch.where(var > 0, var, 1.0)
         scale = torch.where(var > 0, fitted.clamp_min(MIN_STEP), scale)
         zero = torch.where(var > 0, y_mean - fitted * q.mean(dim=dim, keepdim=True), zero)
-    return to_fp16_values(scale.clamp_min(MIN_STEP)), to_fp16_values(zero)
+    return scale.clamp_min(MIN_STEP), zero, margin
+
+
+# Tie margins. The encoding is discontinuous: a value on a grid midpoint or an fp16 rounding
+# boundary flips a code or a stored step, and the next least-squares refit of the grid then
+# jumps (a token's 2-bit v_scale by several fp16 steps for one flipped code). A computation in
+# other arithmetic (the kernels' fp32) reaches this reference's result exactly only where
+# every decision is further from its flip point than its own error; the margins below are that
+# distance, relative to the magnitudes the decision is computed from.
+
+
+def code_margin(y: torch.Tensor, scale, zero, levels: int) -> torch.Tensor:
+    """Per element of y: its distance from the nearest point where codes_on_grid flips, in
+    y's units, relative to |y| + |zero| + scale."""
+    u = (y - zero) / scale
+    flip = u.floor().clamp(0, levels - 1) + 0.5
+    return (u - flip).abs() * scale / (y.abs() + zero.abs() + scale)
+
+
+def fp16_rounding_gap(x: torch.Tensor) -> torch.Tensor:
+    """Distance of each x (float64) from the nearest point where its fp16 rounding flips."""
+    x16 = x.to(torch.float16)
+    up = torch.nextafter(x16, torch.full_like(x16, torch.inf)).to(torch.float64)
+    down = torch.nextafter(x16, torch.full_like(x16, -torch.inf)).to(torch.float64)
+    x16 = x16.to(torch.float64)
+    return torch.minimum((x16 + up) / 2 - x, x - (x16 + down) / 2).abs()
+
+
+def fit_grid_margin(y: torch.Tensor, levels: int, dim: int, rounds: int = GRID_ROUNDS):
+    """Each group's tie margin for fit_grid(y, levels, dim), keepdim: the smallest over its
+    rounds' codes, the fp16 rounding of scale (relative to it) and zero (relative to
+    |zero| + scale * levels) and the final codes."""
+    scale, zero, margin = _fitted_grid(y, levels, dim, rounds)
+    final = code_margin(y, to_fp16_values(scale), to_fp16_values(zero), levels)
+    return torch.stack(
+        (
+            margin,
+            fp16_rounding_gap(scale) / scale,
+            fp16_rounding_gap(zero) / (zero.abs() + scale * levels),
+            final.amin(dim=dim, keepdim=True),
+        )
+    ).amin(dim=0)
 
 
 def quantize_rotated(

@@ -8,9 +8,16 @@ never touched, and every write lands in a block named by the caller in the same 
 deferred flush that could reach a page after it was recycled). Pool addresses are computed in
 int64: a 27B layer's pool of 4 KV heads passes 2^31 bytes at about 20k blocks (2.6M tokens).
 
-Where quantize.py (float64) and this kernel (fp32) round a value lying within float error of
-a grid midpoint, or of an fp16 rounding boundary, they may disagree by one code or one fp16
-step; the tests bound how often and how much.
+Arithmetic: divisions and square roots are the correctly rounded ones (`div_rn`, `sqrt_rn`)
+and the launch turns off FMA contraction (EXACT_ARITHMETIC), so each elementwise step rounds
+as IEEE fp32 does, which is what the Triton interpreter computes on the CPU: Triton's `/` and
+`tl.sqrt` compile to approximate `div.full.f32` (2 ulp) and `sqrt.approx.ftz.f32`, and ptxas
+fuses multiply-adds. Only the summation order of `tl.sum` still differs between the two.
+Where quantize.py (float64) and this kernel (fp32) decide a value lying within float error of
+a grid midpoint or an fp16 rounding boundary, they may take different branches: a code flips
+and the least-squares refit then moves the group's grid by several fp16 steps. The tests
+(tests/kvarn_encoding.py) demand exact agreement away from such ties and, near them, a valid
+encoding of the reference's quality.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from hyperqwen.kvarn.layout import TileLayout
 # how many channels (keys) or tokens (values) the store quantizes at a time
 K_COLUMNS, V_ROWS = 64, 32
 STORE_WARPS = 8
+# compile options of the launch (fit.py compiles with them too): no multiply-add contraction
+EXACT_ARITHMETIC = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -58,7 +67,7 @@ def _rotated_rows(src, rows, stride_t, first_out, T: tl.constexpr, D: tl.constex
 
 @triton.jit
 def _grid_codes(y, scale, zero, LEVELS: tl.constexpr):
-    q = tl.floor((y - zero) / scale + 0.5)
+    q = tl.floor(tl.math.div_rn(y - zero, scale) + 0.5)
     return tl.minimum(tl.maximum(q, 0.0), LEVELS)
 
 
@@ -67,15 +76,16 @@ def _fit_grid(y, LEVELS: tl.constexpr, AXIS: tl.constexpr, GROUP: tl.constexpr,
               ROUNDS: tl.constexpr, MIN_STEP: tl.constexpr):  # fmt: skip
     """quantize.fit_grid: scale and zero of each group along AXIS, fp16-rounded, keep_dims."""
     zero = tl.min(y, axis=AXIS, keep_dims=True)
-    scale = tl.maximum((tl.max(y, axis=AXIS, keep_dims=True) - zero) / LEVELS, MIN_STEP)
+    scale = tl.maximum(tl.math.div_rn(tl.max(y, axis=AXIS, keep_dims=True) - zero, LEVELS * 1.0),
+                       MIN_STEP)  # fmt: skip
     for _ in tl.static_range(ROUNDS):
         q = _grid_codes(y, scale, zero, LEVELS)
-        q_mean = tl.sum(q, axis=AXIS, keep_dims=True) / GROUP
-        y_mean = tl.sum(y, axis=AXIS, keep_dims=True) / GROUP
+        q_mean = tl.math.div_rn(tl.sum(q, axis=AXIS, keep_dims=True), GROUP * 1.0)
+        y_mean = tl.math.div_rn(tl.sum(y, axis=AXIS, keep_dims=True), GROUP * 1.0)
         q_dev = q - q_mean
-        var = tl.sum(q_dev * q_dev, axis=AXIS, keep_dims=True) / GROUP
-        cov = tl.sum(q_dev * (y - y_mean), axis=AXIS, keep_dims=True) / GROUP
-        fitted = cov / tl.where(var > 0, var, 1.0)
+        var = tl.math.div_rn(tl.sum(q_dev * q_dev, axis=AXIS, keep_dims=True), GROUP * 1.0)
+        cov = tl.math.div_rn(tl.sum(q_dev * (y - y_mean), axis=AXIS, keep_dims=True), GROUP * 1.0)
+        fitted = tl.math.div_rn(cov, tl.where(var > 0, var, 1.0))
         scale = tl.where(var > 0, tl.maximum(fitted, MIN_STEP), scale)
         zero = tl.where(var > 0, y_mean - fitted * q_mean, zero)
     scale = tl.maximum(scale, MIN_STEP).to(tl.float16).to(tl.float32)
@@ -104,16 +114,17 @@ def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr,
         sums = tl.zeros((T, 1), tl.float32)
         for first in range(0, D, K_COLUMNS):
             x = _rotated_rows(k_src, rows, stride_kt, first, T, D, K_COLUMNS)
-            xr = x / r
-            c = tl.maximum(tl.sqrt(tl.sum(xr * xr, axis=0, keep_dims=True) / T), MIN_SCALE)
-            xc = x / c
+            xr = tl.math.div_rn(x, r)
+            squares = tl.math.div_rn(tl.sum(xr * xr, axis=0, keep_dims=True), T * 1.0)
+            c = tl.maximum(tl.math.sqrt_rn(squares), MIN_SCALE)
+            xc = tl.math.div_rn(x, c)
             sums += tl.sum(xc * xc, axis=1, keep_dims=True)
-        r = tl.maximum(tl.sqrt(sums / D), MIN_SCALE)
+        r = tl.maximum(tl.math.sqrt_rn(tl.math.div_rn(sums, D * 1.0)), MIN_SCALE)
     r = r.to(tl.float16).to(tl.float32)
     tl.store(fp16_section(tile, AT.k_token_scale) + t[:, None], r.to(tl.float16))
     half = tl.arange(0, K_COLUMNS // 2)[None, :]
     for first in range(0, D, K_COLUMNS):
-        y = _rotated_rows(k_src, rows, stride_kt, first, T, D, K_COLUMNS) / r
+        y = tl.math.div_rn(_rotated_rows(k_src, rows, stride_kt, first, T, D, K_COLUMNS), r)
         k_scale, k_zero = _fit_grid(y, K_LEVELS, 0, T, GRID_ROUNDS, MIN_STEP)
         q = _grid_codes(y, k_scale, k_zero, K_LEVELS).to(tl.int32)
         even, odd = tl.split(tl.reshape(q, (T, K_COLUMNS // 2, 2)))
@@ -196,5 +207,5 @@ def store_tiles(
         BALANCE_ROUNDS=quantize.BALANCE_ROUNDS, GRID_ROUNDS=quantize.GRID_ROUNDS,
         MIN_SCALE=quantize.MIN_SCALE, MIN_STEP=quantize.MIN_STEP,
         K_COLUMNS=min(K_COLUMNS, layout.head_dim), V_ROWS=V_ROWS,
-        num_warps=STORE_WARPS,
+        num_warps=STORE_WARPS, **EXACT_ARITHMETIC,
     )  # fmt: skip
