@@ -29,7 +29,7 @@ from hyperqwen.bench.options import (
 )
 from hyperqwen.bench.quoting import EXIT_BAD_INPUT, EXIT_FAILED, add_server_choice_options
 from hyperqwen.bench.quoting_configs import ServerConfig, chosen, parse_knobs
-from hyperqwen.bench.quoting_run import run_configs, save
+from hyperqwen.bench.quoting_run import run_configs, save, server_options
 from hyperqwen.bench.run import served_model
 from hyperqwen.bench.server_process import ServerStartError
 from hyperqwen.kv_choices import KV_CHOICES
@@ -120,11 +120,7 @@ def needle_plan(args: argparse.Namespace) -> NeedlePlan:
         stock_vllm=None,
         patched_vllm=args.patched_vllm,
         env_file=args.env_file,
-        server_command=args.server_command,
-        startup_timeout=args.startup_timeout,
-        timeout=args.timeout,
-        start_together=args.start_together,
-        workdir=workdir,
+        **server_options(args, workdir),
         out=Path(args.out) if args.out else workdir / f"needle-{names}.json",
     )
 

@@ -41,6 +41,7 @@ from hyperqwen.bench.quoting_run import (
     measurements_document,
     run_configs,
     save,
+    server_options,
 )
 from hyperqwen.bench.quoting_tasks import KINDS, MAX_TOKENS, prompt_facts, quoting_tasks
 from hyperqwen.bench.results import ResultFileError
@@ -110,11 +111,7 @@ def quoting_plan(args: argparse.Namespace) -> QuotingPlan:
         stock_vllm=args.stock_vllm,
         patched_vllm=args.patched_vllm,
         env_file=args.env_file,
-        server_command=args.server_command,
-        startup_timeout=args.startup_timeout,
-        timeout=args.timeout,
-        start_together=args.start_together,
-        workdir=workdir,
+        **server_options(args, workdir),
         out=Path(args.out) if args.out else workdir / f"quoting-{names}.json",
     )
 

@@ -46,7 +46,7 @@ from hyperqwen.bench.quoting_ceiling_run import (
     step_figures,
 )
 from hyperqwen.bench.quoting_configs import ServerConfig, chosen
-from hyperqwen.bench.quoting_run import Launch, all_healthy, launch, save
+from hyperqwen.bench.quoting_run import Launch, all_healthy, launch, save, server_options
 from hyperqwen.bench.results import ResultFileError
 from hyperqwen.bench.server_process import ServerStartError
 from hyperqwen.bench.workload import Workload
@@ -130,11 +130,7 @@ def ceiling_plan(args: argparse.Namespace) -> CeilingPlan:
         output_tokens=args.output_tokens,
         vllm_args=" ".join(filter(None, [SAME_FLAGS, args.vllm_args])),
         stock_vllm=args.stock_vllm,
-        server_command=args.server_command,
-        startup_timeout=args.startup_timeout,
-        timeout=args.timeout,
-        start_together=args.start_together,
-        workdir=workdir,
+        **server_options(args, workdir),
         out=Path(args.out) if args.out else workdir / f"ceiling-{names}.json",
     )
 

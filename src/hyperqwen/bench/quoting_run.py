@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from hyperqwen.bench.ab_argv import server_command
 from hyperqwen.bench.ab_run import check_vllm_tree
@@ -54,6 +54,18 @@ class ServerPlan(Protocol):
     startup_timeout: float
     start_together: bool
     workdir: Path
+
+
+def server_options(args: Any, workdir: Path) -> dict[str, Any]:
+    """The plan fields every server-starting benchmark takes from its parsed options as given
+    (add_server_start_options), for its plan's constructor."""
+    return {
+        "server_command": args.server_command,
+        "startup_timeout": args.startup_timeout,
+        "timeout": args.timeout,
+        "start_together": args.start_together,
+        "workdir": workdir,
+    }
 
 
 class ConfigsPlan(ServerPlan, Protocol):
