@@ -27,7 +27,12 @@ from hyperqwen.bench.options import (
     _positive,
     add_server_start_options,
 )
-from hyperqwen.bench.quoting import EXIT_BAD_INPUT, EXIT_FAILED, add_server_choice_options
+from hyperqwen.bench.quoting import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    add_run_files_options,
+    add_server_choice_options,
+)
 from hyperqwen.bench.quoting_configs import ServerConfig, chosen, parse_knobs
 from hyperqwen.bench.quoting_run import run_configs, save, server_options
 from hyperqwen.bench.run import served_model
@@ -271,19 +276,8 @@ def add_subcommand(actions) -> None:
         help="the profile's knobs over the environment's for every configuration, KV aside "
         "(default %(default)r; KV=kvarn needs KV_MEM too)",
     )
-    parser.add_argument(
-        "--vllm-args",
-        default="",
-        metavar="'FLAGS'",
-        help="vLLM flags for every started server, appended last; write "
-        "--vllm-args='--max-model-len 8192'",
-    )
-    parser.add_argument("--env-file", metavar="FILE", help="knobs of the profile (default ./.env)")
-    parser.add_argument(
-        "--workdir", default="needle-work", help="server logs (default needle-work)"
-    )
-    parser.add_argument(
-        "--out", metavar="PATH", help="measurements JSON (default WORKDIR/needle-CONFIGS.json)"
+    add_run_files_options(
+        parser, "needle", "appended last; write --vllm-args='--max-model-len 8192'", env_file=True
     )
     add_server_start_options(parser, side="the KV choice")
     parser.add_argument(

@@ -231,6 +231,28 @@ def add_server_choice_options(parser: argparse.ArgumentParser, configs_help: str
     )
 
 
+def add_run_files_options(
+    parser: argparse.ArgumentParser, bench: str, vllm_args_help: str, env_file: bool
+) -> None:
+    """--vllm-args, --env-file (where the bench starts the profile), --workdir and --out of a
+    benchmark that starts servers: WORKDIR holds their logs, --out defaults to
+    WORKDIR/BENCH-CONFIGS.json."""
+    parser.add_argument(
+        "--vllm-args",
+        default="",
+        metavar="'FLAGS'",
+        help=f"vLLM flags for every started server, {vllm_args_help}",
+    )
+    if env_file:
+        parser.add_argument("--env-file", metavar="FILE", help="knobs of the profile (./.env)")
+    parser.add_argument(
+        "--workdir", default=f"{bench}-work", help=f"server logs (default {bench}-work)"
+    )
+    parser.add_argument(
+        "--out", metavar="PATH", help=f"measurements JSON (default WORKDIR/{bench}-CONFIGS.json)"
+    )
+
+
 def add_subcommands(actions) -> None:
     """Add `quoting` and `quoting-result` to the `hyperqwen bench` actions."""
     parser = actions.add_parser(
@@ -268,21 +290,8 @@ def add_subcommands(actions) -> None:
     parser.add_argument(
         "--seed", type=int, default=0, metavar="N", help="seed of the prompt choice (default 0)"
     )
-    parser.add_argument(
-        "--vllm-args",
-        default="",
-        metavar="'FLAGS'",
-        help="vLLM flags for every started server, appended last; write "
-        "--vllm-args='--max-model-len 4096'",
-    )
-    parser.add_argument("--env-file", metavar="FILE", help="knobs of the profile (default ./.env)")
-    parser.add_argument(
-        "--workdir", default="quoting-work", help="server logs (default quoting-work)"
-    )
-    parser.add_argument(
-        "--out",
-        metavar="PATH",
-        help="measurements JSON (default WORKDIR/quoting-CONFIGS.json)",
+    add_run_files_options(
+        parser, "quoting", "appended last; write --vllm-args='--max-model-len 4096'", env_file=True
     )
     add_server_start_options(parser, side="the configuration's name")
     parser.add_argument(

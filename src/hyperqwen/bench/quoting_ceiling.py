@@ -23,6 +23,7 @@ from hyperqwen.bench.quoting import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     _passes,
+    add_run_files_options,
     add_server_choice_options,
 )
 from hyperqwen.bench.quoting_ceiling_result import (
@@ -370,18 +371,11 @@ def add_subcommands(actions) -> None:
         metavar="N",
         help=f"tokens each request makes (default {OUTPUT_TOKENS})",
     )
-    parser.add_argument(
-        "--vllm-args",
-        default="",
-        metavar="'FLAGS'",
-        help="vLLM flags for every started server, after "
-        f"{SAME_FLAGS}; write --vllm-args='--load-format dummy'",
-    )
-    parser.add_argument(
-        "--workdir", default="ceiling-work", help="server logs (default ceiling-work)"
-    )
-    parser.add_argument(
-        "--out", metavar="PATH", help="measurements JSON (default WORKDIR/ceiling-CONFIGS.json)"
+    add_run_files_options(
+        parser,
+        "ceiling",
+        f"after {SAME_FLAGS}; write --vllm-args='--load-format dummy'",
+        env_file=False,
     )
     add_server_start_options(parser, side="the configuration's name")
     parser.add_argument(
