@@ -446,12 +446,13 @@ ALIGN_WHOLE_PROMPT = Feature(
     seams=(SCHEDULER_MAMBA_SPLIT,),
     env="HYPERQWEN_ALIGN_WHOLE_PROMPT",
     knob="PREFIX_CACHE_WHOLE_PROMPT",
+    own_files=("src/hyperqwen/engine/align_whole_prompt.md",),
     owned_knob=Knob(
         "0",
         "With PREFIX_CACHE=1: prefill a prompt that starts with no cache hit in one step where "
         "the step's budget holds it; vLLM 0.26 stops it at its last cache block boundary and "
         "runs the rest in one more step, for a later request sharing it up to there "
-        "(batch/README.md; src/hyperqwen/engine/align_whole_prompt.py says what is given up).",
+        "(src/hyperqwen/engine/align_whole_prompt.md: why, what is given up, how to measure).",
     ),
     launch=lambda settings, mode: (
         ON if settings.PREFIX_CACHE_WHOLE_PROMPT == ON and settings.PREFIX_CACHE == ON else None
@@ -466,7 +467,8 @@ ALIGN_WHOLE_PROMPT = Feature(
     "block boundary (one engine step more), runs whole where the step can finish it; "
     "CPU-tested with vLLM's scheduler (one step instead of two, shared prefixes still cached, "
     "every cached state a step's end); the greedy GPU test "
-    "(`tests/test_engine_align_whole_prompt_gpu.py`) and TTFT not run yet (batch/README.md)",
+    "(`tests/test_engine_align_whole_prompt_gpu.py`) and TTFT not run yet "
+    "(`align_whole_prompt.md`)",
 )
 
 LOOKUP = Feature(
