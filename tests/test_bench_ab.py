@@ -584,6 +584,10 @@ def test_both_phases_in_one_run_without_speculation(
     assert "Leave --stock-spec out (or give none)" in error
     assert not (tmp_path / "work").exists()  # refused before any server started
 
+    assert run_in_process("bench", *argv, "--system-prompt", "40", "--sharegpt") == 2
+    assert "--system-prompt applies to random-token rows only" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()  # refused before any server started
+
     assert run_in_process("bench", *argv, "--out", str(tmp_path / "batch.json")) == 0
     document, rows = load_result(tmp_path / "batch.json")
     patched_command = document["patched"]["command"]

@@ -381,6 +381,33 @@ def test_single_run_measures_what_the_server_does(server, env_file, tmp_path, ca
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_system_prompt_is_shared_and_the_rest_is_each_requests_own(
+    server, env_file, tmp_path, capsys
+) -> None:
+    fake, _ = server
+    fake.reset(speculative=False)
+    common = ("--cohorts", "2", "--rounds", "2", "--input-len", "200", "--output-len", "3",
+              "--prefill", "none", "--out", str(tmp_path / "system.json"))  # fmt: skip
+    code = bench_run("batch", env_file, *common, "--system-prompt", "150", "--random-tokens")
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    (row,) = rows_of(captured.out)
+    assert (row.prompt, row.in_tok, row.n) == ("system150", 200, 4)
+    prompts = fake.prompts
+    assert len(prompts) == 6 and all(len(prompt) == 200 for prompt in prompts)
+    assert all(prompt[:150] == prompts[0][:150] for prompt in prompts)
+    assert len({tuple(prompt[150:154]) for prompt in prompts}) == 6  # the salt comes next
+    assert 75 <= row.cache_hit_pct < 80  # the system prompt, 150 of 200 tokens, from the cache
+    command = json.loads((tmp_path / "system.json").read_text())["command"]
+    assert command[command.index("--system-prompt") + 1] == "150"
+
+    for refused in (("--system-prompt", "196", "--random-tokens"),  # no room for its salt
+                    ("--system-prompt", "100"),  # ShareGPT rows too
+                    ("--system-prompt", "100", "--random-tokens", "--shared")):  # fmt: skip
+        assert bench_run("batch", env_file, *common, *refused) != 0
+        assert "--system-prompt" in capsys.readouterr().err
+
+
 def test_shared_batch_run_hits_the_cache_and_reports_no_speculation(
     server, env_file, tmp_path, capsys
 ) -> None:

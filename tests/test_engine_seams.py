@@ -56,6 +56,7 @@ kernels = ["vLLM's"]
 namespace = {}
 seams.gdn_module_loaded(namespace)
 layer = type("Layer", (), {})()
+request = type("Request", (), {"num_tokens": 100, "shared_prefix_boundary": 0})()
 seams.gdn_layer_built(layer)
 seams.proposer_loaded(runner)
 seams.runner_drafter_built(runner)
@@ -74,6 +75,7 @@ print(json.dumps({
     "count": seams.runner_draft_count(runner, 3),
     "drafts": seams.runner_drafted(runner, "MTP's", None),
     "kv_spec": seams.attention_kv_spec(object, 16, 4, 256),
+    "split": seams.scheduler_mamba_split(request, 0, 100, 96),
     "imported": sorted(m for m in sys.modules if m.startswith("hyperqwen.engine.")),
 }))
 """
@@ -97,5 +99,6 @@ def test_with_every_feature_off_each_seam_is_vllms_path_and_imports_nothing():
         "count": 3,
         "drafts": "MTP's",
         "kv_spec": None,
+        "split": 96,
         "imported": ["hyperqwen.engine.features", "hyperqwen.engine.seams"],
     }

@@ -50,6 +50,7 @@ from hyperqwen.bench.options import (
     add_server_start_options,
     add_vllm_tree_options,
     add_workload_options,
+    check_system_prompt,
 )
 from hyperqwen.bench.plot import PlotUnavailable
 from hyperqwen.bench.quality import parse_battery_options
@@ -80,6 +81,10 @@ def validate(plan: ABPlan) -> None:
         check_same_model(model, Path(plan.stock_model))
     if min((plan.input_len, *plan.prefill)) <= SALT_TOKENS:
         raise ABError(f"--input-len and --prefill lengths must be more than {SALT_TOKENS} tokens")
+    try:
+        check_system_prompt(plan)
+    except BenchError as error:
+        raise ABError(str(error)) from None
     for side in SIDES if plan.phase == "both" else (plan.phase,):
         if not plan.vllm_parent(side):
             raise ABError(f"--phase {plan.phase} needs --{side}-vllm PARENT_DIR")

@@ -100,6 +100,8 @@ def equivalent_command(
     command += ["--cohorts", ",".join(map(str, plan["cohorts"])), "--rounds", str(plan["rounds"])]
     command += ["--prefill", ",".join(map(str, plan["prefill"])) or "none"]
     command += ["--prefill-requests", str(plan["prefill_requests"])]
+    if plan.get("system_prompt"):
+        command += ["--system-prompt", str(plan["system_prompt"])]
     command += ["--copy"] * bool(plan.get("copy"))
     command += ["--sharegpt"] * bool(plan.get("sharegpt"))
     command += ["--temperature", f"{plan['temperature']:g}", "--seed", str(plan["seed"])]

@@ -32,6 +32,7 @@ PLAN_OPTIONS = (
     "rounds",
     "prefill",
     "prefill_requests",
+    "system_prompt",
     "copy",
     "sharegpt",
     "temperature",
@@ -66,6 +67,7 @@ class ABPlan:
     rounds: int
     prefill: tuple[int, ...]
     prefill_requests: int
+    system_prompt: int
     copy: bool
     sharegpt: bool
     temperature: float

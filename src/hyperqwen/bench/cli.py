@@ -52,6 +52,8 @@ def equivalent_command(args: argparse.Namespace, cohorts: tuple[int, ...], url: 
     command += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     command += ["--prefill", ",".join(map(str, args.prefill)) or "none"]
     command += ["--prefill-requests", str(args.prefill_requests)]
+    if args.system_prompt:
+        command += ["--system-prompt", str(args.system_prompt)]
     command += ["--temperature", f"{args.temperature:g}", "--seed", str(args.seed)]
     command += ["--shared"] * args.shared + ["--random-tokens"] * args.random_tokens
     command += ["--copy"] * args.copy

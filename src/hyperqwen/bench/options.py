@@ -13,6 +13,7 @@ from typing import Protocol
 from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND
 from hyperqwen.bench.client import BenchError
 from hyperqwen.bench.run import BenchPlan
+from hyperqwen.bench.workload import SALT_TOKENS
 from hyperqwen.settings import LoadedSettings, Mode, resolve_api_key
 
 DATE_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
@@ -154,6 +155,15 @@ def add_workload_options(parser: argparse.ArgumentParser, cohorts_default: str) 
         default=3,
         help="measured requests per prefill row (default 3)",
     )
+    parser.add_argument(
+        "--system-prompt",
+        metavar="TOKENS",
+        type=int,
+        default=0,
+        help="random-token rows: the first TOKENS of each --input-len prompt are one system "
+        "prompt that every request shares (then the salt and the request's own tokens), so the "
+        "prefix cache can serve exactly that; needs random-token rows only (default 0: none)",
+    )
     parser.add_argument("--copy", action="store_true", help=COPY_HELP)
     parser.add_argument(
         "--temperature",
@@ -188,10 +198,12 @@ class WorkloadOptions(Protocol):
     copy: bool
     random_tokens: bool
     shared: bool
+    system_prompt: int
 
 
 def build_plan(args: WorkloadOptions, max_model_len: int | None) -> BenchPlan:
     """The rows to run; prefill lengths the server cannot hold are dropped with a note."""
+    check_system_prompt(args)
     prefill = args.prefill
     if max_model_len:
         if args.input_len + args.output_len > max_model_len:
@@ -213,7 +225,24 @@ def build_plan(args: WorkloadOptions, max_model_len: int | None) -> BenchPlan:
         shared=args.shared,
         prefill_lens=prefill,
         prefill_requests=args.prefill_requests,
+        system_prompt=args.system_prompt,
     )
+
+
+def check_system_prompt(args: WorkloadOptions) -> None:
+    """--system-prompt fits in --input-len beside the salt, and only random rows get one."""
+    if not args.system_prompt:
+        return
+    if args.system_prompt < 0 or args.system_prompt + SALT_TOKENS >= args.input_len:
+        raise BenchError(
+            f"--system-prompt {args.system_prompt}: give 1 to {args.input_len - SALT_TOKENS - 1} "
+            f"tokens, less than --input-len {args.input_len} minus the {SALT_TOKENS}-token salt"
+        )
+    if args.shared or not args.random_tokens or args.copy:
+        raise BenchError(
+            "--system-prompt applies to random-token rows only: leave out --shared, --copy and "
+            "ShareGPT rows (bench run: add --random-tokens; bench ab: leave out --sharegpt)"
+        )
 
 
 def local_server(loaded: LoadedSettings, url: str | None) -> tuple[str, str | None]:

@@ -12,8 +12,10 @@ Keys: mode (single|batch, the server profile benchmarked), data (sharegpt: real 
 random: random token ids; prefill: long random prompts, one output token; copy: chat prompts
 whose answer repeats a passage of the prompt), prompt (salted:
 every prompt starts with a unique salt so the prefix cache cannot help; shared: one common
-prefix, salt at the end, so the cache is measured), C (concurrent streams), n (measured
-requests), in_tok/out_tok (mean prompt/output tokens per request, from the server's usage),
+prefix, salt at the end, so the cache is measured; systemN: one N-token system prompt first,
+then the salt, so the cache can serve exactly the system prompt), C (concurrent streams), n
+(measured requests), in_tok/out_tok (mean prompt/output tokens per request, from the server's
+usage),
 decode_tok_s_per_stream (mean of each request's (out-1)/(e2e-ttft): the speed one user sees),
 decode_tok_s_total (all output tokens / wall time of the pass), e2e_s (mean request latency),
 ttft_p50_ms/ttft_p99_ms (time to first token), tpot_ms (mean time per output token after the

@@ -38,6 +38,8 @@ class BenchPlan:
     shared: bool
     prefill_lens: tuple[int, ...]
     prefill_requests: int
+    system_prompt: int = 0
+    """Tokens of one system prompt that every random-token prompt starts with; 0: none."""
 
 
 def run_pass(
@@ -84,7 +86,7 @@ def run_bench(
     """Every row of the plan, in order: decode rows per dataset and cohort, then prefill."""
     rows = []
     for data in plan.datasets:
-        workload = Workload(data, plan.shared, plan.input_len, plan.output_len)
+        workload = Workload(data, plan.shared, plan.input_len, plan.output_len, plan.system_prompt)
         for concurrency in plan.cohorts:
             count = concurrency * plan.rounds
             rows.append(measure_row(client, factory, plan.mode, workload, concurrency, count))

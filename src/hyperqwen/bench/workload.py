@@ -9,6 +9,9 @@ server's prefix cache outlives a run and would otherwise serve a repeated prompt
   prefilled in full.
 - shared (--shared): one body for all requests and the salt LAST, so everything but the last
   few tokens can come from the prefix cache; this measures the cache on purpose.
+- with a system prompt (--system-prompt N, random-token prompts): one prompt of N tokens
+  first, the same for every request of a run, then the salt and the request's own body, so
+  exactly the system prompt can come from the cache, as with an API's fixed system prompt.
 
 Random-token prompts draw their ids from the served tokenizer's own tokens for a fixed text
 (served_token_ids): a fixed id range would run past a small model's vocabulary (SmolLM2 has
@@ -60,9 +63,13 @@ class Workload:
     """Exact prompt tokens of random and prefill prompts (ShareGPT prompts are what they are)."""
     output_len: int
     """max_tokens; random and prefill requests ignore EOS, so they make exactly this many."""
+    system_len: int = 0
+    """Tokens of the system prompt every random prompt starts with (part of input_len)."""
 
     @property
     def prompt(self) -> str:
+        if self.system_len:
+            return f"system{self.system_len}"
         return "shared" if self.shared else "salted"
 
 
@@ -173,6 +180,7 @@ class RequestFactory:
         self._rng.shuffle(copies)
         self._copies = itertools.cycle(copies) if copies else None
         self._shared_bodies: dict[tuple[DataKind, int], Any] = {}
+        self._system_prompts: dict[int, list[int]] = {0: []}
 
     def requests(self, workload: Workload, count: int) -> list[tuple[str, dict[str, Any]]]:
         return [self._request(workload) for _ in range(count)]
@@ -191,9 +199,13 @@ class RequestFactory:
             content = f"{body}\n{salt}" if workload.shared else f"{salt} {body}"
             return CHAT_PATH, {**common, "messages": [{"role": "user", "content": content}]}
         # vLLM takes token ids as a completions prompt, which makes the length exact.
-        body = self._body(workload, lambda: self._random_ids(workload.input_len - SALT_TOKENS))
+        own = workload.input_len - SALT_TOKENS - workload.system_len
+        body = self._body(workload, lambda: self._random_ids(own))
         salt_ids = [_SALT_RANDOM.choice(self.token_ids) for _ in range(SALT_TOKENS)]
-        prompt = body + salt_ids if workload.shared else salt_ids + body
+        if workload.shared:
+            prompt = body + salt_ids
+        else:
+            prompt = self._system_prompt(workload.system_len) + salt_ids + body
         return COMPLETIONS_PATH, {**common, "prompt": prompt, "ignore_eos": True}
 
     def _body(self, workload: Workload, make: Callable[[], Any]) -> Any:
@@ -203,6 +215,12 @@ class RequestFactory:
         if key not in self._shared_bodies:
             self._shared_bodies[key] = make()
         return self._shared_bodies[key]
+
+    def _system_prompt(self, length: int) -> list[int]:
+        """One run's system prompt of `length` tokens, drawn once (seeded)."""
+        if length not in self._system_prompts:
+            self._system_prompts[length] = self._random_ids(length)
+        return self._system_prompts[length]
 
     def _next_sharegpt(self) -> str:
         if self._sharegpt is None:

@@ -83,6 +83,10 @@ ATTENTION_KV_SPEC = Seam(
     "an attention layer's KV cache spec, and the hybrid page alignment's bytes per token",
 )
 
+SCHEDULER_MAMBA_SPLIT = Seam(
+    "scheduler_mamba_split", "scheduler-split.patch", "the scheduler's mamba `align` chunk split"
+)
+
 
 def _v1_runner_seam(name: str, where: str) -> Seam:
     """A seam of the V1 runner (v1-runner.patch)."""
@@ -437,6 +441,36 @@ ALIGN_OVERLAP = Feature(
     "`docs/results/2026-12-01-h200-27b-single-overlap{,-wait,-nopc}.json`)",
 )
 
+ALIGN_WHOLE_PROMPT = Feature(
+    name="align_whole_prompt",
+    seams=(SCHEDULER_MAMBA_SPLIT,),
+    env="HYPERQWEN_ALIGN_WHOLE_PROMPT",
+    knob="PREFIX_CACHE_WHOLE_PROMPT",
+    own_files=("src/hyperqwen/engine/align_whole_prompt.md",),
+    owned_knob=Knob(
+        "0",
+        "With PREFIX_CACHE=1: prefill a prompt that starts with no cache hit in one step where "
+        "the step's budget holds it; vLLM 0.26 stops it at its last cache block boundary and "
+        "runs the rest in one more step, for a later request sharing it up to there "
+        "(src/hyperqwen/engine/align_whole_prompt.md: why, what is given up, how to measure).",
+    ),
+    launch=lambda settings, mode: (
+        ON if settings.PREFIX_CACHE_WHOLE_PROMPT == ON and settings.PREFIX_CACHE == ON else None
+    ),
+    ignored=lambda settings, mode: (
+        "PREFIX_CACHE_WHOLE_PROMPT does nothing with PREFIX_CACHE=0."
+        if settings.PREFIX_CACHE == OFF
+        else None
+    ),
+    changes_compiled_graph=False,
+    status="off; a prompt with no cache hit, which mamba `align` mode stops at its last cache "
+    "block boundary (one engine step more), runs whole where the step can finish it; "
+    "CPU-tested with vLLM's scheduler (one step instead of two, shared prefixes still cached, "
+    "every cached state a step's end); the greedy GPU test "
+    "(`tests/test_engine_align_whole_prompt_gpu.py`) and TTFT not run yet "
+    "(`align_whole_prompt.md`)",
+)
+
 LOOKUP = Feature(
     name="lookup",
     seams=(
@@ -558,6 +592,7 @@ FEATURES: tuple[Feature, ...] = (
     W4A8_LINEAR,
     DRAFT_VOCAB,
     ALIGN_OVERLAP,
+    ALIGN_WHOLE_PROMPT,
     LOOKUP,
     PDL,
     KVARN,

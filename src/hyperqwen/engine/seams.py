@@ -32,6 +32,7 @@ from hyperqwen.engine.features import (
     RUNNER_GRAPHS_DISPATCHED,
     RUNNER_KEEPS_NGRAM_BUFFER,
     RUNNER_STEP_BEGINS,
+    SCHEDULER_MAMBA_SPLIT,
     Seam,
     switched_on,
 )
@@ -171,3 +172,12 @@ def runner_drafted(runner: Any, draft_token_ids: Any, sampled_token_ids: Any) ->
     for hook in hooks(RUNNER_DRAFTED):
         draft_token_ids = hook(runner, draft_token_ids, sampled_token_ids)
     return draft_token_ids
+
+
+def scheduler_mamba_split(request: Any, start: int, wanted: int, split: int) -> int:
+    """The tokens a request's chunk schedules under prefix caching's mamba `align` mode: vLLM's
+    `split` of the `wanted` tokens from `start` (its chunk ends where a state can be cached), or
+    a longer chunk, at most `wanted`, that a feature keeps."""
+    for hook in hooks(SCHEDULER_MAMBA_SPLIT):
+        split = hook(request, start, wanted, split)
+    return split
