@@ -11,8 +11,7 @@ import torch
 from safetensors.torch import save_file
 from test_prepare_common import GEOMETRY, prepare_copy, tiny_base_dir
 
-from hyperqwen.checkpoint import shards
-from hyperqwen.checkpoint import w4a16 as checkpoint_format
+from hyperqwen.checkpoint import shards, w4a16 as checkpoint_format
 from hyperqwen.engine import draft_vocab
 from hyperqwen.engine.features import DRAFT_VOCAB, FeatureSwitchError, env_value
 from hyperqwen.prepare import folder

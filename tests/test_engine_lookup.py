@@ -15,8 +15,7 @@ import pytest
 import torch
 from test_kernel_lookup import reference_drafts, reference_match
 
-from hyperqwen.engine import lookup as engine_lookup
-from hyperqwen.engine import seams
+from hyperqwen.engine import lookup as engine_lookup, seams
 from hyperqwen.engine.features import LOOKUP, FeatureSwitchError
 from hyperqwen.launch import LOOKUP_MATCH
 

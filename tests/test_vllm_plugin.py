@@ -103,6 +103,7 @@ def test_good_engine_values_pass_and_load_only_the_declarations(plugin_path):
     assert report["hyperqwen"] == [
         "hyperqwen",
         "hyperqwen.engine",
+        "hyperqwen.engine.feature_model",
         "hyperqwen.engine.features",
         "hyperqwen.vllm_plugin",
     ]
