@@ -100,5 +100,9 @@ def test_with_every_feature_off_each_seam_is_vllms_path_and_imports_nothing():
         "drafts": "MTP's",
         "kv_spec": None,
         "split": 96,
-        "imported": ["hyperqwen.engine.features", "hyperqwen.engine.seams"],
+        "imported": [
+            "hyperqwen.engine.feature_model",
+            "hyperqwen.engine.features",
+            "hyperqwen.engine.seams",
+        ],
     }
