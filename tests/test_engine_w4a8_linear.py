@@ -322,3 +322,16 @@ def test_code_zero_in_a_negative_group_is_refused_naming_the_layer():
     packed, scale = _signed_layer(16, 256, seed=13, code_zero_in_negative=True)
     with pytest.raises(Int8ActRefused, match=r"layers\.0\.mlp\.down_proj: a group with a negative"):
         fold_scale_signs(packed, scale, "layers.0.mlp.down_proj")
+
+
+def test_the_bench_layer_carries_what_a_vllm_linear_layer_gives_its_kernel(one_rank):
+    """Kernels read a vLLM linear layer's attributes while converting it (humming: has_bias; the
+    H200 run of 2026-12-02 failed on the stand-in's missing one): the stand-in has them all."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+
+    with set_current_vllm_config(VllmConfig()):
+        real = ColumnParallelLinear(256, 32, bias=False, params_dtype=torch.bfloat16)
+    layer, _ = _layer("model.layers.0.mlp.down_proj")
+    for name in ("has_bias", "input_size_per_partition", "output_partition_sizes", "params_dtype"):
+        assert getattr(layer, name) == getattr(real, name), name

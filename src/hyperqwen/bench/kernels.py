@@ -235,6 +235,7 @@ def vllm_w4a16_layer(packed, scale, bits: int = 4):
     layer.input_size_per_partition = scale.shape[1] * GROUP_SIZE
     layer.output_partition_sizes = [packed.shape[0]]
     layer.params_dtype = scale.dtype
+    layer.has_bias = False
     layer.register_parameter(
         "weight_packed",
         PackedvLLMParameter(
