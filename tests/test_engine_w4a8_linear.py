@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from cli_runner import hyperqwen
+from cli_runner import ROOT, hyperqwen
 
 from hyperqwen.bench.kernels import (
     W4A8_BACKENDS,
@@ -33,6 +33,7 @@ from hyperqwen.engine.w4a8_linear import (
     layer_group,
     selected_groups,
 )
+from hyperqwen.gpu import parse_smi_line
 from hyperqwen.kernels.w4a16 import pack_codes
 from hyperqwen.launch import build_launch
 from hyperqwen.settings import LoadedSettings, Settings, SettingsError, load_settings
@@ -163,11 +164,25 @@ def test_a_layer_s_group_comes_from_its_prefix(prefix, group):
 def test_the_architecture_table_and_its_refusal(monkeypatch):
     for capability in (80, 86, 89):
         assert candidate_for(capability) is CANDIDATES["marlin_int8"]
-    assert candidate_for(90) is CANDIDATES["cutlass_fp8"]
     monkeypatch.setenv(W4A8_LINEAR.env, "mlp")
     for capability, device in ((100, "sm100"), (75, "sm75"), (None, "other than CUDA")):
         with pytest.raises(Int8ActRefused, match=f"INT8_ACT=mlp: .*{device}.*set INT8_ACT=0"):
             candidate_for(capability)
+    # sm90: timed, and slower than W4A16; the refusal cites the result file, which exists
+    with pytest.raises(Int8ActRefused, match="sm90 every 8-bit-activation kernel timed was sl"):
+        candidate_for(90)
+    assert (ROOT / w4a8_linear.SLOWER_THAN_W4A16[90]).is_file()
+
+
+def test_serve_refuses_int8_act_on_a_gpu_the_table_does_not_serve(tmp_path):
+    """Before vLLM starts: every visible GPU's architecture must have a kernel in the table."""
+    rtx_3090 = parse_smi_line("0, NVIDIA GeForce RTX 3090, 8.6, 24576, 560.35, 350.00")
+    h200 = parse_smi_line("1, NVIDIA H200, 9.0, 143771, 580.95, 700.00")
+    assert w4a8_linear.serve_refusal("mlp", [rtx_3090], tmp_path) is None
+    refusal = w4a8_linear.serve_refusal("mlp", [rtx_3090, h200], tmp_path)
+    assert refusal is not None
+    assert refusal.startswith("INT8_ACT=mlp: on sm90 every 8-bit-activation kernel timed")
+    assert refusal.endswith("set INT8_ACT=0 (GPU 1: NVIDIA H200)")
 
 
 def test_each_candidate_is_built_with_the_8_bit_config_its_vllm_kernel_checks(vllm_cpu_platform):

@@ -42,7 +42,7 @@ VLLM_BACKENDS = ("machete", "marlin", "exllama", "triton")
 # sweep's best launch of it
 LAYER_BACKEND = "hyperqwen_layer"
 # INT8_ACT's 8-bit-activation kernels (engine/w4a8_linear.py CANDIDATES, whose names follow the
-# prefix), built as the engine builds them: their sm90 timings pick ARCH_TABLE's Hopper entry
+# prefix), built as the engine builds them: their timings decide ARCH_TABLE's entry per architecture
 W4A8_PREFIX = "w4a8_"
 W4A8_BACKENDS = ("w4a8_marlin_int8", "w4a8_cutlass_fp8", "w4a8_humming_int8", "w4a8_humming_fp8")
 OPTIONAL_BACKENDS = ("humming", LAYER_BACKEND, *W4A8_BACKENDS)

@@ -194,9 +194,10 @@ W4A8_LINEAR = Feature(
     checked_at_serve=True,
     own_files=("src/hyperqwen/engine/w4a8_linear.md",),
     cards="sm80/86/89 (A100, RTX 3090/4090): Marlin with int8 activations (vLLM's "
-    "`VLLM_MARLIN_INPUT_DTYPE=int8` path, chosen per layer); sm90 (H100/H200): CUTLASS W4A8 with "
-    "fp8 activations until measured (humming's W4A8 and Marlin int8 the other candidates); any "
-    "other architecture refused by name at load; not measured on any card",
+    "`VLLM_MARLIN_INPUT_DTYPE=int8` path, chosen per layer; not measured on these cards); sm90 "
+    "(H100/H200): refused before start, vLLM's W4A16 kernel was faster than CUTLASS W4A8 fp8 and "
+    "Marlin int8 at the 27B's shapes (docs/results/2026-12-02-h200-27b-kernels-w4a8.json; "
+    "humming's W4A8 not timed yet); any other architecture refused by name before start",
     env="HYPERQWEN_INT8_ACT",
     knob="INT8_ACT",
     owned_knob=Knob(
@@ -206,9 +207,10 @@ W4A8_LINEAR = Feature(
         "in_proj_qkvz, out_proj), joined by + (mlp+gdn), or all; 0: off. Each token's "
         "activations are quantized on the fly; the kernel per GPU architecture comes from a "
         "declared table (src/hyperqwen/engine/w4a8_linear.py): Marlin with int8 activations on "
-        "sm80/86/89, CUTLASS W4A8 with fp8 activations on sm90 (neither speed nor perplexity "
-        "measured yet: batch/README.md). Other layers keep LINEAR_BACKEND's kernel. Refused "
-        "before start for checkpoints with zero points or activation order.",
+        "sm80/86/89 (neither speed nor perplexity measured there yet: batch/README.md). Refused "
+        "before start on sm90, where vLLM's W4A16 kernel was faster than each 8-bit candidate "
+        "timed, on other architectures, and for checkpoints with zero points or activation "
+        "order. Other layers keep LINEAR_BACKEND's kernel.",
         values=(OFF, *_layer_sets(INT8_LAYER_GROUPS)),
         modes=BATCH_MODE,
     ),
@@ -216,11 +218,12 @@ W4A8_LINEAR = Feature(
         settings.INT8_ACT if mode == "batch" and settings.INT8_ACT != OFF else None
     ),
     status="off; batch mode's W4A16 body layers of the INT8_ACT groups get 8-bit activations "
-    "through the kernel of a per-architecture table (Marlin int8 on sm80/86/89, CUTLASS W4A8 "
-    "fp8 on sm90, humming's W4A8 a Hopper candidate), group scales' signs folded into the codes "
-    "where the kernel needs them non-negative; CPU-tested (knob, per-layer and per-architecture "
-    "choice, sign fold against float64); not run on a GPU yet, speed and perplexity not "
-    "measured (batch/README.md)",
+    "through the kernel of a per-architecture table (Marlin int8 on sm80/86/89; refused on sm90, "
+    "where the H200's kernel timings found no 8-bit candidate faster than W4A16), group scales' "
+    "signs folded into the codes where the kernel needs them non-negative; CPU-tested (knob, "
+    "per-layer and per-architecture choice, sign fold against float64); on the H200 Marlin int8 "
+    "and CUTLASS fp8 answer like float64 (tests/test_engine_w4a8_linear_gpu.py); serving speed "
+    "and perplexity not measured (batch/README.md)",
 )
 
 DRAFT_VOCAB = Feature(

@@ -15,9 +15,9 @@ Marlin's int8 path rescales each layer's group scales by their maximum into int1
 negative group scale moves into the group's codes first (`fold_scale_signs`). Code 0 (-8) of
 such a group would become +8, which int4 cannot hold: that layer is refused by name.
 
-Status: CPU-tested (knob, choice per layer and architecture, the sign fold against float64);
-not run on a GPU yet. ARCH_TABLE is the default of the issue, not a measurement: sm90's pick
-waits for `hyperqwen bench kernels --backends` over W4A8_BACKENDS on the H200 (batch/README.md).
+Status: CPU-tested (knob, choice per layer and architecture, the sign fold against float64). On
+the H200, Marlin int8 and CUTLASS fp8 answer like float64, and both were slower than vLLM's W4A16
+kernel at the 27B's shapes (SLOWER_THAN_W4A16): sm90 is refused. Ampere/Ada speed not measured.
 """
 
 from __future__ import annotations
@@ -118,10 +118,12 @@ CANDIDATES = {
                   humming_input="float8e4m3"),
     )
 }  # fmt: skip
-# The 8-bit-activation kernel per architecture (capability 10 * major + minor). Not measured:
-# Marlin's int8 path is vLLM's W4A8 for Ampere/Ada; sm90's CUTLASS W4A8 (fp8) stands until
-# `hyperqwen bench kernels` on the H200 times it against humming's (batch/README.md).
-ARCH_TABLE = {80: "marlin_int8", 86: "marlin_int8", 89: "marlin_int8", 90: "cutlass_fp8"}
+# The 8-bit-activation kernel per architecture (capability 10 * major + minor). Ampere/Ada take
+# Marlin's int8 path, vLLM's W4A8 for them (not measured on those cards).
+ARCH_TABLE = {80: "marlin_int8", 86: "marlin_int8", 89: "marlin_int8"}
+# Architectures where every candidate timed lost to vLLM's own W4A16 kernel at the 27B's layer
+# shapes and batch rows, with the result file: INT8_ACT would slow them down, so it is refused.
+SLOWER_THAN_W4A16 = {90: "docs/results/2026-12-02-h200-27b-kernels-w4a8.json"}
 
 
 def selected_groups(value: str) -> frozenset[str]:
@@ -137,18 +139,32 @@ def layer_group(prefix: str) -> str | None:
     return _GROUP_OF_MODULE[found.group(1)] if found else None
 
 
+def architecture_refusal(capability: int | None, setting: str) -> str | None:
+    """Why INT8_ACT=`setting` cannot run on an architecture (None: not a CUDA device), or None
+    where ARCH_TABLE names its kernel."""
+    if capability in ARCH_TABLE:
+        return None
+    device = f"sm{capability}" if capability is not None else "a device other than CUDA"
+    if capability in SLOWER_THAN_W4A16:
+        why = (
+            f"on {device} every 8-bit-activation kernel timed was slower than vLLM's W4A16 "
+            f"kernel ({SLOWER_THAN_W4A16[capability]})"
+        )
+    else:
+        arches = ", ".join(f"sm{c}" for c in ARCH_TABLE)
+        why = (
+            f"no 8-bit-activation kernel is declared for {device} (engine/w4a8_linear.py "
+            f"ARCH_TABLE has {arches})"
+        )
+    return f"INT8_ACT={setting}: {why}; set INT8_ACT=0"
+
+
 def candidate_for(capability: int | None) -> Candidate:
     """The table's 8-bit-activation kernel for an architecture (None: not a CUDA device), or
     a refusal naming the knob."""
-    name = ARCH_TABLE.get(capability) if capability is not None else None
-    if name is None:
-        device = f"sm{capability}" if capability is not None else "a device other than CUDA"
-        arches = ", ".join(f"sm{c}" for c in ARCH_TABLE)
-        raise Int8ActRefused(
-            f"INT8_ACT={env_value(W4A8_LINEAR)}: no 8-bit-activation kernel is declared for "
-            f"{device} (engine/w4a8_linear.py ARCH_TABLE has {arches}); set INT8_ACT=0"
-        )
-    return CANDIDATES[name]
+    if reason := architecture_refusal(capability, env_value(W4A8_LINEAR)):
+        raise Int8ActRefused(reason)
+    return CANDIDATES[ARCH_TABLE[capability]]
 
 
 def fold_scale_signs(
@@ -309,10 +325,13 @@ def int8_activation_refusal(config: Mapping, where: str, setting: str) -> str | 
     )
 
 
-def serve_refusal(setting: str, gpus: object, model_dir: Path) -> str | None:
-    """Why INT8_ACT=`setting` cannot serve the model in `model_dir` (any GPU: the table's
-    architectures are checked where a layer loads), or None; a folder without config.json is
-    the launcher's to report."""
+def serve_refusal(setting: str, gpus: list, model_dir: Path) -> str | None:
+    """Why INT8_ACT=`setting` cannot serve the model in `model_dir` on these GPUs (each a
+    gpu.Gpu), or None; a folder without config.json is the launcher's to report."""
+    for gpu in gpus:
+        major, minor = gpu.compute_capability
+        if reason := architecture_refusal(10 * major + minor, setting):
+            return f"{reason} (GPU {gpu.index}: {gpu.name})"
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         return None
