@@ -317,8 +317,8 @@ ALIGN_WHOLE_PROMPT = Feature(
     status="off; a prompt with no cache hit, which mamba `align` mode stops at its last cache "
     "block boundary (one engine step more), runs whole where the step can finish it; "
     "CPU-tested with vLLM's scheduler (one step instead of two, shared prefixes still cached, "
-    "every cached state a step's end); the greedy GPU test "
-    "(`tests/test_engine_align_whole_prompt_gpu.py`) and TTFT not run yet "
+    "every cached state a step's end); greedy answers identical with and without the cache on "
+    "the H200 (`tests/test_engine_align_whole_prompt_gpu.py`); TTFT not measured yet "
     "(`align_whole_prompt.md`)",
 )
 
@@ -384,8 +384,9 @@ PDL = Feature(
     cards="sm90 (H100/H200) and sm120 (RTX 5090; compiled here, not run): PDL with auto or 1; "
     "sm80/86/89 (A100, RTX 3090/4090): never, `auto` off there and `1` refused by `hyperqwen "
     "serve` where it sees the card (logged and ignored where only a kernel's launch sees it), "
-    "the kernels' PTX the same as without the knob (checked for sm80/86/89/90/120); speed not "
-    "measured on any card",
+    "the kernels' PTX the same as without the knob (checked for sm80/86/89/90/120); on the "
+    "H200 the 16-layer chain was slower with it "
+    "(docs/results/2026-12-02-h200-27b-pdl-chain.json), so off by default",
     own_files=(
         "src/hyperqwen/kernels/pdl.py",
         "src/hyperqwen/bench/pdl.py",
@@ -401,8 +402,9 @@ PDL = Feature(
         "waits for that kernel before it reads anything a kernel wrote (src/hyperqwen/kernels/"
         "README.md). auto: on for sm90 and newer (H100/H200, RTX 5090), off below; 1: the "
         "same, but `hyperqwen serve` refuses it on a card below sm90 (where only a kernel's "
-        "launch sees the card: logged, off); 0: off. Same results bit for bit (CPU tests; GPU "
-        "test not run yet); not timed, so off by default.",
+        "launch sees the card: logged, off); 0: off. Same results bit for bit (CPU tests and "
+        "the H200's graph-replay test); slower on the H200's kernel chain "
+        "(docs/results/2026-12-02-h200-27b-pdl-chain.json), so off by default.",
         values=("auto", OFF, ON),
     ),
     launch=lambda settings, mode: None if settings.PDL == OFF else settings.PDL,
@@ -411,8 +413,10 @@ PDL = Feature(
     status="off; with auto or 1 the launchers of `../kernels/` (w4a16, gdn_recurrent, ba_proj, "
     "split_qkv) launch on sm90 and newer with programmatic dependent launch, each kernel "
     "waiting for its predecessor before its first read of a kernel's output and prefetching "
-    "its weights into L2 before that; sm80/86/89 launch as without it; CPU-tested (same "
-    "results on and off); GPU test and timing not run",
+    "its weights into L2 before that; sm80/86/89 launch as without it; same results on and off "
+    "(CPU, and the H200 under CUDA-graph replay: tests/test_kernel_pdl_gpu.py); the H200's "
+    "chain of 16 GDN layers was slower per layer with it than without "
+    "(docs/results/2026-12-02-h200-27b-pdl-chain.json)",
 )
 
 KVARN = Feature(
