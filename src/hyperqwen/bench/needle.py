@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-from hyperqwen.bench.ab_argv import PREVIEW_PORT
 from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND, ABError
 from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.header import git_commit, gpu_facts
@@ -32,8 +31,9 @@ from hyperqwen.bench.quoting import (
     EXIT_FAILED,
     add_run_files_options,
     add_server_choice_options,
+    checked_servers,
 )
-from hyperqwen.bench.quoting_configs import ServerConfig, chosen, parse_knobs
+from hyperqwen.bench.quoting_configs import ServerConfig, parse_knobs
 from hyperqwen.bench.quoting_run import run_configs, save, server_options
 from hyperqwen.bench.run import served_model
 from hyperqwen.bench.server_process import ServerStartError
@@ -84,32 +84,16 @@ def needle_plan(args: argparse.Namespace) -> NeedlePlan:
     if "KV" in knobs:
         raise ABError("--knobs KV=...: each configuration sets KV itself; choose with --configs")
     configs = kv_configs(knobs)
-    urls = dict(args.url)
-    if unknown := [name for name in urls if name not in configs]:
-        raise ABError(
-            f"--url {unknown[0]}=...: no such KV choice; name one of {', '.join(configs)}"
-        )
-    measured = chosen(args.configs or (",".join(urls) if urls else "all"), configs)
-    if not args.skip_logprobs and BASELINE not in {config.name for config in measured}:
-        measured.insert(0, configs[BASELINE])  # the agreement needs bf16 KV's logprobs
-    started = [config for config in measured if config.name not in urls]
-    if started and (not args.model or not (Path(args.model) / "config.json").is_file()):
-        raise ABError(
-            f"KV={started[0].name} is started here, which needs MODEL_DIR (a model folder with "
-            "config.json; `hyperqwen bench smollm2 DIR` makes one), or give its server with "
-            f"--url {started[0].name}=URL"
-        )
-    if started and not args.patched_vllm:
-        raise ABError(f"KV={started[0].name} runs vLLM from --patched-vllm PARENT_DIR: give it")
-    try:
-        shlex.split(args.vllm_args)
-    except ValueError as error:
-        raise ABError(f"--vllm-args {args.vllm_args!r} cannot be read: {error}") from None
-    for config in started:  # the profile refuses a bad knob now, not after other servers ran
-        try:
-            config.serve(Path(args.model), PREVIEW_PORT, args.vllm_args, args.env_file, Path())
-        except ABError as error:
-            raise ABError(f"KV={config.name} (with --knobs {args.knobs!r}): {error}") from None
+    urls, measured, _ = checked_servers(
+        args,
+        configs,
+        {"hyperqwen": "patched_vllm"},
+        # the agreement needs bf16 KV's logprobs
+        first=None if args.skip_logprobs else configs[BASELINE],
+        label="KV=",
+        choice="KV choice",
+        knobs_option="--knobs",
+    )
     workdir = Path(args.workdir)
     names = "all" if len(measured) == len(configs) else "+".join(c.name for c in measured)
     return NeedlePlan(

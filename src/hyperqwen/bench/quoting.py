@@ -25,6 +25,7 @@ from hyperqwen.bench.options import (
 )
 from hyperqwen.bench.quoting_configs import (
     DEFAULT_LOOKUP_KNOBS,
+    ServerConfig,
     catalogue,
     chosen,
     parse_knobs,
@@ -64,39 +65,65 @@ def _named_url(text: str) -> tuple[str, str]:
 _passes = at_least(MIN_PASSES, "as the spread between passes needs two")
 
 
-def quoting_plan(args: argparse.Namespace) -> QuotingPlan:
-    """The plan of parsed options, checked before any server starts; ABError names the option."""
-    lookup_knobs = parse_knobs(args.lookup_knobs)
-    configs = catalogue(lookup_knobs)
+def checked_servers(
+    args: argparse.Namespace,
+    configs: dict[str, ServerConfig],
+    trees: dict[str, str],
+    *,
+    default: str = "all",
+    first: ServerConfig | None = None,
+    label: str = "",
+    choice: str = "configuration",
+    makes_model: str = "`hyperqwen bench smollm2 DIR` makes one",
+    knobs_option: str = "--lookup-knobs",
+) -> tuple[dict[str, str], list[ServerConfig], list[ServerConfig]]:
+    """The servers a run measures from MODEL_DIR, --configs, --url and --vllm-args, as (the
+    given urls, the measured configurations, those started here), checked before any server
+    starts; ABError names the option. trees: the option (stock_vllm, patched_vllm) holding the
+    vLLM tree of each build; first: a configuration measured first whatever --configs says;
+    label, choice, makes_model, knobs_option: the bench's words for a configuration, for what
+    --url names, for how to make MODEL_DIR and for the option that gave the profile's knobs."""
     urls = dict(args.url)
     if unknown := [name for name in urls if name not in configs]:
-        raise ABError(
-            f"--url {unknown[0]}=...: no such configuration; name one of {', '.join(configs)}"
-        )
-    measured = chosen(args.configs or (",".join(urls) if urls else "all"), configs)
+        raise ABError(f"--url {unknown[0]}=...: no such {choice}; name one of {', '.join(configs)}")
+    measured = chosen(args.configs or (",".join(urls) if urls else default), configs)
+    if first is not None and first not in measured:
+        measured.insert(0, first)
     started = [config for config in measured if config.name not in urls]
-    if started:
-        if not args.model or not (Path(args.model) / "config.json").is_file():
-            raise ABError(
-                f"{started[0].name} is started here, which needs MODEL_DIR (a model folder with "
-                "config.json; `hyperqwen bench smollm2 DIR` makes one), or give its server with "
-                f"--url {started[0].name}=URL"
-            )
-        for build, option in (("vllm", "stock_vllm"), ("hyperqwen", "patched_vllm")):
-            if any(config.build == build for config in started) and not getattr(args, option):
-                names = ", ".join(config.name for config in started if config.build == build)
-                flag = "--" + option.replace("_", "-")
-                raise ABError(f"{names} run(s) vLLM from {flag} PARENT_DIR: give it")
+    if started and (not args.model or not (Path(args.model) / "config.json").is_file()):
+        raise ABError(
+            f"{label}{started[0].name} is started here, which needs MODEL_DIR (a model folder "
+            f"with config.json; {makes_model}), or give its server with --url "
+            f"{started[0].name}=URL"
+        )
+    for build, option in trees.items():
+        needing = [config.name for config in started if config.build == build]
+        if needing and not getattr(args, option):
+            flag = "--" + option.replace("_", "-")
+            raise ABError(f"{label}{needing[0]} runs vLLM from {flag} PARENT_DIR: give it")
     try:
         shlex.split(args.vllm_args)
     except ValueError as error:
         raise ABError(f"--vllm-args {args.vllm_args!r} cannot be read: {error}") from None
-    for config in started:  # the profile refuses a bad knob now, not after other servers ran
+    # The profile refuses a bad knob now, not after other servers ran; stock vLLM has none.
+    for config in (config for config in started if config.build == "hyperqwen"):
         try:
             config.serve(Path(args.model), PREVIEW_PORT, args.vllm_args, args.env_file, Path())
         except ABError as error:
             given = " ".join(f"{name}={value}" for name, value in config.knob_values.items())
-            raise ABError(f"{config.name} (its knobs: {given}, --lookup-knobs): {error}") from None
+            raise ABError(
+                f"{label}{config.name} (its knobs: {given}, {knobs_option}): {error}"
+            ) from None
+    return urls, measured, started
+
+
+def quoting_plan(args: argparse.Namespace) -> QuotingPlan:
+    """The plan of parsed options, checked before any server starts; ABError names the option."""
+    lookup_knobs = parse_knobs(args.lookup_knobs)
+    configs = catalogue(lookup_knobs)
+    urls, measured, _ = checked_servers(
+        args, configs, {"vllm": "stock_vllm", "hyperqwen": "patched_vllm"}
+    )
     workdir = Path(args.workdir)
     names = "all" if len(measured) == len(configs) else "+".join(c.name for c in measured)
     return QuotingPlan(

@@ -25,6 +25,7 @@ from hyperqwen.bench.quoting import (
     _passes,
     add_run_files_options,
     add_server_choice_options,
+    checked_servers,
 )
 from hyperqwen.bench.quoting_ceiling_result import (
     CEILING_KIND,
@@ -46,7 +47,7 @@ from hyperqwen.bench.quoting_ceiling_run import (
     measure_together,
     step_figures,
 )
-from hyperqwen.bench.quoting_configs import ServerConfig, chosen
+from hyperqwen.bench.quoting_configs import ServerConfig
 from hyperqwen.bench.quoting_run import Launch, all_healthy, launch, save, server_options
 from hyperqwen.bench.results import ResultFileError
 from hyperqwen.bench.server_process import ServerStartError
@@ -97,25 +98,13 @@ class CeilingPlan:
 def ceiling_plan(args: argparse.Namespace) -> CeilingPlan:
     """The plan of parsed options, checked before any server starts; ABError names the option."""
     configs = ceiling_configs()
-    urls = dict(args.url)
-    if unknown := [name for name in urls if name not in configs]:
-        raise ABError(
-            f"--url {unknown[0]}=...: no such configuration; name one of {', '.join(configs)}"
-        )
-    measured = chosen(args.configs or (",".join(urls) if urls else DEFAULT_CONFIGS), configs)
-    started = [config for config in measured if config.name not in urls]
-    if started and (not args.model or not (Path(args.model) / "config.json").is_file()):
-        raise ABError(
-            f"{started[0].name} is started here, which needs MODEL_DIR (a model folder with "
-            "config.json; `hyperqwen synth DIR --preset 27b --config-only` makes the 27B "
-            f"geometry), or give its server with --url {started[0].name}=URL"
-        )
-    if started and not args.stock_vllm:
-        raise ABError(f"{started[0].name} runs stock vLLM from --stock-vllm PARENT_DIR: give it")
-    try:
-        shlex.split(args.vllm_args)
-    except ValueError as error:
-        raise ABError(f"--vllm-args {args.vllm_args!r} cannot be read: {error}") from None
+    urls, measured, _ = checked_servers(
+        args,
+        configs,
+        {"vllm": "stock_vllm"},
+        default=DEFAULT_CONFIGS,
+        makes_model="`hyperqwen synth DIR --preset 27b --config-only` makes the 27B geometry",
+    )
     if args.output_tokens < 2:
         raise ABError(f"--output-tokens {args.output_tokens}: at least 2, one decode step")
     workdir = Path(args.workdir)
