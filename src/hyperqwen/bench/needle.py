@@ -32,6 +32,7 @@ from hyperqwen.bench.quoting import (
     add_run_files_options,
     add_server_choice_options,
     checked_servers,
+    write_result,
 )
 from hyperqwen.bench.quoting_configs import ServerConfig, parse_knobs
 from hyperqwen.bench.quoting_run import run_configs, save, server_options
@@ -169,14 +170,13 @@ def cmd_needle(args: argparse.Namespace) -> int:
         return EXIT_FAILED if isinstance(error, BenchError) else EXIT_BAD_INPUT
     document["summary"] = summary(document["configs"])
     save(plan.out, document)
-    result = plan.out.with_suffix(".result.json")
-    save(result, build_result(document))
-    print("\n".join(format_table(document["summary"])))
-    print(
-        f"wrote {plan.out} (the measurements) and {result} (the rows; publish with: hyperqwen "
-        f"bench publish {result} --name NAME)"
+    return write_result(
+        "needle",
+        plan.out.with_suffix(".result.json"),
+        lambda: build_result(document),
+        lambda _: format_table(document["summary"]),
+        also_wrote=f"{plan.out} (the measurements) and ",
     )
-    return 0
 
 
 NEEDLE_DESCRIPTION = f"""\

@@ -12,6 +12,7 @@ import argparse
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from hyperqwen.bench.ab_argv import PREVIEW_PORT, environment_knobs
@@ -192,18 +193,35 @@ def cmd_quoting(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_quoting_result(args: argparse.Namespace) -> int:
+def write_result(
+    subcommand: str,
+    out: Path,
+    build: Callable[[], dict],
+    table: Callable[[dict], list[str]],
+    also_wrote: str = "",
+) -> int:
+    """Save the result document that build makes (its ResultFileError refused as bad input,
+    exit 2) to out, print its table and how to publish it; also_wrote: the files written
+    before it, for that line."""
     try:
-        merged = merge(load_measurements([Path(path) for path in args.measurements]))
-        command = ["hyperqwen", "bench", "quoting-result", *args.measurements, "--out", args.out]
-        document, _ = build_result(merged, shlex.join(command))
+        document = build()
     except ResultFileError as error:
-        print(f"hyperqwen bench quoting-result: {error}", file=sys.stderr)
+        print(f"hyperqwen bench {subcommand}: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    save(Path(args.out), document)
-    print("\n".join(format_table(document)))
-    print(f"wrote {args.out}; publish with: hyperqwen bench publish {args.out} --name NAME")
+    save(out, document)
+    print("\n".join(table(document)))
+    print(f"wrote {also_wrote}{out}; publish with: hyperqwen bench publish {out} --name NAME")
     return 0
+
+
+def cmd_quoting_result(args: argparse.Namespace) -> int:
+    command = ["hyperqwen", "bench", "quoting-result", *args.measurements, "--out", args.out]
+
+    def build() -> dict:
+        merged = merge(load_measurements([Path(path) for path in args.measurements]))
+        return build_result(merged, shlex.join(command))[0]
+
+    return write_result("quoting-result", Path(args.out), build, format_table)
 
 
 QUOTING_DESCRIPTION = f"""\

@@ -26,6 +26,7 @@ from hyperqwen.bench.quoting import (
     add_run_files_options,
     add_server_choice_options,
     checked_servers,
+    write_result,
 )
 from hyperqwen.bench.quoting_ceiling_result import (
     CEILING_KIND,
@@ -264,17 +265,13 @@ def cmd_quoting_ceiling_result(args: argparse.Namespace) -> int:
         command += ["--chat-tokens-per-step", f"{args.chat_tokens_per_step:g}",
                     "--chat-source", args.chat_source]  # fmt: skip
     command += ["--out", args.out]
-    try:
+
+    def build() -> dict:
         inputs = load_inputs([Path(path) for path in args.measurements], Path(args.quoting_result))
         projected = [name.strip() for name in args.project.split(",") if name.strip()]
-        document, _ = build_result(inputs, projected, chat_assumption(args), shlex.join(command))
-    except ResultFileError as error:
-        print(f"hyperqwen bench quoting-ceiling-result: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    save(Path(args.out), document)
-    print("\n".join(format_result(document)))
-    print(f"wrote {args.out}; publish with: hyperqwen bench publish {args.out} --name NAME")
-    return 0
+        return build_result(inputs, projected, chat_assumption(args), shlex.join(command))[0]
+
+    return write_result("quoting-ceiling-result", Path(args.out), build, format_result)
 
 
 CEILING_DESCRIPTION = f"""\
