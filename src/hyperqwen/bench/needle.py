@@ -35,7 +35,7 @@ from hyperqwen.bench.quoting import (
     write_result,
 )
 from hyperqwen.bench.quoting_configs import ServerConfig, parse_knobs
-from hyperqwen.bench.quoting_run import run_configs, save, server_options
+from hyperqwen.bench.quoting_run import run_configs, save, server_start
 from hyperqwen.bench.run import served_model
 from hyperqwen.bench.server_process import ServerStartError
 from hyperqwen.kv_choices import KV_CHOICES
@@ -98,7 +98,6 @@ def needle_plan(args: argparse.Namespace) -> NeedlePlan:
     workdir = Path(args.workdir)
     names = "all" if len(measured) == len(configs) else "+".join(c.name for c in measured)
     return NeedlePlan(
-        model=str(Path(args.model).resolve()) if args.model else None,
         configs=tuple(measured),
         urls=urls,
         depths=args.depths,
@@ -106,11 +105,7 @@ def needle_plan(args: argparse.Namespace) -> NeedlePlan:
         passes=0 if args.skip_logprobs else args.passes,
         seed=args.seed,
         knobs=" ".join(f"{name}={value}" for name, value in knobs.items()),
-        vllm_args=args.vllm_args,
-        stock_vllm=None,
-        patched_vllm=args.patched_vllm,
-        env_file=args.env_file,
-        **server_options(args, workdir),
+        start=server_start(args),
         out=Path(args.out) if args.out else workdir / f"needle-{names}.json",
     )
 
@@ -119,14 +114,15 @@ def check_given_depths(plan: NeedlePlan) -> None:
     """The servers given by --url hold every depth (read from their /v1/models), checked
     before any server is measured or started."""
     for name, url in plan.urls.items():
-        _, max_model_len = served_model(BenchClient(url, None, plan.timeout), None)
+        _, max_model_len = served_model(BenchClient(url, None, plan.start.timeout), None)
         if refusal := depth_refusal(plan.depths, max_model_len, f"KV={name} at {url}"):
             raise ABError(refusal)
 
 
 def equivalent_command(plan: NeedlePlan) -> str:
     """The command that repeats this run, every default spelled out."""
-    command = ["hyperqwen", "bench", "needle", *([plan.model] if plan.model else [])]
+    start = plan.start
+    command = ["hyperqwen", "bench", "needle", *([start.model] if start.model else [])]
     command += ["--configs", ",".join(config.name for config in plan.configs)]
     for name, url in plan.urls.items():
         command += ["--url", f"{name}={url}"]
@@ -134,13 +130,16 @@ def equivalent_command(plan: NeedlePlan) -> str:
     command += ["--positions", ",".join(f"{position:g}" for position in plan.positions)]
     command += ["--passes", str(plan.passes)] if plan.passes else ["--skip-logprobs"]
     command += ["--seed", str(plan.seed), f"--knobs={plan.knobs}"]
-    for option, value in (("--patched-vllm", plan.patched_vllm), ("--env-file", plan.env_file)):
+    for option, value in (
+        ("--patched-vllm", start.patched_vllm),
+        ("--env-file", start.env_file),
+    ):
         command += [option, value] if value else []
-    if plan.vllm_args:
-        command.append(f"--vllm-args={plan.vllm_args}")
-    if plan.server_command != DEFAULT_SERVER_COMMAND:
-        command += ["--server-command", plan.server_command]
-    command += ["--start-together"] * plan.start_together
+    if start.vllm_args:
+        command.append(f"--vllm-args={start.vllm_args}")
+    if start.server_command != DEFAULT_SERVER_COMMAND:
+        command += ["--server-command", start.server_command]
+    command += ["--start-together"] * start.start_together
     return shlex.join([*command, "--out", str(plan.out)])
 
 

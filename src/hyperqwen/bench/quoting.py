@@ -43,7 +43,7 @@ from hyperqwen.bench.quoting_run import (
     measurements_document,
     run_configs,
     save,
-    server_options,
+    server_start,
 )
 from hyperqwen.bench.quoting_tasks import KINDS, MAX_TOKENS, prompt_facts, quoting_tasks
 from hyperqwen.bench.results import ResultFileError
@@ -128,18 +128,13 @@ def quoting_plan(args: argparse.Namespace) -> QuotingPlan:
     workdir = Path(args.workdir)
     names = "all" if len(measured) == len(configs) else "+".join(c.name for c in measured)
     return QuotingPlan(
-        model=str(Path(args.model).resolve()) if args.model else None,
         configs=tuple(measured),
         urls=urls,
         passes=args.passes,
         requests=args.requests,
         seed=args.seed,
-        vllm_args=args.vllm_args,
         lookup_knobs=" ".join(f"{name}={value}" for name, value in lookup_knobs.items()),
-        stock_vllm=args.stock_vllm,
-        patched_vllm=args.patched_vllm,
-        env_file=args.env_file,
-        **server_options(args, workdir),
+        start=server_start(args),
         out=Path(args.out) if args.out else workdir / f"quoting-{names}.json",
     )
 
@@ -147,22 +142,24 @@ def quoting_plan(args: argparse.Namespace) -> QuotingPlan:
 def equivalent_command(plan: QuotingPlan) -> str:
     """The command that repeats this run, every default spelled out, the profile's knobs set in
     the environment first (they shape the HyperQwen servers)."""
-    command = ["hyperqwen", "bench", "quoting", *([plan.model] if plan.model else [])]
+    start = plan.start
+    command = ["hyperqwen", "bench", "quoting", *([start.model] if start.model else [])]
     command += ["--configs", ",".join(config.name for config in plan.configs)]
     for name, url in plan.urls.items():
         command += ["--url", f"{name}={url}"]
     command += ["--passes", str(plan.passes), "--requests", str(plan.requests)]
     command += ["--seed", str(plan.seed), f"--lookup-knobs={plan.lookup_knobs}"]
-    for option, value in (("--stock-vllm", plan.stock_vllm), ("--patched-vllm", plan.patched_vllm),
-                          ("--env-file", plan.env_file)):  # fmt: skip
+    for option, value in (("--stock-vllm", start.stock_vllm),
+                          ("--patched-vllm", start.patched_vllm),
+                          ("--env-file", start.env_file)):  # fmt: skip
         command += [option, value] if value else []
-    if plan.vllm_args:
-        command.append(f"--vllm-args={plan.vllm_args}")
-    if plan.server_command != DEFAULT_SERVER_COMMAND:
-        command += ["--server-command", plan.server_command]
-    command += ["--start-together"] * plan.start_together
+    if start.vllm_args:
+        command.append(f"--vllm-args={start.vllm_args}")
+    if start.server_command != DEFAULT_SERVER_COMMAND:
+        command += ["--server-command", start.server_command]
+    command += ["--start-together"] * start.start_together
     command += ["--out", str(plan.out)]
-    knob_values = environment_knobs(Path(plan.model), plan.env_file) if plan.model else {}
+    knob_values = environment_knobs(Path(start.model), start.env_file) if start.model else {}
     # NAME='a b', not 'NAME=a b', which the shell would take for the command's name
     assignments = [f"{name}={shlex.quote(value)}" for name, value in knob_values.items()]
     return " ".join([*assignments, shlex.join(command)])
