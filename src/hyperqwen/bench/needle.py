@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-from hyperqwen.bench.ab_argv import PREVIEW_PORT
 from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND, ABError
 from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.header import git_commit, gpu_facts
@@ -32,9 +31,11 @@ from hyperqwen.bench.quoting import (
     EXIT_FAILED,
     add_run_files_options,
     add_server_choice_options,
+    checked_servers,
+    write_result,
 )
-from hyperqwen.bench.quoting_configs import ServerConfig, chosen, parse_knobs
-from hyperqwen.bench.quoting_run import run_configs, save, server_options
+from hyperqwen.bench.quoting_configs import ServerConfig, parse_knobs
+from hyperqwen.bench.quoting_run import run_configs, save, server_start
 from hyperqwen.bench.run import served_model
 from hyperqwen.bench.server_process import ServerStartError
 from hyperqwen.kv_choices import KV_CHOICES
@@ -84,36 +85,19 @@ def needle_plan(args: argparse.Namespace) -> NeedlePlan:
     if "KV" in knobs:
         raise ABError("--knobs KV=...: each configuration sets KV itself; choose with --configs")
     configs = kv_configs(knobs)
-    urls = dict(args.url)
-    if unknown := [name for name in urls if name not in configs]:
-        raise ABError(
-            f"--url {unknown[0]}=...: no such KV choice; name one of {', '.join(configs)}"
-        )
-    measured = chosen(args.configs or (",".join(urls) if urls else "all"), configs)
-    if not args.skip_logprobs and BASELINE not in {config.name for config in measured}:
-        measured.insert(0, configs[BASELINE])  # the agreement needs bf16 KV's logprobs
-    started = [config for config in measured if config.name not in urls]
-    if started and (not args.model or not (Path(args.model) / "config.json").is_file()):
-        raise ABError(
-            f"KV={started[0].name} is started here, which needs MODEL_DIR (a model folder with "
-            "config.json; `hyperqwen bench smollm2 DIR` makes one), or give its server with "
-            f"--url {started[0].name}=URL"
-        )
-    if started and not args.patched_vllm:
-        raise ABError(f"KV={started[0].name} runs vLLM from --patched-vllm PARENT_DIR: give it")
-    try:
-        shlex.split(args.vllm_args)
-    except ValueError as error:
-        raise ABError(f"--vllm-args {args.vllm_args!r} cannot be read: {error}") from None
-    for config in started:  # the profile refuses a bad knob now, not after other servers ran
-        try:
-            config.serve(Path(args.model), PREVIEW_PORT, args.vllm_args, args.env_file, Path())
-        except ABError as error:
-            raise ABError(f"KV={config.name} (with --knobs {args.knobs!r}): {error}") from None
+    urls, measured, _ = checked_servers(
+        args,
+        configs,
+        {"hyperqwen": "patched_vllm"},
+        # the agreement needs bf16 KV's logprobs
+        first=None if args.skip_logprobs else configs[BASELINE],
+        label="KV=",
+        choice="KV choice",
+        knobs_option="--knobs",
+    )
     workdir = Path(args.workdir)
     names = "all" if len(measured) == len(configs) else "+".join(c.name for c in measured)
     return NeedlePlan(
-        model=str(Path(args.model).resolve()) if args.model else None,
         configs=tuple(measured),
         urls=urls,
         depths=args.depths,
@@ -121,11 +105,7 @@ def needle_plan(args: argparse.Namespace) -> NeedlePlan:
         passes=0 if args.skip_logprobs else args.passes,
         seed=args.seed,
         knobs=" ".join(f"{name}={value}" for name, value in knobs.items()),
-        vllm_args=args.vllm_args,
-        stock_vllm=None,
-        patched_vllm=args.patched_vllm,
-        env_file=args.env_file,
-        **server_options(args, workdir),
+        start=server_start(args),
         out=Path(args.out) if args.out else workdir / f"needle-{names}.json",
     )
 
@@ -134,14 +114,15 @@ def check_given_depths(plan: NeedlePlan) -> None:
     """The servers given by --url hold every depth (read from their /v1/models), checked
     before any server is measured or started."""
     for name, url in plan.urls.items():
-        _, max_model_len = served_model(BenchClient(url, None, plan.timeout), None)
+        _, max_model_len = served_model(BenchClient(url, None, plan.start.timeout), None)
         if refusal := depth_refusal(plan.depths, max_model_len, f"KV={name} at {url}"):
             raise ABError(refusal)
 
 
 def equivalent_command(plan: NeedlePlan) -> str:
     """The command that repeats this run, every default spelled out."""
-    command = ["hyperqwen", "bench", "needle", *([plan.model] if plan.model else [])]
+    start = plan.start
+    command = ["hyperqwen", "bench", "needle", *([start.model] if start.model else [])]
     command += ["--configs", ",".join(config.name for config in plan.configs)]
     for name, url in plan.urls.items():
         command += ["--url", f"{name}={url}"]
@@ -149,13 +130,16 @@ def equivalent_command(plan: NeedlePlan) -> str:
     command += ["--positions", ",".join(f"{position:g}" for position in plan.positions)]
     command += ["--passes", str(plan.passes)] if plan.passes else ["--skip-logprobs"]
     command += ["--seed", str(plan.seed), f"--knobs={plan.knobs}"]
-    for option, value in (("--patched-vllm", plan.patched_vllm), ("--env-file", plan.env_file)):
+    for option, value in (
+        ("--patched-vllm", start.patched_vllm),
+        ("--env-file", start.env_file),
+    ):
         command += [option, value] if value else []
-    if plan.vllm_args:
-        command.append(f"--vllm-args={plan.vllm_args}")
-    if plan.server_command != DEFAULT_SERVER_COMMAND:
-        command += ["--server-command", plan.server_command]
-    command += ["--start-together"] * plan.start_together
+    if start.vllm_args:
+        command.append(f"--vllm-args={start.vllm_args}")
+    if start.server_command != DEFAULT_SERVER_COMMAND:
+        command += ["--server-command", start.server_command]
+    command += ["--start-together"] * start.start_together
     return shlex.join([*command, "--out", str(plan.out)])
 
 
@@ -185,14 +169,13 @@ def cmd_needle(args: argparse.Namespace) -> int:
         return EXIT_FAILED if isinstance(error, BenchError) else EXIT_BAD_INPUT
     document["summary"] = summary(document["configs"])
     save(plan.out, document)
-    result = plan.out.with_suffix(".result.json")
-    save(result, build_result(document))
-    print("\n".join(format_table(document["summary"])))
-    print(
-        f"wrote {plan.out} (the measurements) and {result} (the rows; publish with: hyperqwen "
-        f"bench publish {result} --name NAME)"
+    return write_result(
+        "needle",
+        plan.out.with_suffix(".result.json"),
+        lambda: build_result(document),
+        lambda _: format_table(document["summary"]),
+        also_wrote=f"{plan.out} (the measurements) and ",
     )
-    return 0
 
 
 NEEDLE_DESCRIPTION = f"""\

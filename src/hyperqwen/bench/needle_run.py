@@ -29,6 +29,7 @@ from hyperqwen.bench.needle_haystack import (
 )
 from hyperqwen.bench.quality_ppl import request_prompt_logprobs
 from hyperqwen.bench.quoting_configs import ServerConfig
+from hyperqwen.bench.quoting_run import ServerStart
 from hyperqwen.bench.run import run_pass, served_model
 from hyperqwen.bench.workload import COMPLETIONS_PATH
 
@@ -41,7 +42,6 @@ LOGPROB_DIGITS = 6  # kept per prompt token; far finer than the differences judg
 class NeedlePlan:
     """The options of one `bench needle` run."""
 
-    model: str | None
     configs: tuple[ServerConfig, ...]
     urls: dict[str, str]
     depths: tuple[int, ...]
@@ -50,27 +50,19 @@ class NeedlePlan:
     """prompt_logprobs passes per depth; 0: none (dummy weights' logprobs judge nothing)."""
     seed: int
     knobs: str
-    vllm_args: str
-    stock_vllm: str | None
-    patched_vllm: str | None
-    env_file: str | None
-    server_command: str
-    startup_timeout: float
-    timeout: float
-    start_together: bool
-    workdir: Path
+    start: ServerStart
     out: Path
 
     def recorded(self) -> dict:
         """What the measurements file keeps of the plan."""
         return {
-            "model": self.model,
+            "model": self.start.model,
             "depths": list(self.depths),
             "positions": list(self.positions),
             "passes": self.passes,
             "seed": self.seed,
             "knobs": self.knobs,
-            "vllm_args": self.vllm_args,
+            "vllm_args": self.start.vllm_args,
         }
 
 

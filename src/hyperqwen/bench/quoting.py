@@ -12,6 +12,7 @@ import argparse
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from hyperqwen.bench.ab_argv import PREVIEW_PORT, environment_knobs
@@ -25,6 +26,7 @@ from hyperqwen.bench.options import (
 )
 from hyperqwen.bench.quoting_configs import (
     DEFAULT_LOOKUP_KNOBS,
+    ServerConfig,
     catalogue,
     chosen,
     parse_knobs,
@@ -41,7 +43,7 @@ from hyperqwen.bench.quoting_run import (
     measurements_document,
     run_configs,
     save,
-    server_options,
+    server_start,
 )
 from hyperqwen.bench.quoting_tasks import KINDS, MAX_TOKENS, prompt_facts, quoting_tasks
 from hyperqwen.bench.results import ResultFileError
@@ -64,54 +66,75 @@ def _named_url(text: str) -> tuple[str, str]:
 _passes = at_least(MIN_PASSES, "as the spread between passes needs two")
 
 
-def quoting_plan(args: argparse.Namespace) -> QuotingPlan:
-    """The plan of parsed options, checked before any server starts; ABError names the option."""
-    lookup_knobs = parse_knobs(args.lookup_knobs)
-    configs = catalogue(lookup_knobs)
+def checked_servers(
+    args: argparse.Namespace,
+    configs: dict[str, ServerConfig],
+    trees: dict[str, str],
+    *,
+    default: str = "all",
+    first: ServerConfig | None = None,
+    label: str = "",
+    choice: str = "configuration",
+    makes_model: str = "`hyperqwen bench smollm2 DIR` makes one",
+    knobs_option: str = "--lookup-knobs",
+) -> tuple[dict[str, str], list[ServerConfig], list[ServerConfig]]:
+    """The servers a run measures from MODEL_DIR, --configs, --url and --vllm-args, as (the
+    given urls, the measured configurations, those started here), checked before any server
+    starts; ABError names the option. trees: the option (stock_vllm, patched_vllm) holding the
+    vLLM tree of each build; first: a configuration measured first whatever --configs says;
+    label, choice, makes_model, knobs_option: the bench's words for a configuration, for what
+    --url names, for how to make MODEL_DIR and for the option that gave the profile's knobs."""
     urls = dict(args.url)
     if unknown := [name for name in urls if name not in configs]:
-        raise ABError(
-            f"--url {unknown[0]}=...: no such configuration; name one of {', '.join(configs)}"
-        )
-    measured = chosen(args.configs or (",".join(urls) if urls else "all"), configs)
+        raise ABError(f"--url {unknown[0]}=...: no such {choice}; name one of {', '.join(configs)}")
+    measured = chosen(args.configs or (",".join(urls) if urls else default), configs)
+    if first is not None and first not in measured:
+        measured.insert(0, first)
     started = [config for config in measured if config.name not in urls]
-    if started:
-        if not args.model or not (Path(args.model) / "config.json").is_file():
-            raise ABError(
-                f"{started[0].name} is started here, which needs MODEL_DIR (a model folder with "
-                "config.json; `hyperqwen bench smollm2 DIR` makes one), or give its server with "
-                f"--url {started[0].name}=URL"
-            )
-        for build, option in (("vllm", "stock_vllm"), ("hyperqwen", "patched_vllm")):
-            if any(config.build == build for config in started) and not getattr(args, option):
-                names = ", ".join(config.name for config in started if config.build == build)
-                flag = "--" + option.replace("_", "-")
-                raise ABError(f"{names} run(s) vLLM from {flag} PARENT_DIR: give it")
+    if started and (not args.model or not (Path(args.model) / "config.json").is_file()):
+        raise ABError(
+            f"{label}{started[0].name} is started here, which needs MODEL_DIR (a model folder "
+            f"with config.json; {makes_model}), or give its server with --url "
+            f"{started[0].name}=URL"
+        )
+    for build, option in trees.items():
+        needing = [config.name for config in started if config.build == build]
+        if needing and not getattr(args, option):
+            flag = "--" + option.replace("_", "-")
+            raise ABError(f"{label}{needing[0]} runs vLLM from {flag} PARENT_DIR: give it")
     try:
         shlex.split(args.vllm_args)
     except ValueError as error:
         raise ABError(f"--vllm-args {args.vllm_args!r} cannot be read: {error}") from None
-    for config in started:  # the profile refuses a bad knob now, not after other servers ran
+    # The profile refuses a bad knob now, not after other servers ran; stock vLLM has none.
+    for config in (config for config in started if config.build == "hyperqwen"):
         try:
             config.serve(Path(args.model), PREVIEW_PORT, args.vllm_args, args.env_file, Path())
         except ABError as error:
             given = " ".join(f"{name}={value}" for name, value in config.knob_values.items())
-            raise ABError(f"{config.name} (its knobs: {given}, --lookup-knobs): {error}") from None
+            raise ABError(
+                f"{label}{config.name} (its knobs: {given}, {knobs_option}): {error}"
+            ) from None
+    return urls, measured, started
+
+
+def quoting_plan(args: argparse.Namespace) -> QuotingPlan:
+    """The plan of parsed options, checked before any server starts; ABError names the option."""
+    lookup_knobs = parse_knobs(args.lookup_knobs)
+    configs = catalogue(lookup_knobs)
+    urls, measured, _ = checked_servers(
+        args, configs, {"vllm": "stock_vllm", "hyperqwen": "patched_vllm"}
+    )
     workdir = Path(args.workdir)
     names = "all" if len(measured) == len(configs) else "+".join(c.name for c in measured)
     return QuotingPlan(
-        model=str(Path(args.model).resolve()) if args.model else None,
         configs=tuple(measured),
         urls=urls,
         passes=args.passes,
         requests=args.requests,
         seed=args.seed,
-        vllm_args=args.vllm_args,
         lookup_knobs=" ".join(f"{name}={value}" for name, value in lookup_knobs.items()),
-        stock_vllm=args.stock_vllm,
-        patched_vllm=args.patched_vllm,
-        env_file=args.env_file,
-        **server_options(args, workdir),
+        start=server_start(args),
         out=Path(args.out) if args.out else workdir / f"quoting-{names}.json",
     )
 
@@ -119,22 +142,24 @@ def quoting_plan(args: argparse.Namespace) -> QuotingPlan:
 def equivalent_command(plan: QuotingPlan) -> str:
     """The command that repeats this run, every default spelled out, the profile's knobs set in
     the environment first (they shape the HyperQwen servers)."""
-    command = ["hyperqwen", "bench", "quoting", *([plan.model] if plan.model else [])]
+    start = plan.start
+    command = ["hyperqwen", "bench", "quoting", *([start.model] if start.model else [])]
     command += ["--configs", ",".join(config.name for config in plan.configs)]
     for name, url in plan.urls.items():
         command += ["--url", f"{name}={url}"]
     command += ["--passes", str(plan.passes), "--requests", str(plan.requests)]
     command += ["--seed", str(plan.seed), f"--lookup-knobs={plan.lookup_knobs}"]
-    for option, value in (("--stock-vllm", plan.stock_vllm), ("--patched-vllm", plan.patched_vllm),
-                          ("--env-file", plan.env_file)):  # fmt: skip
+    for option, value in (("--stock-vllm", start.stock_vllm),
+                          ("--patched-vllm", start.patched_vllm),
+                          ("--env-file", start.env_file)):  # fmt: skip
         command += [option, value] if value else []
-    if plan.vllm_args:
-        command.append(f"--vllm-args={plan.vllm_args}")
-    if plan.server_command != DEFAULT_SERVER_COMMAND:
-        command += ["--server-command", plan.server_command]
-    command += ["--start-together"] * plan.start_together
+    if start.vllm_args:
+        command.append(f"--vllm-args={start.vllm_args}")
+    if start.server_command != DEFAULT_SERVER_COMMAND:
+        command += ["--server-command", start.server_command]
+    command += ["--start-together"] * start.start_together
     command += ["--out", str(plan.out)]
-    knob_values = environment_knobs(Path(plan.model), plan.env_file) if plan.model else {}
+    knob_values = environment_knobs(Path(start.model), start.env_file) if start.model else {}
     # NAME='a b', not 'NAME=a b', which the shell would take for the command's name
     assignments = [f"{name}={shlex.quote(value)}" for name, value in knob_values.items()]
     return " ".join([*assignments, shlex.join(command)])
@@ -165,18 +190,35 @@ def cmd_quoting(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_quoting_result(args: argparse.Namespace) -> int:
+def write_result(
+    subcommand: str,
+    out: Path,
+    build: Callable[[], dict],
+    table: Callable[[dict], list[str]],
+    also_wrote: str = "",
+) -> int:
+    """Save the result document that build makes (its ResultFileError refused as bad input,
+    exit 2) to out, print its table and how to publish it; also_wrote: the files written
+    before it, for that line."""
     try:
-        merged = merge(load_measurements([Path(path) for path in args.measurements]))
-        command = ["hyperqwen", "bench", "quoting-result", *args.measurements, "--out", args.out]
-        document, _ = build_result(merged, shlex.join(command))
+        document = build()
     except ResultFileError as error:
-        print(f"hyperqwen bench quoting-result: {error}", file=sys.stderr)
+        print(f"hyperqwen bench {subcommand}: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    save(Path(args.out), document)
-    print("\n".join(format_table(document)))
-    print(f"wrote {args.out}; publish with: hyperqwen bench publish {args.out} --name NAME")
+    save(out, document)
+    print("\n".join(table(document)))
+    print(f"wrote {also_wrote}{out}; publish with: hyperqwen bench publish {out} --name NAME")
     return 0
+
+
+def cmd_quoting_result(args: argparse.Namespace) -> int:
+    command = ["hyperqwen", "bench", "quoting-result", *args.measurements, "--out", args.out]
+
+    def build() -> dict:
+        merged = merge(load_measurements([Path(path) for path in args.measurements]))
+        return build_result(merged, shlex.join(command))[0]
+
+    return write_result("quoting-result", Path(args.out), build, format_table)
 
 
 QUOTING_DESCRIPTION = f"""\

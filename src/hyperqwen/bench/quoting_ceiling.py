@@ -25,6 +25,8 @@ from hyperqwen.bench.quoting import (
     _passes,
     add_run_files_options,
     add_server_choice_options,
+    checked_servers,
+    write_result,
 )
 from hyperqwen.bench.quoting_ceiling_result import (
     CEILING_KIND,
@@ -46,8 +48,15 @@ from hyperqwen.bench.quoting_ceiling_run import (
     measure_together,
     step_figures,
 )
-from hyperqwen.bench.quoting_configs import ServerConfig, chosen
-from hyperqwen.bench.quoting_run import Launch, all_healthy, launch, save, server_options
+from hyperqwen.bench.quoting_configs import ServerConfig
+from hyperqwen.bench.quoting_run import (
+    Launch,
+    ServerStart,
+    all_healthy,
+    launch,
+    save,
+    server_start,
+)
 from hyperqwen.bench.results import ResultFileError
 from hyperqwen.bench.server_process import ServerStartError
 from hyperqwen.bench.workload import Workload
@@ -60,9 +69,8 @@ OUTPUT_TOKENS = 241  # 240 decode tokens: whole steps at k = 0, 3, 4 and 15
 
 @dataclass(frozen=True)
 class CeilingPlan:
-    """The options of one `bench quoting-ceiling` run (quoting_run.ServerPlan for starting)."""
+    """The options of one `bench quoting-ceiling` run."""
 
-    model: str | None
     configs: tuple[ServerConfig, ...]
     urls: dict[str, str]
     passes: int
@@ -70,58 +78,38 @@ class CeilingPlan:
     seed: int
     prompt_tokens: int
     output_tokens: int
-    vllm_args: str
-    """SAME_FLAGS, then --vllm-args: every started server's flags after its own."""
-    stock_vllm: str | None
-    server_command: str
-    startup_timeout: float
-    timeout: float
-    start_together: bool
-    workdir: Path
+    start: ServerStart
+    """Its vllm_args: SAME_FLAGS, then --vllm-args, every started server's flags after its own;
+    every server here is stock vLLM."""
     out: Path
-    patched_vllm: None = None  # every server here is stock vLLM
-    env_file: None = None
 
     def recorded(self) -> dict:
         return {
-            "model": self.model,
+            "model": self.start.model,
             "passes": self.passes,
             "requests": self.requests,
             "seed": self.seed,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
-            "vllm_args": self.vllm_args,
+            "vllm_args": self.start.vllm_args,
         }
 
 
 def ceiling_plan(args: argparse.Namespace) -> CeilingPlan:
     """The plan of parsed options, checked before any server starts; ABError names the option."""
     configs = ceiling_configs()
-    urls = dict(args.url)
-    if unknown := [name for name in urls if name not in configs]:
-        raise ABError(
-            f"--url {unknown[0]}=...: no such configuration; name one of {', '.join(configs)}"
-        )
-    measured = chosen(args.configs or (",".join(urls) if urls else DEFAULT_CONFIGS), configs)
-    started = [config for config in measured if config.name not in urls]
-    if started and (not args.model or not (Path(args.model) / "config.json").is_file()):
-        raise ABError(
-            f"{started[0].name} is started here, which needs MODEL_DIR (a model folder with "
-            "config.json; `hyperqwen synth DIR --preset 27b --config-only` makes the 27B "
-            f"geometry), or give its server with --url {started[0].name}=URL"
-        )
-    if started and not args.stock_vllm:
-        raise ABError(f"{started[0].name} runs stock vLLM from --stock-vllm PARENT_DIR: give it")
-    try:
-        shlex.split(args.vllm_args)
-    except ValueError as error:
-        raise ABError(f"--vllm-args {args.vllm_args!r} cannot be read: {error}") from None
+    urls, measured, _ = checked_servers(
+        args,
+        configs,
+        {"vllm": "stock_vllm"},
+        default=DEFAULT_CONFIGS,
+        makes_model="`hyperqwen synth DIR --preset 27b --config-only` makes the 27B geometry",
+    )
     if args.output_tokens < 2:
         raise ABError(f"--output-tokens {args.output_tokens}: at least 2, one decode step")
     workdir = Path(args.workdir)
     names = "+".join(config.name for config in measured)
     return CeilingPlan(
-        model=str(Path(args.model).resolve()) if args.model else None,
         configs=tuple(measured),
         urls=urls,
         passes=args.passes,
@@ -129,32 +117,36 @@ def ceiling_plan(args: argparse.Namespace) -> CeilingPlan:
         seed=args.seed,
         prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens,
-        vllm_args=" ".join(filter(None, [SAME_FLAGS, args.vllm_args])),
-        stock_vllm=args.stock_vllm,
-        **server_options(args, workdir),
+        start=server_start(args, " ".join(filter(None, [SAME_FLAGS, args.vllm_args]))),
         out=Path(args.out) if args.out else workdir / f"ceiling-{names}.json",
     )
 
 
 def equivalent_command(plan: CeilingPlan, user_vllm_args: str) -> str:
     """The command that repeats this run, every default spelled out."""
-    command = ["hyperqwen", "bench", "quoting-ceiling", *([plan.model] if plan.model else [])]
+    start = plan.start
+    command = [
+        "hyperqwen",
+        "bench",
+        "quoting-ceiling",
+        *([start.model] if start.model else []),
+    ]
     command += ["--configs", ",".join(config.name for config in plan.configs)]
     for name, url in plan.urls.items():
         command += ["--url", f"{name}={url}"]
     command += ["--passes", str(plan.passes), "--requests", str(plan.requests)]
     command += ["--seed", str(plan.seed), "--prompt-tokens", str(plan.prompt_tokens)]
     command += ["--output-tokens", str(plan.output_tokens)]
-    command += ["--stock-vllm", plan.stock_vllm] if plan.stock_vllm else []
+    command += ["--stock-vllm", start.stock_vllm] if start.stock_vllm else []
     command += [f"--vllm-args={user_vllm_args}"] if user_vllm_args else []
-    if plan.server_command != DEFAULT_SERVER_COMMAND:
-        command += ["--server-command", plan.server_command]
-    command += ["--start-together"] * plan.start_together + ["--out", str(plan.out)]
+    if start.server_command != DEFAULT_SERVER_COMMAND:
+        command += ["--server-command", start.server_command]
+    command += ["--start-together"] * start.start_together + ["--out", str(plan.out)]
     return shlex.join(command)
 
 
 def _given(plan: CeilingPlan, config: ServerConfig):
-    client = BenchClient(plan.urls[config.name], None, plan.timeout)
+    client = BenchClient(plan.urls[config.name], None, plan.start.timeout)
     facts = {
         "url": client.base_url,
         "speculative_config": config.speculative_config,
@@ -164,7 +156,7 @@ def _given(plan: CeilingPlan, config: ServerConfig):
 
 
 def _started(plan: CeilingPlan, started: Launch, startup_s: float):
-    client = BenchClient(started.base, None, plan.timeout)
+    client = BenchClient(started.base, None, plan.start.timeout)
     facts = {
         "speculative_config": started.config.speculative_config,
         "command": started.command,
@@ -191,9 +183,9 @@ def run_ceiling(plan: CeilingPlan, document: dict) -> None:
 
     given = [_given(plan, config) for config in plan.configs if config.name in plan.urls]
     launched = [config for config in plan.configs if config.name not in plan.urls]
-    if plan.start_together or not launched:
-        launches = [launch(plan, config) for config in launched]
-        with all_healthy(plan, launches) as healthy:
+    if plan.start.start_together or not launched:
+        launches = [launch(plan.start, config) for config in launched]
+        with all_healthy(plan.start, launches) as healthy:
             started = [
                 _started(plan, one, up.startup_s) for one, up in zip(launches, healthy, strict=True)
             ]
@@ -202,8 +194,8 @@ def run_ceiling(plan: CeilingPlan, document: dict) -> None:
     if given:
         measure(given)
     for config in launched:
-        one = launch(plan, config)
-        with one.server(plan) as up:
+        one = launch(plan.start, config)
+        with one.server(plan.start) as up:
             measure([_started(plan, one, up.startup_s)])
 
 
@@ -275,17 +267,13 @@ def cmd_quoting_ceiling_result(args: argparse.Namespace) -> int:
         command += ["--chat-tokens-per-step", f"{args.chat_tokens_per_step:g}",
                     "--chat-source", args.chat_source]  # fmt: skip
     command += ["--out", args.out]
-    try:
+
+    def build() -> dict:
         inputs = load_inputs([Path(path) for path in args.measurements], Path(args.quoting_result))
         projected = [name.strip() for name in args.project.split(",") if name.strip()]
-        document, _ = build_result(inputs, projected, chat_assumption(args), shlex.join(command))
-    except ResultFileError as error:
-        print(f"hyperqwen bench quoting-ceiling-result: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    save(Path(args.out), document)
-    print("\n".join(format_result(document)))
-    print(f"wrote {args.out}; publish with: hyperqwen bench publish {args.out} --name NAME")
-    return 0
+        return build_result(inputs, projected, chat_assumption(args), shlex.join(command))[0]
+
+    return write_result("quoting-ceiling-result", Path(args.out), build, format_result)
 
 
 CEILING_DESCRIPTION = f"""\

@@ -41,40 +41,49 @@ MEASUREMENTS_KIND = "bench quoting measurements"
 WARM_UP = "warm-up"
 
 
-class ServerPlan(Protocol):
-    """What starting a benchmark's servers reads of its plan (`bench quoting`'s and
-    `bench quoting-ceiling`'s)."""
+@dataclass(frozen=True)
+class ServerStart:
+    """How a benchmark starts its servers and reaches them: the part of its plan that
+    launching reads (`bench quoting`'s, `bench quoting-ceiling`'s, `bench needle`'s)."""
 
     model: str | None
+    """MODEL_DIR, resolved; None when every server is given by --url."""
+    vllm_args: str
     stock_vllm: str | None
     patched_vllm: str | None
-    vllm_args: str
     env_file: str | None
     server_command: str
     startup_timeout: float
+    timeout: float
     start_together: bool
     workdir: Path
 
 
-def server_options(args: Any, workdir: Path) -> dict[str, Any]:
-    """The plan fields every server-starting benchmark takes from its parsed options as given
-    (add_server_start_options), for its plan's constructor."""
-    return {
-        "server_command": args.server_command,
-        "startup_timeout": args.startup_timeout,
-        "timeout": args.timeout,
-        "start_together": args.start_together,
-        "workdir": workdir,
-    }
+def server_start(args: Any, vllm_args: str | None = None) -> ServerStart:
+    """The ServerStart of a benchmark's parsed options (add_server_start_options,
+    add_run_files_options); a tree or --env-file option the benchmark lacks is None, and
+    vllm_args replaces --vllm-args where the benchmark adds its own flags."""
+    return ServerStart(
+        model=str(Path(args.model).resolve()) if args.model else None,
+        vllm_args=args.vllm_args if vllm_args is None else vllm_args,
+        stock_vllm=getattr(args, "stock_vllm", None),
+        patched_vllm=getattr(args, "patched_vllm", None),
+        env_file=getattr(args, "env_file", None),
+        server_command=args.server_command,
+        startup_timeout=args.startup_timeout,
+        timeout=args.timeout,
+        start_together=args.start_together,
+        workdir=Path(args.workdir),
+    )
 
 
-class ConfigsPlan(ServerPlan, Protocol):
+class ConfigsPlan(Protocol):
     """What run_configs reads of a plan that measures server configurations in turn (`bench
     quoting`'s and `bench needle`'s)."""
 
     configs: tuple[ServerConfig, ...]
     urls: dict[str, str]
-    timeout: float
+    start: ServerStart
     out: Path
 
 
@@ -86,35 +95,25 @@ Measure = Callable[[BenchClient], dict]
 class QuotingPlan:
     """The options of one `bench quoting` run."""
 
-    model: str | None
-    """MODEL_DIR, resolved; None when every configuration is given by --url."""
     configs: tuple[ServerConfig, ...]
     urls: dict[str, str]
     """Configuration name -> the URL of its running server (--url NAME=URL)."""
     passes: int
     requests: int
     seed: int
-    vllm_args: str
     lookup_knobs: str
-    stock_vllm: str | None
-    patched_vllm: str | None
-    env_file: str | None
-    server_command: str
-    startup_timeout: float
-    timeout: float
-    start_together: bool
-    workdir: Path
+    start: ServerStart
     out: Path
 
     def recorded(self) -> dict:
         """What the measurements file keeps of the plan; merged files must agree on the
         prompts (seed, requests) and passes."""
         return {
-            "model": self.model,
+            "model": self.start.model,
             "passes": self.passes,
             "requests": self.requests,
             "seed": self.seed,
-            "vllm_args": self.vllm_args,
+            "vllm_args": self.start.vllm_args,
             "lookup_knobs": self.lookup_knobs,
         }
 
@@ -161,28 +160,28 @@ class Launch:
     parent: Path
     patches: str
 
-    def server(self, plan: ServerPlan) -> contextlib.AbstractContextManager[HealthyServer]:
+    def server(self, start: ServerStart) -> contextlib.AbstractContextManager[HealthyServer]:
         return running_server(
             self.command,
             self.env,
             self.log,
             self.base,
-            plan.startup_timeout,
+            start.startup_timeout,
             timeout_option="--startup-timeout",
         )
 
 
-def launch(plan: ServerPlan, config: ServerConfig) -> Launch:
+def launch(start: ServerStart, config: ServerConfig) -> Launch:
     """The configuration's server command and environment, its vllm/ tree checked."""
-    build_tree = plan.stock_vllm if config.build == "vllm" else plan.patched_vllm
+    build_tree = start.stock_vllm if config.build == "vllm" else start.patched_vllm
     parent = Path(build_tree).resolve()  # type: ignore[arg-type]
     patches = check_vllm_tree("stock" if config.build == "vllm" else "patched", parent)
     port = free_port()
-    argv, env = config.serve(Path(plan.model), port, plan.vllm_args, plan.env_file, parent)  # type: ignore[arg-type]
-    command = server_command(plan.server_command, config.name, argv, port)
-    if plan.start_together:  # servers compiling at once must not write one compile cache
-        env = {**env, "VLLM_CACHE_ROOT": str(plan.workdir / "cache" / config.name)}
-    log = plan.workdir / f"{config.name}-server.log"
+    argv, env = config.serve(Path(start.model), port, start.vllm_args, start.env_file, parent)  # type: ignore[arg-type]
+    command = server_command(start.server_command, config.name, argv, port)
+    if start.start_together:  # servers compiling at once must not write one compile cache
+        env = {**env, "VLLM_CACHE_ROOT": str(start.workdir / "cache" / config.name)}
+    log = start.workdir / f"{config.name}-server.log"
     print(f"== {config.name}: {' '.join(command)}\n   (vllm/ from {parent}; log {log})", flush=True)
     return Launch(config, command, env, f"http://{SERVER_HOST}:{port}", log, parent, patches)
 
@@ -199,7 +198,7 @@ def _record(config: ServerConfig) -> dict:
 def measure_given(plan: ConfigsPlan, config: ServerConfig, measure: Measure) -> dict:
     """A configuration whose server runs at its --url."""
     print(f"== {config.name}: the server at {plan.urls[config.name]}", flush=True)
-    client = BenchClient(plan.urls[config.name], None, plan.timeout)
+    client = BenchClient(plan.urls[config.name], None, plan.start.timeout)
     return {**_record(config), "url": client.base_url, **measure(client)}
 
 
@@ -215,15 +214,15 @@ def measure_started(
         "patches": started.patches,
         "startup_s": round(healthy.startup_s, 2),
         "log": str(started.log),
-        **measure(BenchClient(started.base, None, plan.timeout)),
+        **measure(BenchClient(started.base, None, plan.start.timeout)),
     }
 
 
 @contextlib.contextmanager
-def all_healthy(plan: ServerPlan, launches: Sequence[Launch]) -> Iterator[list[HealthyServer]]:
+def all_healthy(start: ServerStart, launches: Sequence[Launch]) -> Iterator[list[HealthyServer]]:
     """Every server started at once, yielded once all are healthy; all stopped on exit (also
     when one fails to start: its error is raised once the others are up or have failed)."""
-    servers = [started.server(plan) for started in launches]
+    servers = [started.server(start) for started in launches]
     with contextlib.ExitStack() as stop_all:
         with ThreadPoolExecutor(max(1, len(servers))) as pool:
             starting = [pool.submit(server.__enter__) for server in servers]
@@ -280,15 +279,15 @@ def run_configs(plan: ConfigsPlan, measure: Measure, document: dict) -> dict:
         if config.name in plan.urls:
             keep(config.name, measure_given(plan, config, measure))
     launched = [config for config in plan.configs if config.name not in plan.urls]
-    if plan.start_together:
-        launches = [launch(plan, config) for config in launched]
-        with all_healthy(plan, launches) as healthy:
+    if plan.start.start_together:
+        launches = [launch(plan.start, config) for config in launched]
+        with all_healthy(plan.start, launches) as healthy:
             for started, server in zip(launches, healthy, strict=True):
                 keep(started.config.name, measure_started(plan, started, server, measure))
         return document
     for config in launched:
-        started = launch(plan, config)
-        with started.server(plan) as server:
+        started = launch(plan.start, config)
+        with started.server(plan.start) as server:
             keep(config.name, measure_started(plan, started, server, measure))
     return document
 
