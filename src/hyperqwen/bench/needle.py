@@ -29,6 +29,7 @@ from hyperqwen.bench.options import (
 from hyperqwen.bench.quoting import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
+    add_answer_options,
     add_run_files_options,
     add_server_choice_options,
     checked_servers,
@@ -263,17 +264,5 @@ def add_subcommand(actions) -> None:
         parser, "needle", "appended last; write --vllm-args='--max-model-len 8192'", env_file=True
     )
     add_server_start_options(parser, side="the KV choice")
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=1800.0,
-        metavar="SECONDS",
-        help="seconds to wait for the next bytes of an answer (default 1800: a 240k prefill "
-        "with prompt_logprobs is long)",
-    )
-    parser.add_argument(
-        "--start-together",
-        action="store_true",
-        help="start every server at once (give each room with --vllm-args), as bench quoting",
-    )
+    add_answer_options(parser, 1800.0, ": a 240k prefill with prompt_logprobs is long")
     parser.set_defaults(func=cmd_needle)

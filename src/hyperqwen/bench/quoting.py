@@ -295,6 +295,29 @@ def add_run_files_options(
     )
 
 
+def add_answer_options(
+    parser: argparse.ArgumentParser, timeout_s: float, timeout_why: str = "", order: str = ""
+) -> None:
+    """--timeout (for the next bytes of an answer) and --start-together of a benchmark that
+    starts servers; `order` says how it visits servers started together, where that matters."""
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=timeout_s,
+        metavar="SECONDS",
+        help=f"seconds to wait for the next bytes of an answer before giving up (default "
+        f"{timeout_s:g}{timeout_why})",
+    )
+    parser.add_argument(
+        "--start-together",
+        action="store_true",
+        help="start every server of the run at once, each with its own VLLM_CACHE_ROOT under "
+        "WORKDIR/cache, and measure them one at a time once all are healthy"
+        f"{order}: one start's minutes for all (give each room: --vllm-args with "
+        "--gpu-memory-utilization and --kv-cache-memory-bytes); default: one after another",
+    )
+
+
 def add_subcommands(actions) -> None:
     """Add `quoting` and `quoting-result` to the `hyperqwen bench` actions."""
     parser = actions.add_parser(
@@ -336,21 +359,7 @@ def add_subcommands(actions) -> None:
         parser, "quoting", "appended last; write --vllm-args='--max-model-len 4096'", env_file=True
     )
     add_server_start_options(parser, side="the configuration's name")
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=600.0,
-        metavar="SECONDS",
-        help="seconds to wait for the next bytes of an answer before giving up (default 600)",
-    )
-    parser.add_argument(
-        "--start-together",
-        action="store_true",
-        help="start every server of the run at once, each with its own VLLM_CACHE_ROOT under "
-        "WORKDIR/cache, and measure them one at a time once all are healthy: one start's "
-        "minutes for all (give each room: --vllm-args with --gpu-memory-utilization and "
-        "--kv-cache-memory-bytes); default: one after another",
-    )
+    add_answer_options(parser, 600.0)
     parser.set_defaults(func=cmd_quoting)
 
     result = actions.add_parser(

@@ -23,6 +23,7 @@ from hyperqwen.bench.quoting import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     _passes,
+    add_answer_options,
     add_run_files_options,
     add_server_choice_options,
     checked_servers,
@@ -366,20 +367,7 @@ def add_subcommands(actions) -> None:
         env_file=False,
     )
     add_server_start_options(parser, side="the configuration's name")
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=600.0,
-        metavar="SECONDS",
-        help="seconds to wait for the next bytes of an answer (default 600)",
-    )
-    parser.add_argument(
-        "--start-together",
-        action="store_true",
-        help="start every server at once (each its own VLLM_CACHE_ROOT under "
-        "WORKDIR/cache; give each room with --gpu-memory-utilization) and "
-        "alternate their order across passes; default: one after another",
-    )
+    add_answer_options(parser, 600.0, order=", in an order alternating across passes")
     parser.set_defaults(func=cmd_quoting_ceiling)
 
     result = actions.add_parser(
