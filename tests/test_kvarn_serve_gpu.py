@@ -34,6 +34,7 @@ from gpu_server import (
     patched_vllm_parent,
     require_gpu,
     top2_margins,
+    with_vllm_first,
 )
 from local_server import free_port
 from test_prepare_common import run_prepare
@@ -68,7 +69,8 @@ def test_kvarn_serves_kv_autos_greedy_text_up_to_near_ties(tmp_path, tmp_path_fa
         knobs = {
             "MODEL": str(model), "PORT": str(port), "KV": kv, "SPEC": "off", "KV_MEM": KV_BYTES,
             "MAX_LEN": "2048", "MAX_SEQS": "2", "EXTRA_ARGS": f"--seed 0 {TRITON_GDN}",
-            "PYTHONPATH": f"{ROOT / 'src'}:{parent}",
+            # the kit's packages stay on the path behind the patched vLLM
+            "PYTHONPATH": f"{ROOT / 'src'}:{with_vllm_first(parent)['PYTHONPATH']}",
         }  # fmt: skip
         log = logs / f"kvarn-serve-{kv}-server.log"
         with hyperqwen_server("single", knobs, log) as url:
