@@ -7,10 +7,11 @@ pool's quantized tiles; the tokens after the last full block (the newest, still-
 in 16 bits. With `sink_quantized` (a full sink whose 16-bit copy the side cache has evicted,
 slots.py) block 0 comes from its quantized tile too. A block is quantized exactly when it is
 full, so a query's plan depends on its own context length only: the k + 1 queries of a
-verify step must read what k + 1 decode steps at those lengths would, including a step whose drafts fill a block. For that the
-backend quantizes a tile in the step that writes its last token, keeps its 16-bit copy until
-the sequence's accepted length has passed it, and quantizes it again when a rejected draft's
-position in it is rewritten and the tile is full again.
+verify step must read what k + 1 decode steps at those lengths would, including a step whose
+drafts fill a block. For that the backend quantizes a tile in the step that writes its last
+token, keeps its 16-bit copy until the sequence's accepted length has passed it, and
+quantizes it again when a rejected draft's position in it is rewritten and the tile is full
+again.
 
 `blocks_to_store(before, after)` is the write side of the same rule: the block positions a step
 that takes a sequence from `before` to `after` tokens fills, whose tiles it quantizes in that
