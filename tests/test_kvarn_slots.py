@@ -1,18 +1,19 @@
-"""The side cache's slot allocator (kvarn/slots.py), on the host: pinned filling tiles, stores
-from the right slot, sinks cached past their request with LRU eviction, fresh blocks dropping
-stale copies, recycled block ids, orphans reclaimed and a lost tile refused, the sizing."""
+"""The side cache's slot allocator (kvarn/slots.py) and its sizing (kvarn/sizing.py), on the
+host: pinned filling tiles, stores from the right slot, sinks cached past their request with
+LRU eviction, fresh blocks dropping stale copies, recycled block ids, orphans reclaimed and a
+lost tile refused; the slot count covering the worst step, the 27B's bytes."""
 
 from __future__ import annotations
 
 import pytest
 
-from hyperqwen.kvarn.slots import (
-    LostTileError,
-    OutOfSlotsError,
-    RequestStep,
-    SlotAllocator,
+from hyperqwen.kvarn.sizing import (
+    SINK_SLOTS_PER_SEQ,
+    serving_side_slots,
+    side_cache_bytes,
     side_slots,
 )
+from hyperqwen.kvarn.slots import LostTileError, OutOfSlotsError, RequestStep, SlotAllocator
 
 T = 128
 
@@ -102,6 +103,21 @@ def test_a_recycled_partial_block_gets_a_fresh_slot_and_an_orphan_is_reclaimed()
     assert int(plan.slot_of_block[4]) == -1 and int(plan.slot_of_block[6]) >= 0
 
 
+def test_an_old_orphan_goes_before_a_cached_sink_and_a_young_one_after():
+    slots = SlotAllocator(3, num_blocks=16, orphan_after_steps=5)
+    step(slots, ([1], 0, T))  # step 1: a cached sink
+    step(slots, ([2], 0, 40))  # step 2: its request ends mid-tile, an orphan from here on
+    step(slots, ([3], 0, 40))  # step 3: a live request mid-tile; all 3 slots in use
+    step(slots, ([3], 40, 41), ([4], 0, 1))  # step 4: the orphan is 2 steps old: the sink goes
+    assert (slots.slot(1), slots.slot(2) >= 0, slots.slot(4) >= 0) == (-1, True, True)
+    step(slots, ([3], 41, 42), ([4], 1, T))  # step 5: block 4 becomes a cached sink
+    step(slots, ([3], 42, 43))
+    step(slots, ([3], 43, 44))
+    step(slots, ([3], 44, 45), ([5], 0, 1))  # step 8: the orphan is 6 steps old: it goes
+    assert slots.slot(2) == -1
+    assert min(slots.slot(3), slots.slot(4), slots.slot(5)) >= 0
+
+
 def test_a_reclaimed_live_tile_is_refused_not_read():
     slots = SlotAllocator(1, num_blocks=8)
     step(slots, ([1], 0, 50))  # a request paused mid-tile
@@ -143,6 +159,16 @@ def test_side_slots_suffice_for_the_worst_step():
     budget = [tokens // 2, tokens - tokens // 2, 0, 0]  # two scheduled, two paused
     scheduled = [(blocks, b, b + q) for (blocks, b), q in zip(live, budget, strict=True) if q]
     step(slots, *scheduled)
+
+
+def test_the_serving_cache_of_the_27b_is_small():
+    """At 16 attention layers of 4 KV heads of 256, a slot is 8 MiB over all layers: 8
+    sequences at 8192 batched tokens hold 64 + 16 + 16 slots."""
+    slots = serving_side_slots(8, 8192)
+    assert slots == 64 + 16 + 8 * SINK_SLOTS_PER_SEQ
+    per_slot = side_cache_bytes(1, 4, 256, 16) - side_cache_bytes(0, 4, 256, 16)
+    assert per_slot == 8 << 20
+    assert side_cache_bytes(slots, 4, 256, 16) == slots * per_slot + side_cache_bytes(0, 4, 256, 16)
 
 
 def test_side_slots_refuses_nonsense():

@@ -22,16 +22,17 @@ Its rules (kvarn/README.md, "Design of the side-slot allocator"):
   need nothing.
 
 A request that ends with a partial tile leaves that tile pinned (the builder is not told
-which requests ended); such a slot is reclaimed when its block is written fresh again, or,
-when slots run out, before any other pinned slot: the pinned slot touched least recently
-goes. If that was a live request's tile after all (one not scheduled for many steps), its
-next step finds a partial tile without a slot and raises LostTileError rather than read
-garbage; `side_slots` sizes the cache so that live tiles alone always fit.
+which requests ended: most requests end so). Such an orphan's slot is reclaimed when its block
+is written fresh again, or when slots run out: first a pinned slot untouched for
+ORPHAN_AFTER_STEPS steps (so orphans do not crowd the cached sinks out for long), then the
+least recently used sink, then the least recently touched pinned slot. If a reclaimed tile
+was a live request's after all (one not scheduled for that many steps), its next step finds
+a partial tile without a slot and raises LostTileError rather than read stale data;
+sizing.side_slots sizes the cache so that live tiles alone always fit.
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +41,11 @@ import torch
 
 from hyperqwen.kvarn.quantize import TILE_TOKENS
 
+# a pinned slot untouched this many steps is taken for an ended request's before any cached
+# sink is evicted: vLLM schedules every running request each step unless the token budget
+# runs out before it, so a live one waits a few steps at most
+ORPHAN_AFTER_STEPS = 256
+
 
 class LostTileError(RuntimeError):
     """A partial tile's 16-bit tokens are gone: its slot was reclaimed as an orphan's."""
@@ -47,23 +53,6 @@ class LostTileError(RuntimeError):
 
 class OutOfSlotsError(RuntimeError):
     """A step writes into more tiles than the side cache has slots."""
-
-
-def side_slots(max_num_seqs: int, max_num_batched_tokens: int, sink_slots: int,
-               tile: int = TILE_TOKENS) -> int:  # fmt: skip
-    """Slots enough for any step plus `sink_slots` cached sinks.
-
-    A step's requests write into at most ceil(q / tile) + 1 tiles each (q tokens starting
-    mid-tile), at most max_num_batched_tokens / tile + 2 n over its n requests; the live
-    requests it does not schedule keep one partial tile each, at most max_num_seqs - n. So
-    ceil(max_num_batched_tokens / tile) + 2 max_num_seqs slots never run out of live tiles,
-    and the sinks come on top."""
-    if min(max_num_seqs, max_num_batched_tokens) < 1 or sink_slots < 0:
-        raise ValueError(
-            f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens}, "
-            f"sink_slots={sink_slots}: need at least one sequence and token, sinks >= 0"
-        )
-    return math.ceil(max_num_batched_tokens / tile) + 2 * max_num_seqs + sink_slots
 
 
 @dataclass(frozen=True)
@@ -86,15 +75,18 @@ class StepSlots:
 
 
 class SlotAllocator:
-    def __init__(self, num_slots: int, num_blocks: int = 0, tile: int = TILE_TOKENS) -> None:
+    def __init__(self, num_slots: int, num_blocks: int = 0, tile: int = TILE_TOKENS,
+                 orphan_after_steps: int = ORPHAN_AFTER_STEPS) -> None:  # fmt: skip
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots}: the side cache needs at least one slot")
-        self.num_slots, self.tile = num_slots, tile
+        self.num_slots, self.tile, self.orphan_after = num_slots, tile, orphan_after_steps
+        self.step = 0
         self.slot_of_block = torch.full((num_blocks,), -1, dtype=torch.int32)
         self.block_of_slot = [-1] * num_slots
         self.free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.sinks: OrderedDict[int, None] = OrderedDict()  # slot -> None, oldest first
-        self.pinned: OrderedDict[int, None] = OrderedDict()  # slot -> None, least recent first
+        # slot -> the step that last wrote it, least recent first
+        self.pinned: OrderedDict[int, int] = OrderedDict()
         self.release_next: list[int] = []
         self.in_step: set[int] = set()  # slots this step writes: never evicted within it
 
@@ -117,12 +109,14 @@ class SlotAllocator:
         self.pinned.pop(slot, None)
         self.free.append(slot)
 
-    def _evictable(self, order: OrderedDict[int, None]) -> int | None:
+    def _evictable(self, order: OrderedDict) -> int | None:
         return next((slot for slot in order if slot not in self.in_step), None)
 
     def _take(self, block: int) -> int:
         if not self.free:
-            victim = self._evictable(self.sinks)
+            victim = next(iter(self.pinned), None)  # the least recently written
+            if victim is None or self.step - self.pinned[victim] < self.orphan_after:
+                victim = self._evictable(self.sinks)
             if victim is None:
                 victim = self._evictable(self.pinned)
             if victim is None:
@@ -139,6 +133,7 @@ class SlotAllocator:
 
     def plan(self, requests: Sequence[RequestStep]) -> StepSlots:
         """Assign the step's slots (module docstring) and return what its kernels need."""
+        self.step += 1
         for slot in self.release_next:
             self._release(slot)
         self.release_next, self.in_step = [], set()
@@ -167,7 +162,7 @@ class SlotAllocator:
                         "orphan's (a live request unscheduled for many steps?)"
                     )
                 self.in_step.add(slot)
-                self.pinned[slot] = None
+                self.pinned[slot] = self.step
                 self.pinned.move_to_end(slot)
                 if after >= (position + 1) * tile:  # this step's store fills it
                     store_blocks.append(block)
