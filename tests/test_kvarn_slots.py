@@ -6,6 +6,7 @@ lost tile refused; the slot count covering the worst step, the 27B's bytes."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hyperqwen.kvarn.sizing import (
     SINK_SLOTS_PER_SEQ,
@@ -174,3 +175,59 @@ def test_the_serving_cache_of_the_27b_is_small():
 def test_side_slots_refuses_nonsense():
     with pytest.raises(ValueError, match="max_num_seqs=0"):
         side_slots(0, 10, 1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_scheduler_like_workload_never_runs_out_or_loses_a_tile(seed):
+    """vLLM-like traffic at side_slots(8, 1024, 16): requests arrive with random prompts and
+    outputs, running ones are scheduled in order (prefill chunks up to the token budget,
+    decodes of one token), some wait a step when the budget runs out, finished ones free
+    their blocks to the back of a FIFO free list, so block ids come back. Each step: no
+    OutOfSlotsError or LostTileError, every tile the step writes holds its own slot, and the
+    map and the slots' owners agree."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(low, high):
+        return int(torch.randint(low, high + 1, (1,), generator=g))
+
+    seqs, budget_tokens, pool = 8, 1024, 400
+    slots = SlotAllocator(side_slots(seqs, budget_tokens, 2 * seqs), num_blocks=pool)
+    free_blocks = list(range(pool))
+    running, waiting = [], []  # [blocks, computed, prompt, total]
+    finished = 0
+    for _ in range(1500):
+        if rand(0, 1) == 0:
+            prompt = rand(1, 3000)
+            waiting.append([[], 0, prompt, prompt + rand(1, 200)])
+        budget, scheduled = budget_tokens - rand(0, 300), []  # other work takes some budget
+        for request in running + waiting[: seqs - len(running)]:
+            if budget == 0:
+                break
+            blocks, computed, prompt, total = request
+            step_tokens = min(max(prompt - computed, 1), budget, total - computed)
+            need = -(-(computed + step_tokens) // T) - len(blocks)
+            if need > len(free_blocks):
+                continue
+            blocks += [free_blocks.pop(0) for _ in range(need)]
+            budget -= step_tokens
+            scheduled.append((request, computed, computed + step_tokens))
+            if request not in running:
+                waiting.remove(request)
+                running.append(request)
+        plan = step(slots, *[(list(r[0]), before, after) for r, before, after in scheduled])
+        used = []
+        for request, before, after in scheduled:
+            for position in range(before // T, -(-after // T)):
+                slot = int(plan.slot_of_block[request[0][position]])
+                assert slot >= 0 and slots.block_of_slot[slot] == request[0][position]
+                used.append(slot)
+            request[1] = after
+        assert len(used) == len(set(used))
+        for block in range(len(plan.slot_of_block)):
+            slot = int(plan.slot_of_block[block])
+            assert slot < 0 or slots.block_of_slot[slot] == block
+        for request in [r for r in running if r[1] == r[3]]:
+            running.remove(request)
+            free_blocks += request[0]
+            finished += 1
+    assert finished > 30  # enough block ids come back
