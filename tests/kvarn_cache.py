@@ -1,10 +1,12 @@
-"""A paged KVarN cache built the way the backend will keep it, for the decode kernel's tests:
-requests of random outlier K and V (tests/kvarn_data.py), their full blocks 1 .. F - 1 stored
-by the Triton store kernel into shuffled pool blocks, 16-bit copies of the sink and of the
-blocks its queries read in 16 bits in shuffled side blocks. Everything the read plan must not
-touch is poison: pool blocks full of 0xFF bytes (NaN scales), side blocks and side tokens past
-seq_len NaN, table entries past a request's blocks naming poisoned blocks. The float64
-expectation comes from attention.py's `attention_reference` over the same bytes."""
+"""A paged KVarN cache built the way the backend keeps it, for the decode kernel's tests:
+requests of random outlier K and V (tests/kvarn_data.py), every full block (the sink
+included) stored by the Triton store kernel into shuffled pool blocks, 16-bit copies of the
+sink (unless evicted) and of the blocks its queries read in 16 bits in shuffled side slots
+named by `slot_of_block`. Everything the read plan must not touch is poison: pool blocks full
+of 0xFF bytes (NaN scales; the partial filling blocks too), a side slot of NaN that every
+block without a 16-bit read maps to (as a tile filled last step still holds its slot), side
+tokens past seq_len NaN, table entries past a request's blocks naming a poisoned block. The
+float64 expectation comes from attention.py's `attention_reference` over the same bytes."""
 
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ class Cache:
     block_table: torch.Tensor
     side_k: torch.Tensor
     side_v: torch.Tensor
-    side_table: torch.Tensor
+    slot_of_block: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     layout: TileLayout
+    evicted_sinks: frozenset[int] = frozenset()  # requests whose sink is read quantized
 
     @property
     def max_query_len(self) -> int:
@@ -41,7 +44,7 @@ class Cache:
 
     def kernel_args(self) -> dict:
         return {name: getattr(self, name) for name in (
-            "pool", "block_table", "side_k", "side_v", "side_table", "seq_lens",
+            "pool", "block_table", "side_k", "side_v", "slot_of_block", "seq_lens",
             "query_start_loc", "max_query_len", "layout")}  # fmt: skip
 
     def contexts(self, req: int) -> list[int]:
@@ -57,10 +60,11 @@ class Cache:
             start = int(self.query_start_loc[req])
             for j, context in enumerate(self.contexts(req)):
                 filling = max(T, context // T * T)
+                sink = (key[: min(context, T)], value[: min(context, T)])
                 rows.append(
                     attention_reference(
                         self.query[start + j], self.pool, self.block_table[req],
-                        (key[: min(context, T)], value[: min(context, T)]),
+                        None if req in self.evicted_sinks else sink,
                         (key[filling:context], value[filling:context]), context, self.layout,
                     )
                 )  # fmt: skip
@@ -68,44 +72,52 @@ class Cache:
 
 
 def build_cache(seq_lens, query_lens, heads, kv_heads, d, seed, dtype=torch.bfloat16,
-                device="cpu", pool_blocks=None) -> Cache:  # fmt: skip
-    """A cache of len(seq_lens) requests, query_lens[r] queries each, on `device`. With
-    pool_blocks, the pool has that many blocks and the last holds a request's tile (the int64
-    tests' large pools)."""
+                device="cpu", pool_blocks=None, evicted_sinks=()) -> Cache:  # fmt: skip
+    """A cache of len(seq_lens) requests, query_lens[r] queries each, on `device`; the
+    requests in evicted_sinks have no 16-bit sink (their first query's context must hold the
+    whole sink). With pool_blocks, the pool has that many blocks and the last holds a tile a
+    quantized program reads (the int64 tests' large pools)."""
     layout = TileLayout(head_dim=d)
     g = torch.Generator().manual_seed(seed)
     keys = [outlier_keys(n, kv_heads, d, seed + 2 * i) for i, n in enumerate(seq_lens)]
     values = [outlier_values(n, kv_heads, d, seed + 2 * i + 1) for i, n in enumerate(seq_lens)]
+    for r in evicted_sinks:
+        if seq_lens[r] - query_lens[r] + 1 < T:
+            raise ValueError(f"request {r}'s sink is still filling: it cannot be evicted")
     width = max(-(-n // T) for n in seq_lens) + 1  # one poisoned column past every request
-    quantized = [(r, b) for r, n in enumerate(seq_lens) for b in range(1, n // T)]
+    # every block position a request has; the quantized-read ones first, so that the last
+    # pool block goes to one of them
+    positions = sorted(
+        ((r, b) for r, n in enumerate(seq_lens) for b in range(-(-n // T))),
+        key=lambda rb: not 1 <= rb[1] < seq_lens[rb[0]] // T,
+    )
     sixteen = [(r, b) for r, (n, q) in enumerate(zip(seq_lens, query_lens, strict=True))
-               for b in (0, *range(max((n - q + 1) // T, 1), (n - 1) // T + 1))]  # fmt: skip
+               for b in ((() if r in evicted_sinks else (0,))
+                         + tuple(range(max((n - q + 1) // T, 1), (n - 1) // T + 1)))]  # fmt: skip
 
-    blocks = pool_blocks or len(quantized) + 2
+    blocks = pool_blocks or len(positions) + 2
     pool = torch.full(layout.pool_shape(blocks, kv_heads), POISON_BYTE, dtype=torch.uint8,
                       device=device)  # fmt: skip
-    # the pool's last block holds the first tile; the entry after the last tile's is unused
-    order = [blocks - 1, *torch.randperm(blocks - 1, generator=g)[: len(quantized)].tolist()]
-    spare_block = order[-1]
+    order = [blocks - 1, *torch.randperm(blocks - 1, generator=g)[: len(positions)].tolist()]
+    spare_block = order[-1]  # the entry after the last position's: never stored
     block_table = torch.full((len(seq_lens), width), spare_block, dtype=torch.int32)
-    for (r, b), block in zip(quantized, order, strict=False):
+    for (r, b), block in zip(positions, order, strict=False):
         block_table[r, b] = block
     for r, n in enumerate(seq_lens):
-        full = [b for rr, b in quantized if rr == r]
-        if full:
-            tiles = [
-                x[T : n // T * T].reshape(-1, T, kv_heads, d).to(device)
-                for x in (keys[r], values[r])
-            ]
-            store_tiles(*tiles, pool, block_table[r, full].to(device), layout)
+        if n >= T:
+            tiles = [x[: n // T * T].reshape(-1, T, kv_heads, d).to(device)
+                     for x in (keys[r], values[r])]  # fmt: skip
+            store_tiles(*tiles, pool, block_table[r, : n // T].to(device), layout)
 
     side_shape = (len(sixteen) + 1, T, kv_heads, d)
     side_k = torch.full(side_shape, float("nan"), dtype=dtype)
     side_v = torch.full(side_shape, float("nan"), dtype=dtype)
     side_order = torch.randperm(len(sixteen) + 1, generator=g).tolist()
-    side_table = torch.full((len(seq_lens), width), side_order[-1], dtype=torch.int32)
+    slot_of_block = torch.full((blocks,), side_order[-1], dtype=torch.int32)  # the NaN slot
+    for r in evicted_sinks:
+        slot_of_block[block_table[r, 0]] = -1
     for (r, b), side in zip(sixteen, side_order, strict=False):
-        side_table[r, b] = side
+        slot_of_block[block_table[r, b]] = side
         present = keys[r][b * T : (b + 1) * T].shape[0]
         side_k[side, :present] = keys[r][b * T : b * T + present].to(dtype)
         side_v[side, :present] = values[r][b * T : b * T + present].to(dtype)
@@ -115,7 +127,8 @@ def build_cache(seq_lens, query_lens, heads, kv_heads, d, seed, dtype=torch.bflo
     return Cache(
         keys=[k.to(device) for k in keys], values=[v.to(device) for v in values],
         query=query.to(device, dtype), pool=pool, block_table=block_table.to(device),
-        side_k=side_k.to(device), side_v=side_v.to(device), side_table=side_table.to(device),
+        side_k=side_k.to(device), side_v=side_v.to(device),
+        slot_of_block=slot_of_block.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc=starts.to(device), layout=layout,
+        query_start_loc=starts.to(device), layout=layout, evicted_sinks=frozenset(evicted_sinks),
     )  # fmt: skip

@@ -24,7 +24,10 @@ from hyperqwen.capacity import (
     MiB,
     attention_token_bytes,
     card_pool_bytes,
+    fit_to_card,
+    gib,
     kv_mem_bytes,
+    kvarn_side_bytes,
     pool_layout,
     recurrent_state_bytes,
     turboquant_slot_bytes,
@@ -372,3 +375,29 @@ def test_vllm_sizes_the_pool_as_computed(vllm_27b, kv, mtp, prefix_caching, monk
     config.model_config.max_model_len = G27.max_position_embeddings  # the search's upper end
     longest = _estimate_max_model_len_from_groups(config, groups, capacity.pool_bytes)
     assert longest == max_len + layout.block_tokens
+
+
+def test_kvarn_pool_leaves_room_for_its_side_cache():
+    """KV=kvarn: the impls allocate the side cache in vLLM's profile run, which counts it, so the
+    pool is the card's less the side cache for the most sequences the launch may choose. At
+    the 27B's 16 attention layers of 4 KV heads of 256 a slot is 8 MiB; 4 sequences at 4096
+    batched tokens take 32 + 8 slots for the steps and 8 for cached sinks (kvarn/sizing.py),
+    plus a padding row per layer."""
+    from hyperqwen.settings import Settings
+
+    setup = setup_for(KVARN_CHOICE, False)
+    side = kvarn_side_bytes(G27, setup, 4, HUGE_BATCHED_TOKENS)
+    assert side == 48 * 8 * MiB + 16 * 2 * 4 * 256 * 2
+    settings = Settings(KV=KVARN_CHOICE, SPEC="off", MAX_SEQS=4, MAX_LEN=32768)
+    fit = fit_to_card(card(48), settings, setup, (32768, 8), HUGE_BATCHED_TOKENS)
+    pool, _ = card_pool_bytes(card(48), settings.GPU_UTIL, HUGE_BATCHED_TOKENS)
+    assert f"- {gib(side)} GiB KVarN side cache (4 sequences) leaves {gib(pool - side)} GiB" in (
+        fit.line
+    )
+    # without MAX_SEQS, the profile's sequences
+    unset = Settings(KV=KVARN_CHOICE, SPEC="off")
+    line = fit_to_card(card(48), unset, setup, (32768, 8), HUGE_BATCHED_TOKENS).line
+    assert f"{gib(kvarn_side_bytes(G27, setup, 8, HUGE_BATCHED_TOKENS))} GiB KVarN" in line
+    fp8 = Settings(KV="fp8", SPEC="off", MAX_SEQS=4, MAX_LEN=32768)
+    line = fit_to_card(card(48), fp8, setup_for("fp8", False), (32768, 8), HUGE_BATCHED_TOKENS)
+    assert "KVarN" not in line.line

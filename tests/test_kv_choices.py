@@ -23,7 +23,6 @@ from hyperqwen.kv_choices import (
     TRITON,
     TURBOQUANT,
     capability_refusal,
-    kv_mem_refusal,
     speculation_refusal,
 )
 from hyperqwen.launch import KvRefusal, build_launch
@@ -193,7 +192,7 @@ def test_kvarn_reaches_vllm_as_its_custom_backend_on_auto_pages(vllm_serve):
     """KV=kvarn: vLLM's cache dtype stays auto, `--attention-backend CUSTOM` selects the backend
     the plugin registers because the launcher sets its variable (test_vllm_plugin.py)."""
     for mode, values in [("single", dict(SPEC="off")), ("batch", {})]:
-        plan = build_launch(loaded(KV=KVARN_CHOICE, KV_MEM="2G", **values), mode, api_key=None)
+        plan = build_launch(loaded(KV=KVARN_CHOICE, **values), mode, api_key=None)
         args = vllm_serve(plan.argv)
         assert (args.kv_cache_dtype, args.attention_backend) == ("auto", CUSTOM)
         assert plan.env[KVARN_FEATURE.env] == "1"
@@ -204,14 +203,7 @@ def test_kvarn_reaches_vllm_as_its_custom_backend_on_auto_pages(vllm_serve):
 @pytest.mark.parametrize("spec", SPECULATING)
 def test_kvarn_with_speculation_is_refused_naming_both_knobs(spec):
     with pytest.raises(KvRefusal) as refusal:
-        build_launch(loaded(KV=KVARN_CHOICE, KV_MEM="2G", SPEC=spec), "single", api_key=None)
+        build_launch(loaded(KV=KVARN_CHOICE, SPEC=spec), "single", api_key=None)
     message = str(refusal.value)
     assert message.startswith(f"KV=kvarn cannot serve with SPEC={spec}: ")
     assert message.endswith("Use SPEC=off with KV=kvarn.")
-
-
-@pytest.mark.parametrize("mode", ["single", "batch"])
-def test_kvarn_without_kv_mem_is_refused_naming_both_knobs(mode):
-    with pytest.raises(KvRefusal, match=r"^KV=kvarn needs KV_MEM: .* Set KV_MEM"):
-        build_launch(loaded(KV=KVARN_CHOICE, SPEC="off"), mode, api_key=None)
-    assert kv_mem_refusal("fp8", None) is None

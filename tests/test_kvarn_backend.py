@@ -1,15 +1,19 @@
 """KVarN's vLLM attention backend (kvarn/backend.py) on the CPU.
 
 The metadata builder and the impl are driven directly, as vLLM's runner and Attention layer
-would, through two steps whose CommonAttentionMetadata is built by hand the way vLLM's runner
-lays out a batch (decodes first, slots = block * 128 + offset, -1 for padding, q, k and v
-slices of one fused projection): step 1 prefills two requests, step 2 decodes one (its token
-fills a tile) and prefills the next chunk of the other (filling a tile and reading it quantized
-from its later queries). Every output row is compared with attention.py's float64
-attention_reference at that query's own context, over the pool the impl wrote; each tile the
-impl stored is compared byte for byte with store.py run on the original K and V. Output, pool
-and the side cache start poisoned (NaN, 0xFF bytes), so a read outside the plan shows. Under
-Triton's interpreter; bounds as in test_kvarn_decode.py (fp16 output rounding, fp32 sums).
+would, through three steps whose CommonAttentionMetadata is built by hand the way vLLM's
+runner lays out a batch (decodes first, slots = block * 128 + offset, -1 for padding, q, k and
+v slices of one fused projection), with a side cache of 4 slots so that they run out: step 1
+prefills two requests, step 2 decodes one (its token fills a tile; its sink's slot has gone to
+the other, so it reads its sink quantized) and prefills the next chunk of the other (filling a
+tile and reading it quantized from its later queries), step 3 decodes that one and prefills a
+third request that hits the first one's 2 tiles in the prefix cache, its sink without a slot.
+Every output row is compared with attention.py's float64 attention_reference at that query's
+own context (the sink quantized where its block has no slot), over the pool the impl wrote;
+each tile the impl stored, the sinks included, is compared byte for byte with store.py run on
+the original K and V. Output, pool and the side cache start poisoned (NaN, 0xFF bytes), so a
+read outside the plan shows. Under Triton's interpreter; bounds as in test_kvarn_decode.py
+(fp16 output rounding, fp32 sums).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from kvarn_data import outlier_keys, outlier_values
 
 from hyperqwen.bench.kernels import relative_error
 from hyperqwen.kvarn.attention import attention_reference
-from hyperqwen.kvarn.backend import KVarNBackend, KVarNImpl, SideCache, tiles_filled
+from hyperqwen.kvarn.backend import KVarNBackend, KVarNImpl, SideCache
 from hyperqwen.kvarn.layout import TileLayout, bytes_per_token
+from hyperqwen.kvarn.slots import SlotAllocator
 from hyperqwen.kvarn.store import store_tiles
 
 T = 128
@@ -71,17 +76,13 @@ def test_the_backend_takes_only_what_it_serves():
         KVarNImpl(HEADS, D, 1.0, KV_HEADS, sliding_window=64)
 
 
-def test_the_store_plan_names_the_tiles_each_step_fills():
-    starts = torch.tensor([0, 1, 2, 202])
-    # a decode completing tile 2; one inside tile 0; a chunk 100 -> 300 filling tile 1
-    rows, positions = tiles_filled(starts, torch.tensor([3 * T, 50, 300]))
-    assert (rows, positions) == ([0, 2], [2, 1])
-
-
 class Sequence:
-    def __init__(self, length, seed, blocks):
+    def __init__(self, length, seed, blocks, prefix=None, shared=0):
         self.key = outlier_keys(length, KV_HEADS, D, seed).to(DTYPE)
         self.value = outlier_values(length, KV_HEADS, D, seed + 1).to(DTYPE)
+        if prefix is not None:  # a prefix-cache hit: the first `shared` tokens are another's
+            self.key[:shared] = prefix.key[:shared]
+            self.value[:shared] = prefix.value[:shared]
         self.blocks = blocks  # pool block of each position
 
 
@@ -129,20 +130,21 @@ def step(impl, builder, pool, requests, num_decodes, queries, padding=0):
     query, key, value = qkv.split([HEADS * D, KV_HEADS * D, KV_HEADS * D], dim=1)
     output = torch.full((n, HEADS * D), float("nan"), dtype=DTYPE)
     impl.forward(None, query, key, value, pool, meta, output)
-    return output[: meta.num_actual_tokens].view(-1, HEADS, D)
+    return output[: meta.num_actual_tokens].view(-1, HEADS, D), meta
 
 
-def expected(pool, requests, queries, layout):
+def expected(pool, requests, queries, layout, slot_of_block):
     rows, start = [], 0
     for seq, computed, scheduled in requests:
         table = torch.tensor(seq.blocks)
+        in_side = int(slot_of_block[seq.blocks[0]]) >= 0
         for j in range(scheduled):
             context = computed + j + 1
             filling = max(T, context // T * T)
+            sink = (seq.key[: min(context, T)], seq.value[: min(context, T)])
             rows.append(
                 attention_reference(
-                    queries[start + j], pool, table,
-                    (seq.key[: min(context, T)], seq.value[: min(context, T)]),
+                    queries[start + j], pool, table, sink if in_side else None,
                     (seq.key[filling:context], seq.value[filling:context]),
                     context, layout, scale=D**-0.5,
                 )
@@ -160,6 +162,12 @@ def check_tiles(pool, seq, positions, layout):
     assert torch.equal(pool[ids], reference[ids]), positions
 
 
+def check_step(out, meta, pool, requests, queries, layout):
+    want = expected(pool, requests, queries, layout, meta.slot_of_block)
+    errors = [relative_error(out[i], want[i]) for i in range(out.shape[0])]
+    assert max(errors) < BOUND, errors.index(max(errors))
+
+
 @pytest.mark.usefixtures("interpreted")
 def test_store_and_decode_through_the_impl_match_float64(vllm_cpu_platform):
     from vllm.config import VllmConfig
@@ -170,32 +178,72 @@ def test_store_and_decode_through_the_impl_match_float64(vllm_cpu_platform):
     spec = KVarNBackend.kv_cache_spec(T, KV_HEADS, D)
     builder = KVarNBackend.get_builder_cls()(spec, ["layer"], VllmConfig(), pool.device)
     assert builder.reorder_batch_threshold == 1  # vLLM puts decodes first
+    builder.slots = SlotAllocator(4)  # few enough to run out in step 2
     impl = KVarNBackend.get_impl_cls()(HEADS, D, D**-0.5, KV_HEADS)
-    impl.side = SideCache(pool, D, DTYPE)
+    impl.side = SideCache(4, KV_HEADS, D, DTYPE, "cpu")
     impl.side.key.fill_(float("nan"))
     impl.side.value.fill_(float("nan"))
     # shuffled blocks; block 9 is the table's filler and stays poisoned
     a = Sequence(3 * T, seed=1, blocks=[6, 2, 4])
-    b = Sequence(300, seed=3, blocks=[1, 8, 5])
+    b = Sequence(301, seed=3, blocks=[1, 8, 5])
+    c = Sequence(2 * T + 10, seed=7, blocks=[6, 2, 7], prefix=a, shared=2 * T)
     g = torch.Generator().manual_seed(5)
 
-    # step 1: prefill a's first 383 tokens (tile 1 stored) and b's first 100, one padding row
+    # step 1: prefill a's first 383 tokens (sink and tile 1 stored) and b's first 100, one
+    # padding row: 4 tiles written, the 4 slots
     first = [(a, 0, 3 * T - 1), (b, 0, 100)]
     queries = torch.randn(3 * T - 1 + 100, HEADS, D, generator=g).to(DTYPE)
-    out = step(impl, builder, pool, first, 0, queries, padding=1)
-    check_tiles(pool, a, [1], layout)
-    want = expected(pool, first, queries, layout)
-    errors = [relative_error(out[i], want[i]) for i in range(out.shape[0])]
-    assert max(errors) < BOUND, errors.index(max(errors))
+    out, meta = step(impl, builder, pool, first, 0, queries, padding=1)
+    assert meta.store_blocks.tolist() == [6, 2]
+    check_tiles(pool, a, [0, 1], layout)
+    check_step(out, meta, pool, first, queries, layout)
 
-    # step 2: a decodes token 384 (fills tile 2); b's chunk 100 -> 300 fills tile 1 and its
-    # queries from context 256 on read that tile quantized
+    # step 2: a decodes token 384 (fills tile 2); b's chunk 100 -> 300 fills its sink and tile
+    # 1, its queries from context 256 on read tile 1 quantized; b's tile 2 takes a's sink's
+    # slot (tile 1's is free again, the others in use), so a reads its sink quantized
     second = [(a, 3 * T - 1, 1), (b, 100, 200)]
     queries = torch.randn(201, HEADS, D, generator=g).to(DTYPE)
-    out = step(impl, builder, pool, second, 1, queries)
-    check_tiles(pool, a, [1, 2], layout)
-    check_tiles(pool, b, [1], layout)
-    assert (pool[[6, 1, 5, 9]] == POISON_BYTE).all(), "a sink or filling block was quantized"
-    want = expected(pool, second, queries, layout)
-    errors = [relative_error(out[i], want[i]) for i in range(out.shape[0])]
-    assert max(errors) < BOUND, errors.index(max(errors))
+    out, meta = step(impl, builder, pool, second, 1, queries)
+    assert int(meta.slot_of_block[6]) == -1 and int(meta.slot_of_block[1]) >= 0
+    assert meta.store_blocks.tolist() == [4, 1, 8]
+    check_tiles(pool, a, [0, 1, 2], layout)
+    check_tiles(pool, b, [0, 1], layout)
+    assert (pool[[5, 9]] == POISON_BYTE).all(), "a filling block was quantized"
+    check_step(out, meta, pool, second, queries, layout)
+
+    # step 3: b decodes token 301; c hits a's first 2 tiles in the prefix cache (its sink has
+    # no slot: read quantized) and prefills 10 tokens into a fresh block
+    third = [(b, 300, 1), (c, 2 * T, 10)]
+    queries = torch.randn(11, HEADS, D, generator=g).to(DTYPE)
+    out, meta = step(impl, builder, pool, third, 1, queries)
+    assert int(meta.slot_of_block[6]) == -1 and meta.store_blocks.numel() == 0
+    assert (pool[[5, 7, 9]] == POISON_BYTE).all(), "a filling block was quantized"
+    check_step(out, meta, pool, third, queries, layout)
+
+
+def test_the_profile_run_allocates_the_side_cache_so_vllm_counts_it(vllm_cpu_platform):
+    """Built under vLLM's config, as the model is, the impl knows the builder's slot count and
+    allocates its side cache in the profile run (a forward without metadata), where vLLM's
+    memory profile sees it; without a config (tests that build it by hand) it waits for the
+    first step's metadata."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from hyperqwen.kvarn.backend import side_cache_slots
+    from hyperqwen.kvarn.sizing import serving_side_slots
+
+    config = VllmConfig()
+    scheduler = config.scheduler_config
+    slots = side_cache_slots(config)
+    assert slots == serving_side_slots(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+    with set_current_vllm_config(config):
+        impl = KVarNImpl(HEADS, D, D**-0.5, KV_HEADS)
+    query = torch.randn(3, HEADS * D, dtype=DTYPE)
+    kv = torch.randn(3, KV_HEADS * D, dtype=DTYPE)
+    output = torch.full_like(query, float("nan"))
+    impl.forward(None, query, kv, kv, torch.empty(0, dtype=torch.uint8), None, output)
+    assert (output == 0).all()
+    assert impl.side.key.shape == (slots * T + 1, KV_HEADS, D) and impl.side.key.dtype == DTYPE
+    assert impl.side.value.shape == impl.side.key.shape
+    bare = KVarNImpl(HEADS, D, D**-0.5, KV_HEADS)
+    bare.forward(None, query, kv, kv, torch.empty(0, dtype=torch.uint8), None, output)
+    assert bare.side is None

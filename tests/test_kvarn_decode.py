@@ -6,7 +6,8 @@ byte outside the read plan poisoned and the output poisoned first.
 Shapes: grouped heads (2 query heads per KV head), one query head per KV head, the 27B's 24 / 4
 heads of head_dim 256; plain decodes and verify blocks of 2 and 4 queries, one crossing a tile
 boundary; contexts inside the sink, ending on a tile boundary, with and without a filling tile;
-splits sharing the quantized blocks unevenly and splits left empty; bf16 and fp16; a pool past
+splits sharing the quantized blocks unevenly and splits left empty; sinks evicted from the side
+cache (read quantized), also where no 16-bit token is left to read; bf16 and fp16; a pool past
 2^32 bytes. Under the interpreter the dots' operands are fp32 (decode.dot_operands says why)
 and its bf16 output conversion truncates: the bounds below are that truncation (2^-8 per
 element) and fp32 sums; tests/test_kvarn_gpu.py checks the 16-bit operands on the GPU.
@@ -35,20 +36,26 @@ def run(cache, num_splits, **changes):
 
 
 @pytest.mark.parametrize(
-    ("seq_lens", "query_lens", "heads", "kv_heads", "d", "dtype", "splits"),
+    ("seq_lens", "query_lens", "heads", "kv_heads", "d", "dtype", "splits", "evicted"),
     [
         # sink only; a context of exactly one tile; 2 quantized blocks shared by 3 splits
-        ([100, T, 3 * T + 5], [1, 1, 1], 4, 2, 64, torch.bfloat16, 3),
+        ([100, T, 3 * T + 5], [1, 1, 1], 4, 2, 64, torch.bfloat16, 3, ()),
         # one query head per KV head, the context ending on a tile boundary, fp16
-        ([5 * T], [1], 2, 2, 32, torch.float16, 2),
+        ([5 * T], [1], 2, 2, 32, torch.float16, 2, ()),
         # 27B heads; verify blocks: 4 queries crossing from block 2 into block 3, 2 inside one
-        ([3 * T + 2, 2 * T + 50], [4, 2], 24, 4, 256, torch.bfloat16, 2),
+        ([3 * T + 2, 2 * T + 50], [4, 2], 24, 4, 256, torch.bfloat16, 2, ()),
+        # evicted sinks read quantized: beside one in 16 bits; alone on a tile boundary, where
+        # the 16-bit program reads nothing at all; more splits than quantized blocks
+        ([3 * T + 5, 2 * T + 7, 2 * T], [1, 1, 1], 4, 2, 64, torch.bfloat16, 4, (0, 2)),
+        # 27B heads, a verify block crossing into block 2 with the sink evicted
+        ([2 * T + 1, T + 9], [3, 1], 24, 4, 256, torch.bfloat16, 2, (0,)),
     ],
 )  # fmt: skip
-def test_decode_matches_float64(seq_lens, query_lens, heads, kv_heads, d, dtype, splits):
+def test_decode_matches_float64(seq_lens, query_lens, heads, kv_heads, d, dtype, splits, evicted):
     cache = build_cache(
-        seq_lens, query_lens, heads, kv_heads, d, seed=len(seq_lens) + d, dtype=dtype
-    )
+        seq_lens, query_lens, heads, kv_heads, d, seed=len(seq_lens) + d, dtype=dtype,
+        evicted_sinks=evicted,
+    )  # fmt: skip
     out = run(cache, splits)
     assert not out.isnan().any()
     expected = cache.expected()
@@ -103,6 +110,8 @@ def test_the_launcher_refuses_what_it_cannot_take():
         run(cache, 1, side_k=cache.side_k.half())
     with pytest.raises(ValueError, match=r"block_table must be int32 \[1, max_blocks\]"):
         run(cache, 1, block_table=cache.block_table.expand(2, -1))
+    with pytest.raises(ValueError, match=r"slot_of_block must be a 1-D int32 tensor"):
+        run(cache, 1, slot_of_block=cache.slot_of_block.long())
     with pytest.raises(ValueError, match="1 <= max_query_len <= 128"):
         run(cache, 1, max_query_len=0)
     with pytest.raises(ValueError, match="num_splits=0"):

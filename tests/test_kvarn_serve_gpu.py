@@ -2,7 +2,8 @@
 `hyperqwen synth` makes it, prepared) served by `hyperqwen serve single` twice, with KV=auto
 (vLLM's bf16 cache) and with KV=kvarn (the launcher sets HYPERQWEN_KV_KVARN=1 and passes
 `--kv-cache-dtype auto --attention-backend CUSTOM`), both with SPEC=off (KV=kvarn refuses
-speculation) and the same KV_MEM (KV=kvarn's side cache lies outside it: kvarn/backend.py), on
+speculation) and the same KV_MEM (the same pool; KV=kvarn's small side cache comes on top of
+it: kvarn/backend.py), on
 a copy of vLLM with the patch series applied (attention-kv-spec.patch among it). Each answers
 greedily a prompt of a few hundred tokens, so its prefill stores and reads tile 1 and its decode
 fills tiles 2 and 3 (kvarn/attention.py).

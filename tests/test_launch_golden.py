@@ -19,7 +19,7 @@ from typing import get_args
 import pytest
 
 from hyperqwen.engine.features import LOOKUP, PDL
-from hyperqwen.kv_choices import KV_CHOICES, kv_mem_refusal
+from hyperqwen.kv_choices import KV_CHOICES
 from hyperqwen.launch import build_launch
 from hyperqwen.settings import LoadedSettings, Settings, StateDtype
 
@@ -70,10 +70,10 @@ def cases() -> dict[str, tuple[str, dict[str, str]]]:
         values = {**profile, "SPEC": spec, **switches}
         found["-".join([mode, *profile.values(), spec, variant])] = (mode, values)
     # Each KV choice set explicitly: single mode at fast and huge with MTP (SPEC=off for
-    # TurboQuant and KVarN, which refuse to speculate) and batch; KVarN with the KV_MEM it needs.
+    # TurboQuant and KVarN, which refuse to speculate) and batch.
     for kv, choice in KV_CHOICES.items():
         spec = "mtp" if choice.speculation else "off"
-        knobs = {"KV": kv, **({"KV_MEM": "4G"} if kv_mem_refusal(kv, None) else {})}
+        knobs = {"KV": kv}
         for ctx in ("fast", "huge"):
             found[f"single-{ctx}-{spec}-kv-{kv}"] = ("single", {"CTX": ctx, "SPEC": spec, **knobs})
         found[f"batch-kv-{kv}"] = ("batch", knobs)

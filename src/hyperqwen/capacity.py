@@ -96,7 +96,7 @@ def attention_token_bytes(kv_cache_dtype: str, kv_heads: int, head_dim: int) -> 
         return 2 * kv_heads * (head_dim // 2) + scales
     if kv_cache_dtype in TURBOQUANT_BITS:
         return kv_heads * turboquant_slot_bytes(kv_cache_dtype, head_dim)
-    if kv_cache_dtype == KVARN_CHOICE:  # the pool vLLM budgets; its 16-bit side cache is outside
+    if kv_cache_dtype == KVARN_CHOICE:  # the pool vLLM budgets; its side cache: kvarn_side_bytes
         from hyperqwen.kvarn.layout import TileLayout
 
         return kv_heads * TileLayout(head_dim=head_dim).slot_bytes
@@ -268,6 +268,18 @@ class Capacity:
         return int(self.vllm_concurrency(max_len) * max_len)
 
 
+def kvarn_side_bytes(g: Geometry, setup: CacheSetup, max_seqs: int, batched_tokens: int) -> int:
+    """KVarN's 16-bit side cache over all its layers (kvarn/sizing.py): allocated in vLLM's
+    profile run, so vLLM counts it among the non-KV memory and the pool is that much smaller
+    (kvarn/backend.py)."""
+    from hyperqwen.kvarn.sizing import serving_side_slots, side_cache_bytes
+
+    kv_heads = max(1, g.num_key_value_heads // setup.tensor_parallel)
+    layers = g.layer_types.count("full_attention") + setup.mtp_layers
+    slots = serving_side_slots(max_seqs, batched_tokens)
+    return side_cache_bytes(slots, kv_heads, g.head_dim, layers)
+
+
 def reserve_bytes(g: Geometry, batched_tokens: int, tp: int = 1) -> int:
     """Non-KV memory besides the weights (estimates; see the constants above)."""
     return NON_TORCH_BYTES + CUDA_GRAPH_BYTES + activation_bytes(g, batched_tokens, tp)
@@ -326,6 +338,12 @@ def fit_to_card(
         pool, how = card_pool_bytes(
             machine, settings.GPU_UTIL, batched_tokens, setup.tensor_parallel
         )
+        if setup.kv_cache_dtype == KVARN_CHOICE:
+            # sized for the most sequences this launch can choose: never short
+            seqs = settings.MAX_SEQS or profile[1]
+            side = kvarn_side_bytes(machine.geometry, setup, seqs, batched_tokens)
+            pool -= side
+            how += f" - {gib(side)} GiB KVarN side cache ({seqs} sequences)"
     capacity = Capacity(pool_layout(machine.geometry, setup), pool)
     room = (
         f"{how} leaves {gib(max(pool, 0))} GiB for the KV cache ({setup.kv_cache_dtype}) and "

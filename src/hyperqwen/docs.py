@@ -165,8 +165,7 @@ def kv_table() -> str:
         refused = []
         if kv == KVARN_CHOICE:
             refused.append(
-                "SPEC other than off: its tile store is planned from host sequence lengths; "
-                "no KV_MEM: its 16-bit side cache lies outside vLLM's budget"
+                "SPEC other than off: its tile store is planned from host sequence lengths"
             )
         elif not choice.speculation:
             refused.append("SPEC other than off: vLLM 0.26's TurboQuant has no verify path")

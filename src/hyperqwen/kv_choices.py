@@ -148,16 +148,3 @@ def capability_refusal(kv: str, gpus: list[Gpu]) -> str | None:
         f"only from sm89; this machine has {', '.join(short)}. Use KV=int8_per_token_head "
         "(the same size) or KV=fp8."
     )
-
-
-def kv_mem_refusal(kv: str, kv_mem: str | None) -> str | None:
-    """Why KV cannot serve without KV_MEM, or None."""
-    if kv != KVARN_CHOICE or kv_mem:
-        return None
-    return (
-        "KV=kvarn needs KV_MEM: its 16-bit side cache is, for now, a 16-bit copy of every "
-        "block allocated outside vLLM's KV budget (src/hyperqwen/kvarn/backend.py), about "
-        "five times the KVarN pool at head_dim 256, so vLLM's budget must leave that room. "
-        "Set KV_MEM (the pool's bytes) and keep six times it free on the card, or use a "
-        "vLLM dtype (KV=fp8)."
-    )

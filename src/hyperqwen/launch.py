@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hyperqwen.capacity import CacheSetup, CapacityRefusal, Machine, fit_to_card
 from hyperqwen.engine.features import FEATURES, MTP_DRAFTS, OUR_LINEAR_BACKEND, launch_env
-from hyperqwen.kv_choices import KV_CHOICES, kv_mem_refusal, speculation_refusal
+from hyperqwen.kv_choices import KV_CHOICES, speculation_refusal
 from hyperqwen.settings import (
     NO_REASONING_PARSER,
     LoadedSettings,
@@ -226,8 +226,6 @@ def build_launch(
     served_name = path.name
     kv_dtype = kv_cache_dtype(settings, profile)
     if mode == "single" and (refusal := speculation_refusal(kv_dtype, settings.SPEC)):
-        raise KvRefusal(refusal)
-    if refusal := kv_mem_refusal(kv_dtype, settings.KV_MEM):
         raise KvRefusal(refusal)
     split = settings.GPU_SPLIT or profile.gpu_split
     tensor_parallel = settings.GPU_COUNT if split == "tp" else 1

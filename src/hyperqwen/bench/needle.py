@@ -258,7 +258,7 @@ def add_subcommand(actions) -> None:
         default=DEFAULT_KNOBS,
         metavar="'KNOBS'",
         help="the profile's knobs over the environment's for every configuration, KV aside "
-        "(default %(default)r; KV=kvarn needs KV_MEM too)",
+        "(default %(default)r)",
     )
     add_run_files_options(
         parser, "needle", "appended last; write --vllm-args='--max-model-len 8192'", env_file=True

@@ -431,8 +431,9 @@ KVARN = Feature(
     status="off (on with KV=kvarn); the vLLM plugin registers `../kvarn/backend.py` under "
     "vLLM's CUSTOM attention backend and the launcher selects it for the full-attention "
     "layers: 4-bit K / 2-bit V tiles of 128 tokens in uint8 pages (this seam sizes them), the "
-    "sink and filling tiles in a 16-bit side cache that is, for now, a full 16-bit copy outside "
-    "vLLM's budget (so no memory saved yet, KV_MEM required); decode by the fused Triton kernel, "
+    "sink and filling tiles also in a 16-bit side cache of a few slots per sequence "
+    "(`../kvarn/slots.py`), allocated in vLLM's profile run so that its budget counts it; "
+    "decode by the fused Triton kernel, "
     "prefill in torch over dequantized tiles, no CUDA graphs for attention, no speculation; "
     "CPU-tested (`tests/test_kvarn_backend.py`, `tests/test_engine_kvarn.py`); the greedy GPU "
     "test (`tests/test_kvarn_serve_gpu.py`) not run",

@@ -1,22 +1,24 @@
 """Which parts of a sequence KVarN reads from where, and a float64 attention over them.
 
-`read_plan(context_len)` is the rule every KVarN reader follows (the fused decode kernel to
-come, and the verify path of speculative decoding): the first 128 tokens (the attention sink,
-block 0) are read in 16 bits; blocks 1 .. n-1 of the n = context_len // 128 full blocks from
-the pool's quantized tiles; the tokens after the last full block (the newest, still-filling
-tile) in 16 bits. A block is quantized exactly when it is full, so a query's plan depends on
-its own context length only: the k + 1 queries of a verify step must read what k + 1 decode
-steps at those lengths would, including a step whose drafts fill a block. For that the
-backend quantizes a tile in the step that writes its last token, keeps its 16-bit copy until
-the sequence's accepted length has passed it, and quantizes it again when a rejected draft's
-position in it is rewritten and the tile is full again.
+`read_plan(context_len)` is the rule every KVarN reader follows (the fused decode kernel and
+the verify path of speculative decoding): the first 128 tokens (the attention sink, block 0)
+are read in 16 bits; blocks 1 .. n-1 of the n = context_len // 128 full blocks from the
+pool's quantized tiles; the tokens after the last full block (the newest, still-filling tile)
+in 16 bits. With `sink_quantized` (a full sink whose 16-bit copy the side cache has evicted,
+slots.py) block 0 comes from its quantized tile too. A block is quantized exactly when it is
+full, so a query's plan depends on its own context length only: the k + 1 queries of a
+verify step must read what k + 1 decode steps at those lengths would, including a step whose
+drafts fill a block. For that the backend quantizes a tile in the step that writes its last
+token, keeps its 16-bit copy until the sequence's accepted length has passed it, and
+quantizes it again when a rejected draft's position in it is rewritten and the tile is full
+again.
 
 `blocks_to_store(before, after)` is the write side of the same rule: the block positions a step
 that takes a sequence from `before` to `after` tokens fills, whose tiles it quantizes in that
 step (from their 16-bit copies, into the blocks the request's block table names then). Block
-0 is never stored (the sink stays 16-bit), and a step that fills no block stores nothing, so
-a request freed with a partial tile leaves no write behind that could land in its recycled
-page.
+0 is stored too: the pool stays complete, so a sink whose 16-bit copy is gone is still read
+(quantized). A step that fills no block stores nothing, so a request freed with a partial
+tile leaves no write behind that could land in its recycled page.
 
 `attention_reference` is one query token's GQA attention computed in float64 from those three
 sources; `exact_attention` the same from the unquantized K and V.
@@ -40,13 +42,17 @@ class ReadPlan:
     filling_tokens: range  # token positions from the 16-bit filling tile
 
 
-def read_plan(context_len: int, tile: int = TILE_TOKENS) -> ReadPlan:
+def read_plan(context_len: int, tile: int = TILE_TOKENS, sink_quantized: bool = False) -> ReadPlan:
     if context_len < 1:
         raise ValueError(f"context_len={context_len}: a query attends to at least itself")
     full = context_len // tile
+    if sink_quantized and full < 1:
+        raise ValueError(
+            f"context_len={context_len}: the sink is still filling, it has no quantized tile"
+        )
     return ReadPlan(
-        sink_tokens=min(context_len, tile),
-        quantized_blocks=range(1, full),
+        sink_tokens=0 if sink_quantized else min(context_len, tile),
+        quantized_blocks=range(0 if sink_quantized else 1, full),
         filling_tokens=range(max(tile, full * tile), context_len),
     )
 
@@ -54,7 +60,7 @@ def read_plan(context_len: int, tile: int = TILE_TOKENS) -> ReadPlan:
 def blocks_to_store(before: int, after: int, tile: int = TILE_TOKENS) -> range:
     if not 0 <= before <= after:
         raise ValueError(f"a step goes from {before} to {after} tokens: not 0 <= before <= after")
-    return range(max(before // tile, 1), after // tile)
+    return range(before // tile, after // tile)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
@@ -78,7 +84,7 @@ def attention_reference(
     q: torch.Tensor,
     pool: torch.Tensor,
     block_table: torch.Tensor,
-    sink: tuple[torch.Tensor, torch.Tensor],
+    sink: tuple[torch.Tensor, torch.Tensor] | None,
     filling: tuple[torch.Tensor, torch.Tensor],
     context_len: int,
     layout: TileLayout | None = None,
@@ -87,9 +93,12 @@ def attention_reference(
     """Float64 attention of one query q [Hq, D] over a KVarN sequence of context_len tokens:
     sink = (K, V) of its first min(context_len, 128) tokens and filling = (K, V) of the
     tokens after its last full block, each [tokens, Hkv, D] in 16 bits; its full blocks from
-    1 on in pool[block_table[j]] (layout.py)."""
+    1 on in pool[block_table[j]] (layout.py). sink=None reads block 0 from the pool too (an
+    evicted sink: read_plan's sink_quantized)."""
     layout = layout or TileLayout(head_dim=q.shape[-1])
-    plan = read_plan(context_len, layout.tokens)
+    plan = read_plan(context_len, layout.tokens, sink_quantized=sink is None)
+    empty = q.new_empty(0, pool.shape[1], q.shape[-1])
+    sink = sink if sink is not None else (empty, empty)
     for name, part, tokens in (
         ("sink", sink, plan.sink_tokens),
         ("filling", filling, len(plan.filling_tokens)),

@@ -11,18 +11,22 @@ The pieces:
   with vLLM blocks of 128 tokens (the only kernel block size it declares); `kv_cache_spec`
   budgets a page as `TQFullAttentionSpec(tq_slot_size=slot_bytes)` does, block_size *
   num_kv_heads * slot_bytes bytes, uint8.
-- Each step (`forward`, which includes the cache update): every new token's K and V go to the
-  16-bit side cache at its slot; then each tile the step fills (attention.blocks_to_store,
-  planned on the host by the builder) is quantized by store.py from its 16-bit copy into the
-  pool block the block table names; then decodes (query length 1) run decode.decode_attention
-  and prefills a torch attention over dequantized tiles (below).
+- The side cache: 16-bit K and V tiles in a few slots per running request (sizing.py), one
+  per layer; which slot holds which pool block (`slot_of_block`) is decided on the host by
+  the builder's slots.SlotAllocator from the block tables and each request's token counts,
+  once per step for all layers. Each impl allocates its layer's slots in vLLM's profile run
+  (the forward without metadata), so vLLM's memory profile counts them among the non-KV
+  memory and sizes the pool around them; ../capacity.py subtracts the same bytes.
+- Each step (`forward`, which includes the cache update): every new token's K and V go to its
+  tile's slot; then each tile the step fills (the allocator's plan: attention.blocks_to_store
+  per request, the sink included) is quantized by store.py from its slot into the pool block
+  the block table names; then decodes (query length 1) run decode.decode_attention and
+  prefills a torch attention over dequantized tiles (below).
 
 What is not handled yet, and why:
-- The side cache holds a 16-bit tile for every pool block (side table = block table), so a block
-  id finds its sink or filling tile with no allocator; it is allocated here, outside vLLM's KV
-  budget, at the first step, and is the size of a bf16 cache. KVarN therefore saves no memory
-  yet: the memory saving needs a side cache of a few tiles per running request (a slot
-  allocator that follows requests across the runner's row moves), which is the next step.
+- The builder copies the block table's used columns to the host each step to plan the slots
+  (a device-to-host copy, which waits for the GPU's queue): the runner's own host copy of the
+  block table does not reach the builder.
 - vLLM's Attention layer builds its KV cache spec from the cache dtype, not from the backend
   (model_executor/layers/attention/attention.py: get_kv_cache_spec), and so does the hybrid
   page alignment (platforms/interface.py: _align_hybrid_block_size): serving needs a seam that
@@ -53,11 +57,12 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-from hyperqwen.kvarn.attention import blocks_to_store
 from hyperqwen.kvarn.decode import decode_attention
 from hyperqwen.kvarn.dequant import dequantize_tiles
 from hyperqwen.kvarn.layout import TileLayout
 from hyperqwen.kvarn.quantize import TILE_TOKENS
+from hyperqwen.kvarn.sizing import serving_side_slots
+from hyperqwen.kvarn.slots import RequestStep, SlotAllocator
 from hyperqwen.kvarn.store import store_tiles
 
 # vLLM resolves a layer's backend by this name (Attention.__init__: AttentionBackendEnum[name])
@@ -137,21 +142,17 @@ class KVarNMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 for padding
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
-    # the tiles this step fills: (request row, block position) pairs, on the device
-    store_rows: torch.Tensor
-    store_positions: torch.Tensor
+    num_slots: int  # the side cache's slots
+    slot_of_block: torch.Tensor  # int32: slots.py's map after this step's plan
+    side_rows: torch.Tensor  # int64 [num_tokens]: slot * 128 + offset; num_slots * 128 for padding
+    store_blocks: torch.Tensor  # int32: the pool blocks this step fills
+    store_slots: torch.Tensor  # int64: the slots their 16-bit tiles are in
 
 
-def tiles_filled(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor):
-    """(rows, positions) of the tiles a step fills: attention.blocks_to_store per request, from
-    seq_len - query_len to seq_len tokens."""
-    rows, positions = [], []
-    query_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).tolist()
-    for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens_cpu.tolist(), strict=True)):
-        for position in blocks_to_store(seq_len - query_len, seq_len):
-            rows.append(row)
-            positions.append(position)
-    return rows, positions
+def side_cache_slots(vllm_config) -> int:
+    """The side cache's slots for this vLLM configuration (sizing.py)."""
+    scheduler = vllm_config.scheduler_config
+    return serving_side_slots(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
 
 
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
@@ -160,6 +161,8 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        # one allocator per KV cache group: its layers share the block tables, so the slots
+        self.slots = SlotAllocator(side_cache_slots(vllm_config))
 
     def build(
         self,
@@ -174,8 +177,20 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             seq_lens_cpu = cam.seq_lens.cpu()
         seq_lens_cpu = seq_lens_cpu[: cam.num_reqs]
         query_start_loc_cpu = cam.query_start_loc_cpu[: cam.num_reqs + 1]
-        rows, positions = tiles_filled(query_start_loc_cpu, seq_lens_cpu)
+        query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+        befores, afters = (seq_lens_cpu - query_lens).tolist(), seq_lens_cpu.tolist()
+        width = -(-max(afters, default=0) // TILE_TOKENS)
+        tables = cam.block_table_tensor[: cam.num_reqs, :width].cpu().tolist()
+        plan = self.slots.plan(
+            [RequestStep(*request) for request in zip(tables, befores, afters, strict=True)]
+        )
         device = cam.block_table_tensor.device
+        slot_of_block = plan.slot_of_block.to(device)
+        num_slots = self.slots.num_slots
+        mapping = cam.slot_mapping
+        rows = slot_of_block[mapping.clamp(min=0) // TILE_TOKENS].long() * TILE_TOKENS
+        padding_row = num_slots * TILE_TOKENS
+        side_rows = torch.where(mapping >= 0, rows + mapping % TILE_TOKENS, padding_row)
         return KVarNMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             num_decodes=num_decodes,
@@ -186,35 +201,36 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             slot_mapping=cam.slot_mapping,
             query_start_loc_cpu=query_start_loc_cpu,
             seq_lens_cpu=seq_lens_cpu,
-            store_rows=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
-            store_positions=torch.tensor(positions, dtype=torch.int64).to(
-                device, non_blocking=True
-            ),
+            num_slots=num_slots,
+            slot_of_block=slot_of_block,
+            side_rows=side_rows,
+            store_blocks=torch.tensor(plan.store_blocks, dtype=torch.int32).to(device),
+            store_slots=torch.tensor(plan.store_slots, dtype=torch.int64).to(device),
         )
 
 
 class SideCache:
-    """The 16-bit K and V of every pool block, [num_blocks * 128 + 1, Hkv, D] each: a token's
-    row is its vLLM slot, and the last row takes the writes of padding tokens (slot -1)."""
+    """One layer's 16-bit K and V tiles of the side cache's slots, [num_slots * 128 + 1, Hkv, D]
+    each: slot s's token t is row s * 128 + t (the metadata's side_rows), and the last row
+    takes the writes of padding tokens."""
 
-    def __init__(self, pool: torch.Tensor, head_size: int, dtype: torch.dtype) -> None:
-        num_blocks, kv_heads, _ = pool.shape
-        shape = (num_blocks * TILE_TOKENS + 1, kv_heads, head_size)
-        self.key = torch.empty(shape, dtype=dtype, device=pool.device)
-        self.value = torch.empty(shape, dtype=dtype, device=pool.device)
-        self.num_blocks = num_blocks
+    def __init__(self, num_slots: int, kv_heads: int, head_size: int, dtype, device) -> None:
+        shape = (num_slots * TILE_TOKENS + 1, kv_heads, head_size)
+        self.key = torch.empty(shape, dtype=dtype, device=device)
+        self.value = torch.empty(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
 
-    def fits(self, pool: torch.Tensor, dtype: torch.dtype) -> bool:
+    def fits(self, num_slots: int, dtype: torch.dtype, device) -> bool:
         return (
-            self.num_blocks == pool.shape[0]
+            self.num_slots == num_slots
             and self.key.dtype == dtype
-            and self.key.device == pool.device
+            and self.key.device == torch.device(device)
         )
 
     def tiles(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows viewed as [num_blocks, 128, Hkv, D] (decode.py's side_k / side_v)."""
-        return rows[: self.num_blocks * TILE_TOKENS].view(
-            self.num_blocks, TILE_TOKENS, *rows.shape[1:]
+        """rows viewed as [num_slots, 128, Hkv, D] (decode.py's side_k / side_v)."""
+        return rows[: self.num_slots * TILE_TOKENS].view(
+            self.num_slots, TILE_TOKENS, *rows.shape[1:]
         )
 
 
@@ -251,10 +267,16 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.layout = TileLayout(head_dim=head_size)
         self.side: SideCache | None = None
+        # the builder's slot count, known here when vLLM builds the model under its config
+        from vllm.config import get_current_vllm_config_or_none
 
-    def _side_cache(self, pool: torch.Tensor, dtype: torch.dtype) -> SideCache:
-        if self.side is None or not self.side.fits(pool, dtype):
-            self.side = SideCache(pool, self.head_size, dtype)
+        config = get_current_vllm_config_or_none()
+        self.num_slots = side_cache_slots(config) if config is not None else None
+
+    def _side_cache(self, num_slots: int, dtype: torch.dtype, device) -> SideCache:
+        if self.side is None or not self.side.fits(num_slots, dtype, device):
+            self.side = None  # the old one's memory first
+            self.side = SideCache(num_slots, self.num_kv_heads, self.head_size, dtype, device)
         return self.side
 
     def forward(
@@ -271,7 +293,9 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
     ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("KV=kvarn's attention has no fused output quantization")
-        if attn_metadata is None:  # vLLM's profiling run: no cache yet
+        if attn_metadata is None:  # vLLM's profile run: no cache yet
+            if self.num_slots is not None:  # allocated now, the profile counts it (docstring)
+                self._side_cache(self.num_slots, query.dtype, query.device)
             return output.fill_(0)
         n = attn_metadata.num_actual_tokens
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_size
@@ -279,22 +303,24 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
         # keeps them views where it can
         q = query[:n].reshape(n, heads, d)
         out = output[:n].view(n, heads, d)
-        side = self._side_cache(kv_cache, q.dtype)
-        slots = attn_metadata.slot_mapping[:n]
-        side.key[slots] = key[:n].reshape(n, kv_heads, d).to(q.dtype)
-        side.value[slots] = value[:n].reshape(n, kv_heads, d).to(q.dtype)
+        side = self._side_cache(attn_metadata.num_slots, q.dtype, q.device)
+        rows = attn_metadata.side_rows[:n]
+        side.key[rows] = key[:n].reshape(n, kv_heads, d).to(q.dtype)
+        side.value[rows] = value[:n].reshape(n, kv_heads, d).to(q.dtype)
         side_k, side_v = side.tiles(side.key), side.tiles(side.value)
-        block_table = attn_metadata.block_table
+        block_table, slot_of_block = attn_metadata.block_table, attn_metadata.slot_of_block
 
-        if attn_metadata.store_rows.numel():
-            block_ids = block_table[attn_metadata.store_rows, attn_metadata.store_positions]
-            store_tiles(side_k[block_ids], side_v[block_ids], kv_cache, block_ids, self.layout)
+        if attn_metadata.store_blocks.numel():
+            slots = attn_metadata.store_slots
+            store_tiles(
+                side_k[slots], side_v[slots], kv_cache, attn_metadata.store_blocks, self.layout
+            )
 
         decodes, decode_tokens = attn_metadata.num_decodes, attn_metadata.num_decode_tokens
         if decodes:
             decode_attention(
                 q[:decode_tokens], kv_cache, block_table[:decodes], side_k, side_v,
-                block_table[:decodes], attn_metadata.seq_lens[:decodes],
+                slot_of_block, attn_metadata.seq_lens[:decodes],
                 attn_metadata.query_start_loc[: decodes + 1], 1, DECODE_SPLITS,
                 scale=self.scale, out=out[:decode_tokens], layout=self.layout,
             )  # fmt: skip
@@ -303,8 +329,8 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
         for row in range(decodes, len(seq_lens)):
             first, last = starts[row], starts[row + 1]
             out[first:last] = prefill_attention(
-                q[first:last], kv_cache, block_table[row], side_k, side_v, seq_lens[row],
-                self.scale, self.layout,
+                q[first:last], kv_cache, block_table[row], side_k, side_v, slot_of_block,
+                seq_lens[row], self.scale, self.layout,
             )  # fmt: skip
         return output
 
@@ -315,32 +341,39 @@ def prefill_attention(
     blocks: torch.Tensor,
     side_k: torch.Tensor,
     side_v: torch.Tensor,
+    slot_of_block: torch.Tensor,
     seq_len: int,
     scale: float,
     layout: TileLayout,
 ) -> torch.Tensor:
     """One request's queries [q_len, Hq, D], the last q_len of its seq_len tokens, each reading
     its own context L by attention.read_plan(L): keys and values of blocks 1 .. L // 128 - 1
-    dequantized from the pool, the others from the 16-bit side tiles; in fp32 torch."""
+    (0 too for a sink without a slot) dequantized from the pool, the sink and the filling
+    tiles from their side slots; in fp32 torch, with no host sync."""
     q_len, heads = query.shape[:2]
     tile = layout.tokens
     num_blocks = -(-seq_len // tile)
     block_ids = blocks[:num_blocks].long()
-    exact_k = side_k[block_ids].flatten(0, 1)[:seq_len].float()
-    exact_v = side_v[block_ids].flatten(0, 1)[:seq_len].float()
+    slots = slot_of_block[block_ids].long()
+    in_side = (slots >= 0).repeat_interleave(tile)[:seq_len, None, None]
+    # blocks without a slot are read quantized only; zeros, not whatever slot 0 holds, stand
+    # in for them, since a 0 weight times a NaN there would still be NaN
+    exact_k = side_k[slots.clamp(min=0)].flatten(0, 1)[:seq_len].float().where(in_side, 0.0)
+    exact_v = side_v[slots.clamp(min=0)].flatten(0, 1)[:seq_len].float().where(in_side, 0.0)
     quant_k, quant_v = exact_k.clone(), exact_v.clone()
     full = seq_len // tile
-    if full > 1:  # blocks 1 .. full - 1 have tiles in the pool
+    if full:  # every full block has its tile in the pool, the sink's included
         # decoded in fp32 straight into place: no 16-bit rounding the decode kernel has not
-        tiles = (full - 1, tile, *exact_k.shape[1:])
-        out = (quant_k[tile : full * tile].view(tiles), quant_v[tile : full * tile].view(tiles))
-        dequantize_tiles(pool, block_ids[1:full], layout, out)
+        tiles = (full, tile, *exact_k.shape[1:])
+        out = (quant_k[: full * tile].view(tiles), quant_v[: full * tile].view(tiles))
+        dequantize_tiles(pool, block_ids[:full], layout, out)
 
     group = heads // exact_k.shape[1]
     context = torch.arange(seq_len - q_len + 1, seq_len + 1, device=query.device)  # L per query
     position = torch.arange(seq_len, device=query.device)
     block = position // tile
-    quantized = (block[None, :] >= 1) & (block[None, :] < (context // tile)[:, None])
+    first_quantized = (slots[0] >= 0).long()  # 0 for a sink read quantized
+    quantized = (block[None, :] >= first_quantized) & (block[None, :] < (context // tile)[:, None])
     visible = position[None, :] < context[:, None]
     q = query.float().transpose(0, 1)  # [Hq, q_len, D]
 

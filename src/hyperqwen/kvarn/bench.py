@@ -60,7 +60,8 @@ def _kvarn_copy(context: int, batch: int, queries: int, source, generator):
     side = torch.randn(batch * blocks, T, KV_HEADS, D, device="cuda", dtype=torch.bfloat16)
     return dict(
         pool=pool, block_table=block_table, side_k=side, side_v=side.clone(),
-        side_table=block_table.clone(),  # every position has a side tile: reads name only some
+        # every block has a side slot (itself): the reads name only the sink and filling ones
+        slot_of_block=torch.arange(batch * blocks, dtype=torch.int32, device="cuda"),
         seq_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
         query_start_loc=torch.arange(0, batch * queries + 1, queries, dtype=torch.int32,
                                      device="cuda"),

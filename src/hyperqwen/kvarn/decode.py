@@ -3,29 +3,33 @@
 Each request has 1 + k query tokens (k = 0 for a plain decode step, k drafts for an MTP verify
 step), the last ones of its seq_len tokens; query j of n attends causally to its own context
 L_j = seq_len - n + j + 1 and reads it by attention.py's `read_plan`: tokens 0-127 (the sink)
-and those of its filling block F_j = L_j // 128 in 16 bits, blocks 1 .. F_j - 1 quantized. So a
-verify step reads what n decode steps at those lengths would, also where its drafts fill a
-block: earlier queries read that block's 16-bit copy, later ones its quantized tile.
+and those of its filling block F_j = L_j // 128 in 16 bits, blocks 1 .. F_j - 1 quantized; a
+full sink without a 16-bit tile in the side cache (evicted: slots.py) is read quantized too.
+So a verify step reads what n decode steps at those lengths would, also where its drafts fill
+a block: earlier queries read that block's 16-bit copy, later ones its quantized tile.
 
 Storage, all addressed in int64:
   pool            uint8 [num_blocks, Hkv, tile_bytes], the quantized tiles (layout.py)
   block_table     int32 [num_reqs, max_blocks]: pool block of block position b
-  side_k, side_v  bf16/fp16 [num_side_blocks, 128, Hkv, D], 16-bit tiles in the model's basis
-  side_table      int32 [num_reqs, max_blocks]: side block of position b, read for b = 0 and
-                  each query's F_j (the backend owns which positions have one)
+  side_k, side_v  bf16/fp16 [num_slots, 128, Hkv, D], 16-bit tiles in the model's basis
+  slot_of_block   int32 [num_blocks]: the side slot holding pool block k's 16-bit tile, -1 for
+                  none (slots.py); read for the blocks of position 0 and of each query's F_j.
+                  The filling blocks must have one; the sink is read quantized without one
+                  (then it must be full and stored)
 A token past seq_len in a 16-bit tile is never loaded, nor is any block outside the plan, so
 neither needs zeroing (a zeroing pass is what corrupts blocks shared under prefix caching).
 
 Step 1, `_partition_kernel`, grid (requests, KV heads, splits + 1). Program (r, h, s < splits)
-takes the s-th share of the quantized blocks 1 .. F_max - 1 for all n·G query rows of KV head h
-(G query heads per KV head) and dequantizes in registers, folding the scales into the small
-operands: with the query rotated, qr·k = r_t (Σ_c (qr_c s_c) q_tc + Σ_c qr_c z_c), so one dot
-of qr·s (16-bit) with the raw codes (0..15, exact in 16 bits) per half tile; for values
-Σ_t p_t (v_tc σ_t + ζ_t) = dot(p·σ, codes) + Σ_t p_t ζ_t. A row whose query does not read a
-block (b >= F_j) is masked. Program (r, h, splits) reads the 16-bit tiles (the sink and the
-blocks holding the queries' filling tokens) with the plain query. Each writes its
-unnormalised output, row maximum and sum, fp32. Step 2, `_merge_kernel`, grid (query tokens,
-KV heads), merges them by log-sum-exp, rotates the quantized partitions' sum back
+takes the s-th share of the quantized blocks 1 (0 for an evicted sink) .. F_max - 1 for all
+n·G query rows of KV head h (G query heads per KV head) and dequantizes in registers, folding
+the scales into the small operands: with the query rotated,
+qr·k = r_t (Σ_c (qr_c s_c) q_tc + Σ_c qr_c z_c), so one dot of qr·s (16-bit) with the raw
+codes (0..15, exact in 16 bits) per half tile; for values Σ_t p_t (v_tc σ_t + ζ_t) =
+dot(p·σ, codes) + Σ_t p_t ζ_t. A row whose query does not read a block (b >= F_j) is masked.
+Program (r, h, splits) reads the 16-bit tiles (the sink if it has a slot, and the blocks
+holding the queries' filling tokens) with the plain query. Each writes its unnormalised
+output, row maximum and sum, fp32. Step 2, `_merge_kernel`, grid (query tokens, KV heads),
+merges them by log-sum-exp, rotates the quantized partitions' sum back
 (hadamard.py) and adds the 16-bit one, which is in the model's basis already.
 """
 
@@ -61,11 +65,11 @@ def _online_softmax(scores, m_i, l_i, acc):
 
 
 @triton.jit
-def _partition_kernel(q_ptr, pool_ptr, block_table_ptr, side_k_ptr, side_v_ptr, side_table_ptr,
+def _partition_kernel(q_ptr, pool_ptr, block_table_ptr, side_k_ptr, side_v_ptr, slot_ptr,
                       seq_lens_ptr, query_start_ptr, part_o_ptr, part_ml_ptr,
                       sm_scale, num_splits,
                       stride_qt, stride_qh, stride_block, stride_head,
-                      stride_table, stride_side_table,
+                      stride_table,
                       stride_skb, stride_skt, stride_skh, stride_svb, stride_svt, stride_svh,
                       stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh, stride_pms,
                       G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -89,17 +93,20 @@ def _partition_kernel(q_ptr, pool_ptr, block_table_ptr, side_k_ptr, side_v_ptr, 
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)  # fmt: skip
     last_filling = seq_len // T  # F of the last query, the largest
+    table = block_table_ptr + req.to(tl.int64) * stride_table
+    sink_in_side = tl.load(slot_ptr + tl.load(table).to(tl.int64)) >= 0
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     if split < num_splits:
         qr = hadamard_rows(q.to(tl.float32), BLOCK_M, D)
-        quantized = tl.maximum(last_filling - 1, 0)
+        first_quantized = tl.where(sink_in_side, 1, 0)
+        quantized = tl.maximum(last_filling - first_quantized, 0)
         share = tl.cdiv(quantized, num_splits)
-        first = 1 + split * share
+        first = first_quantized + split * share
         for b in range(first, tl.minimum(first + share, last_filling)):
-            block = tl.load(block_table_ptr + req.to(tl.int64) * stride_table + b).to(tl.int64)
+            block = tl.load(table + b).to(tl.int64)
             tile = pool_ptr + block * stride_block + kv_head.to(tl.int64) * stride_head
             reads = (b < filling)[:, None]
             k_scale = tl.load(fp16_section(tile, AT.k_scale) + d).to(tl.float32)
@@ -121,18 +128,21 @@ def _partition_kernel(q_ptr, pool_ptr, block_table_ptr, side_k_ptr, side_v_ptr, 
                 acc += tl.sum(p * v_zero[None, :], axis=1)[:, None]
     else:
         # the sink, then the filling blocks of the first query to the block of the last token
-        # (a later one would hold no token, and the tables need not name it)
+        # (a later one would hold no token, and the tables need not name it); a block without
+        # a slot (only an evicted sink) loads nothing and is read by the quantized programs
         first_filling = tl.maximum((seq_len - q_len + 1) // T, 1)
         for i in range(0, 1 + tl.maximum((seq_len - 1) // T - first_filling + 1, 0)):
             b = tl.where(i == 0, 0, first_filling + i - 1)
-            side = tl.load(side_table_ptr + req.to(tl.int64) * stride_side_table + b)
-            side_k = side_k_ptr + side.to(tl.int64) * stride_skb + kv_head.to(tl.int64) * stride_skh
-            side_v = side_v_ptr + side.to(tl.int64) * stride_svb + kv_head.to(tl.int64) * stride_svh
-            reads = (b == 0) | (b == filling)
+            slot = tl.load(slot_ptr + tl.load(table + b).to(tl.int64)).to(tl.int64)
+            in_side = slot >= 0
+            slot = tl.maximum(slot, 0)
+            side_k = side_k_ptr + slot * stride_skb + kv_head.to(tl.int64) * stride_skh
+            side_v = side_v_ptr + slot * stride_svb + kv_head.to(tl.int64) * stride_svh
+            reads = in_side & ((b == 0) | (b == filling))
             for start in tl.static_range(0, T, BLOCK_N):
                 rows = start + tl.arange(0, BLOCK_N)
                 position = b * T + rows
-                present = (position < seq_len)[:, None]
+                present = ((position < seq_len) & in_side)[:, None]
                 k = tl.load(side_k + rows[:, None].to(tl.int64) * stride_skt + d[None, :],
                             mask=present, other=0.0)  # fmt: skip
                 scores = tl.dot(q.to(DOT), tl.trans(k.to(DOT))) * sm_scale
@@ -162,8 +172,9 @@ def _merge_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_splits,
     d = tl.arange(0, D)
     o = part_o_ptr + token * stride_pot + head[:, None] * stride_poh + d[None, :]
     ml = part_ml_ptr + token * stride_pmt + head * stride_pmh
-    # the 16-bit partition first: every query reads at least the sink, so the maximum starts
-    # finite and an empty quantized share (m = -inf) weighs exp(-inf) = 0
+    # the 16-bit partition first; any partition may be empty (m = -inf: an empty quantized
+    # share, or no 16-bit token when an evicted sink is read quantized at a tile boundary),
+    # so exponents are taken against a finite maximum and an empty one weighs exp(-inf) = 0
     top = tl.load(ml + num_splits * stride_pms, mask=ok, other=0.0)
     total = tl.load(ml + num_splits * stride_pms + 1, mask=ok, other=1.0)
     plain = tl.load(o + num_splits * stride_pos, mask=ok[:, None], other=0.0)
@@ -171,7 +182,8 @@ def _merge_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_splits,
     for s in range(0, num_splits):
         m_s = tl.load(ml + s * stride_pms, mask=ok, other=float("-inf"))
         new_top = tl.maximum(top, m_s)
-        old, weight = tl.exp(top - new_top), tl.exp(m_s - new_top)
+        finite_top = tl.where(new_top == float("-inf"), 0.0, new_top)
+        old, weight = tl.exp(top - finite_top), tl.exp(m_s - finite_top)
         total = total * old + weight * tl.load(ml + s * stride_pms + 1, mask=ok, other=0.0)
         part = tl.load(o + s * stride_pos, mask=ok[:, None], other=0.0)
         rotated = rotated * old[:, None] + weight[:, None] * part
@@ -205,7 +217,7 @@ def decode_attention(
     block_table: torch.Tensor,
     side_k: torch.Tensor,
     side_v: torch.Tensor,
-    side_table: torch.Tensor,
+    slot_of_block: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     max_query_len: int,
@@ -234,14 +246,16 @@ def decode_attention(
         _check(name, side, (query.dtype,), 4)
         if side.shape[1:] != (layout.tokens, kv_heads, d) or side.stride(3) != 1:
             raise ValueError(
-                f"{name} must be [num_side_blocks, {layout.tokens}, {kv_heads}, {d}] contiguous "
+                f"{name} must be [num_slots, {layout.tokens}, {kv_heads}, {d}] contiguous "
                 f"along head_dim; got {list(side.shape)} stride {side.stride()}"
             )
     num_reqs = seq_lens.shape[0]
-    for name, table in (("block_table", block_table), ("side_table", side_table)):
-        _check(name, table, (torch.int32,), 2)
-        if table.shape[0] != num_reqs or table.stride(1) != 1:
-            raise ValueError(f"{name} must be int32 [{num_reqs}, max_blocks], rows contiguous")
+    _check("block_table", block_table, (torch.int32,), 2)
+    if block_table.shape[0] != num_reqs or block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be int32 [{num_reqs}, max_blocks], rows contiguous")
+    _check("slot_of_block", slot_of_block, (torch.int32,), 1)
+    if slot_of_block.stride(0) != 1:
+        raise ValueError("slot_of_block must be contiguous")
     _check("seq_lens", seq_lens, (torch.int32,), 1)
     _check("query_start_loc", query_start_loc, (torch.int32,), 1)
     if query_start_loc.shape[0] != num_reqs + 1 or not 1 <= max_query_len <= layout.tokens:
@@ -264,10 +278,10 @@ def decode_attention(
     part_ml = torch.empty(num_tokens, heads, partials, 2, dtype=torch.float32, device=query.device)
     scale = scale if scale is not None else 1 / math.sqrt(d)
     _partition_kernel[(num_reqs, kv_heads, partials)](
-        query, pool, block_table, side_k, side_v, side_table, seq_lens, query_start_loc,
+        query, pool, block_table, side_k, side_v, slot_of_block, seq_lens, query_start_loc,
         part_o, part_ml, scale, num_splits,
         query.stride(0), query.stride(1), pool.stride(0), pool.stride(1),
-        block_table.stride(0), side_table.stride(0),
+        block_table.stride(0),
         *side_k.stride()[:3], *side_v.stride()[:3],
         *part_o.stride()[:3], *part_ml.stride()[:3],
         G=group, BLOCK_M=max(16, triton.next_power_of_2(max_query_len * group)),

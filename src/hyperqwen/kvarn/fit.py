@@ -40,7 +40,7 @@ def _launches(d: int) -> dict:
     )  # fmt: skip
     partition_pointers = {
         "q_ptr": "*bf16", "pool_ptr": "*u8", "block_table_ptr": "*i32", "side_k_ptr": "*bf16",
-        "side_v_ptr": "*bf16", "side_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "side_v_ptr": "*bf16", "slot_ptr": "*i32", "seq_lens_ptr": "*i32",
         "query_start_ptr": "*i32", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",
         "sm_scale": "fp32",
     }  # fmt: skip

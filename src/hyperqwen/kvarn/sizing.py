@@ -1,0 +1,44 @@
+"""How big KVarN's 16-bit side cache is: its slots (slots.py) and bytes. Plain arithmetic,
+without torch, so that the launcher's capacity arithmetic (../capacity.py) can use it.
+
+Slots: a step's requests write into at most ceil(q / 128) + 1 tiles each (q tokens starting
+mid-tile), at most max_num_batched_tokens / 128 + 2 n over its n requests; the live requests
+it does not schedule keep one partial tile each, at most max_num_seqs - n. So
+ceil(max_num_batched_tokens / 128) + 2 max_num_seqs slots never run out of live tiles, and
+the cached sinks come on top: SINK_SLOTS_PER_SEQ per sequence, so every running request's
+sink can be read in 16 bits with room for as many cached prefixes.
+
+Bytes: each full-attention layer's impl holds its own K and V tiles of every slot, 16 bits,
+plus one row for the writes of padding tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+SIDE_TILE_TOKENS = 128  # kvarn/quantize.py's TILE_TOKENS (that module loads torch)
+SINK_SLOTS_PER_SEQ = 2
+SIDE_DTYPE_BYTES = 2  # the model's bf16 or fp16
+
+
+def side_slots(
+    max_num_seqs: int, max_num_batched_tokens: int, sink_slots: int, tile: int = SIDE_TILE_TOKENS
+) -> int:
+    """Slots enough for any step (module docstring) plus `sink_slots` cached sinks."""
+    if min(max_num_seqs, max_num_batched_tokens) < 1 or sink_slots < 0:
+        raise ValueError(
+            f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens}, "
+            f"sink_slots={sink_slots}: need at least one sequence and token, sinks >= 0"
+        )
+    return math.ceil(max_num_batched_tokens / tile) + 2 * max_num_seqs + sink_slots
+
+
+def serving_side_slots(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The slots the backend allocates for vLLM's scheduler limits."""
+    return side_slots(max_num_seqs, max_num_batched_tokens, SINK_SLOTS_PER_SEQ * max_num_seqs)
+
+
+def side_cache_bytes(slots: int, kv_heads: int, head_dim: int, layers: int) -> int:
+    """K and V of `slots` tiles and a padding row, 16 bits, in each of `layers` layers."""
+    rows = slots * SIDE_TILE_TOKENS + 1
+    return 2 * rows * kv_heads * head_dim * SIDE_DTYPE_BYTES * layers
