@@ -53,6 +53,33 @@ def _entry(vector, offsets, t):
     return tl.sum(tl.where(offsets == t, vector, 0), axis=0)
 
 
+@triton.jit
+def _gates(a, b, decay_rate, bias, softplus_beta, softplus_threshold):
+    """(decay exp(g), beta) of tokens' a and b in fp32: g = -exp(A_log) * softplus(a +
+    dt_bias), beta = sigmoid(b); decay_rate is -exp(A_log)."""
+    x = a + bias
+    softplus = tl.where(
+        softplus_beta * x <= softplus_threshold,
+        (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
+        x,
+    )
+    return tl.exp(decay_rate * softplus), tl.sigmoid(b)
+
+
+@triton.jit
+def _l2_normalised(rows):
+    """Each row of a tile [TOKENS, K] over its l2 norm, as vLLM's kernel forms it."""
+    return rows * tl.rsqrt(tl.sum(rows * rows, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _delta_rule(h, key, value, decay, beta):
+    """State rows h [BV, K] after one token: h *= decay; v -= h k; v *= beta; h += v kᵀ."""
+    h *= decay
+    value = (value - tl.sum(h * key[None, :], axis=1)) * beta
+    return h + value[:, None] * key[None, :]
+
+
 @triton.jit(do_not_specialize=["softplus_beta", "softplus_threshold", "scale"])
 def _gdn_recurrent_kernel(
     A_log,
@@ -119,27 +146,18 @@ def _gdn_recurrent_kernel(
         q_t = tl.load(q + qk_offsets, mask=live[:, None], other=0.0).to(tl.float32)
         k_t = tl.load(k + qk_offsets, mask=live[:, None], other=0.0).to(tl.float32)
         v_t = tl.load(v + v_offsets, mask=live[:, None], other=0.0).to(tl.float32)
-        x = tl.load(a + tokens * HV + i_hv, mask=live, other=0.0).to(tl.float32) + bias
-        gate_b = tl.load(b + tokens * HV + i_hv, mask=live, other=0.0).to(tl.float32)
+        a_t = tl.load(a + tokens * HV + i_hv, mask=live, other=0.0).to(tl.float32)
+        b_t = tl.load(b + tokens * HV + i_hv, mask=live, other=0.0).to(tl.float32)
         slots = tl.load(indices_row + start + o_t, mask=live, other=0)
         if start + TOKENS >= seq_len:  # this program's last inputs are loaded
             release_dependents(PDL)
-        softplus = tl.where(
-            softplus_beta * x <= softplus_threshold,
-            (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
-            x,
-        )
-        decay = tl.exp(decay_rate * softplus)
-        beta = tl.sigmoid(gate_b)
-        q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t, axis=1) + 1e-6)[:, None] * scale
-        k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t, axis=1) + 1e-6)[:, None]
+        decay, beta = _gates(a_t, b_t, decay_rate, bias, softplus_beta, softplus_threshold)
+        q_t = _l2_normalised(q_t) * scale
+        k_t = _l2_normalised(k_t)
         for t in tl.static_range(TOKENS):
             if start + t < seq_len:
-                key = _row(k_t, o_t, t)
-                h *= _entry(decay, o_t, t)
-                value = _row(v_t, o_t, t) - tl.sum(h * key[None, :], axis=1)
-                value *= _entry(beta, o_t, t)
-                h += value[:, None] * key[None, :]
+                key, value = _row(k_t, o_t, t), _row(v_t, o_t, t)
+                h = _delta_rule(h, key, value, _entry(decay, o_t, t), _entry(beta, o_t, t))
                 out = tl.sum(h * _row(q_t, o_t, t)[None, :], axis=1)
                 token = bos + start + t
                 tl.store(o + (token * HV + i_hv) * V + o_v, out.to(o.dtype.element_ty))
