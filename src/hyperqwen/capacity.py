@@ -124,6 +124,38 @@ def recurrent_state_bytes(g: Geometry, ssm_dtype: str, draft_tokens: int, tp: in
     return conv + recurrent
 
 
+def state_blocks_per_request(draft_tokens: int, prefix_caching: bool, replay: bool = False) -> int:
+    """State blocks one request holds in each GDN group: the running state, one more under
+    prefix caching's "align" mode (the last cached one), and in vLLM one per draft token
+    (MambaSpec.max_memory_usage_bytes); none per draft under the replay verify
+    (kernels/gdn_replay.py), which keeps the committed state only."""
+    return (2 if prefix_caching else 1) + (0 if replay else draft_tokens)
+
+
+def replay_buffer_bytes(g: Geometry, draft_tokens: int, tp: int = 1) -> int:
+    """One GDN layer's saved verify inputs for one request (kernels/gdn_replay.py's
+    ReplayBuffer): k, v, a and b of 1 + draft_tokens tokens, in the model dtype."""
+    heads, v_heads = g.linear_num_key_heads // tp, g.linear_num_value_heads // tp
+    token = heads * g.linear_key_head_dim + v_heads * g.linear_value_head_dim + 2 * v_heads
+    return (1 + draft_tokens) * token * MODEL_DTYPE_BYTES
+
+
+def gdn_verify_state_bytes(
+    g: Geometry,
+    ssm_dtype: str,
+    draft_tokens: int,
+    prefix_caching: bool,
+    replay: bool,
+    tp: int = 1,
+) -> int:
+    """One request's GDN state in one layer under speculative decoding, unpadded: vLLM's state
+    blocks (each a conv window and a recurrent state) or the replay verify's, plus its saved
+    inputs. Padding to the attention page (pool_layout) comes on top of either."""
+    blocks = state_blocks_per_request(draft_tokens, prefix_caching, replay)
+    saved = replay_buffer_bytes(g, draft_tokens, tp) if replay else 0
+    return blocks * recurrent_state_bytes(g, ssm_dtype, draft_tokens, tp) + saved
+
+
 @dataclass(frozen=True)
 class CacheSetup:
     """The launch choices that shape the pool."""
@@ -187,9 +219,7 @@ def pool_layout(g: Geometry, setup: CacheSetup) -> PoolLayout:
         group_layers=group_layers,
         attention_groups=math.ceil(attention_layers / group_layers),
         state_groups=math.ceil(state_layers / group_layers),
-        # MambaSpec.max_memory_usage_bytes: "align" keeps the last cached state besides the
-        # running one and one block per draft token
-        state_blocks_per_slot=(2 if setup.prefix_caching else 1) + setup.draft_tokens,
+        state_blocks_per_slot=state_blocks_per_request(setup.draft_tokens, setup.prefix_caching),
     )
 
 
