@@ -8,7 +8,7 @@ This verify keeps only the committed state, the one at the step's start, and a s
 the step's own inputs (k, v, a and b of its tokens, as the layer hands them over: q is not
 needed, the replayed tokens' outputs were produced when they were verified). The next step
 first folds the previous step's accepted tokens into the committed state from those inputs, in
-vLLM's order and arithmetic (gdn_recurrent.py's helpers), writes it back, then runs its own
+vLLM's order and arithmetic (gdn_delta_rule.py's helpers), writes it back, then runs its own
 tokens with the state in registers only. The causal conv window is not concerned: vLLM keeps
 it in the request's first block, W columns wider, and shifts it by num_accepted_tokens.
 
@@ -54,8 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyperqwen.kernels.gdn_recurrent import (
-    DEFAULT_WARPS,
+from hyperqwen.kernels.gdn_delta_rule import (
     _delta_rule,
     _entry,
     _gates,
@@ -279,7 +278,7 @@ def gdn_replay_verify(
     softplus_beta: float = 1.0,
     softplus_threshold: float = 20.0,
     block_v: int | None = None,
-    num_warps: int = DEFAULT_WARPS,
+    num_warps: int = 1,  # not timed: one warp, as the decode kernels of this shape
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The outputs [1, T, HV, V] of a verify step; `state` (vLLM's pool [slots, HV, V, K]) and
