@@ -28,6 +28,20 @@ def _entry(vector, offsets, t):
 
 
 @triton.jit
+def _token_inputs(k, v, a, b, rows, live, i_h, i_hv, o_k, o_v, H, HV, K, V):
+    """k [TOKENS, K], v [TOKENS, BV], a and b [TOKENS] of `rows` (token indices of a step's
+    inputs, or rows of a saved copy of them laid out alike) for key head i_h and value head
+    i_hv, in fp32, zero where not `live`: every row at once, one memory round trip."""
+    k_offsets = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    v_offsets = (rows[:, None] * HV + i_hv) * V + o_v[None, :]
+    k_rows = tl.load(k + k_offsets, mask=live[:, None], other=0.0).to(tl.float32)
+    v_rows = tl.load(v + v_offsets, mask=live[:, None], other=0.0).to(tl.float32)
+    a_rows = tl.load(a + rows * HV + i_hv, mask=live, other=0.0).to(tl.float32)
+    b_rows = tl.load(b + rows * HV + i_hv, mask=live, other=0.0).to(tl.float32)
+    return k_rows, v_rows, a_rows, b_rows
+
+
+@triton.jit
 def _gates(a, b, decay_rate, bias, softplus_beta, softplus_threshold):
     """(decay exp(g), beta) of tokens' a and b in fp32: g = -exp(A_log) * softplus(a +
     dt_bias), beta = sigmoid(b); decay_rate is -exp(A_log)."""

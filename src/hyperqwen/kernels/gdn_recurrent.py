@@ -44,6 +44,7 @@ from hyperqwen.kernels.gdn_delta_rule import (
     _gates,
     _l2_normalised,
     _row,
+    _token_inputs,
     default_block_v,
     unsupported,
 )
@@ -111,13 +112,11 @@ def _gdn_recurrent_kernel(
         tokens = bos + start + o_t
         live = start + o_t < seq_len
         # every input of these tokens at once: one memory round trip, not one per token
-        qk_offsets = (tokens[:, None] * H + i_h) * K + o_k[None, :]
-        v_offsets = (tokens[:, None] * HV + i_hv) * V + o_v[None, :]
-        q_t = tl.load(q + qk_offsets, mask=live[:, None], other=0.0).to(tl.float32)
-        k_t = tl.load(k + qk_offsets, mask=live[:, None], other=0.0).to(tl.float32)
-        v_t = tl.load(v + v_offsets, mask=live[:, None], other=0.0).to(tl.float32)
-        a_t = tl.load(a + tokens * HV + i_hv, mask=live, other=0.0).to(tl.float32)
-        b_t = tl.load(b + tokens * HV + i_hv, mask=live, other=0.0).to(tl.float32)
+        q_offsets = (tokens[:, None] * H + i_h) * K + o_k[None, :]
+        q_t = tl.load(q + q_offsets, mask=live[:, None], other=0.0).to(tl.float32)
+        k_t, v_t, a_t, b_t = _token_inputs(
+            k, v, a, b, tokens, live, i_h, i_hv, o_k, o_v, H, HV, K, V
+        )
         slots = tl.load(indices_row + start + o_t, mask=live, other=0)
         if start + TOKENS >= seq_len:  # this program's last inputs are loaded
             release_dependents(PDL)

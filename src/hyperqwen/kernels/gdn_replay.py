@@ -60,6 +60,7 @@ from hyperqwen.kernels.gdn_delta_rule import (
     _gates,
     _l2_normalised,
     _row,
+    _token_inputs,
     default_block_v,
     unsupported,
 )
@@ -181,12 +182,9 @@ def _gdn_replay_kernel(
         # the previous verify's accepted tokens, from this slot's saved inputs
         saved = slot * SAVED + o_t
         live = o_t < replayed
-        k_offsets = (saved[:, None] * H + i_h) * K + o_k[None, :]
-        v_offsets = (saved[:, None] * HV + i_hv) * V + o_v[None, :]
-        k_t = tl.load(saved_k + k_offsets, mask=live[:, None], other=0.0).to(tl.float32)
-        v_t = tl.load(saved_v + v_offsets, mask=live[:, None], other=0.0).to(tl.float32)
-        a_t = tl.load(saved_a + saved * HV + i_hv, mask=live, other=0.0).to(tl.float32)
-        b_t = tl.load(saved_b + saved * HV + i_hv, mask=live, other=0.0).to(tl.float32)
+        k_t, v_t, a_t, b_t = _token_inputs(
+            saved_k, saved_v, saved_a, saved_b, saved, live, i_h, i_hv, o_k, o_v, H, HV, K, V
+        )
         decay, beta = _gates(a_t, b_t, decay_rate, bias, softplus_beta, softplus_threshold)
         k_t = _l2_normalised(k_t)
         for t in tl.static_range(TOKENS):
@@ -198,13 +196,11 @@ def _gdn_replay_kernel(
     for start in range(0, seq_len, TOKENS):
         tokens = bos + start + o_t
         live = start + o_t < seq_len
-        qk_offsets = (tokens[:, None] * H + i_h) * K + o_k[None, :]
-        v_offsets = (tokens[:, None] * HV + i_hv) * V + o_v[None, :]
-        q_t = tl.load(q + qk_offsets, mask=live[:, None], other=0.0).to(tl.float32)
-        k_t = tl.load(k + qk_offsets, mask=live[:, None], other=0.0).to(tl.float32)
-        v_t = tl.load(v + v_offsets, mask=live[:, None], other=0.0).to(tl.float32)
-        a_t = tl.load(a + tokens * HV + i_hv, mask=live, other=0.0).to(tl.float32)
-        b_t = tl.load(b + tokens * HV + i_hv, mask=live, other=0.0).to(tl.float32)
+        q_offsets = (tokens[:, None] * H + i_h) * K + o_k[None, :]
+        q_t = tl.load(q + q_offsets, mask=live[:, None], other=0.0).to(tl.float32)
+        k_t, v_t, a_t, b_t = _token_inputs(
+            k, v, a, b, tokens, live, i_h, i_hv, o_k, o_v, H, HV, K, V
+        )
         decay, beta = _gates(a_t, b_t, decay_rate, bias, softplus_beta, softplus_threshold)
         q_t = _l2_normalised(q_t) * scale
         k_t = _l2_normalised(k_t)
