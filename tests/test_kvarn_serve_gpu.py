@@ -16,7 +16,10 @@ model's margins are small at most steps, so the two part within a few tokens. Th
 check is teacher-forced: KV=auto's prompt + greedy continuation goes back to both servers with
 `prompt_logprobs` (teacher_forcing.py), and the log-probabilities each gives the continuation's
 tokens, at positions whose context reaches into quantized tiles, must stay within the bounds
-below. The per-position differences go to $HYPERQWEN_TEST_LOGS/kvarn-serve-summary.json.
+below. A teacher-forced request is one prefill (vLLM skips the prefix cache for
+`prompt_logprobs`), so this checks the tile store and the prefill's read; the decode kernel is
+checked only by the greedy agreement. The per-position differences go to
+$HYPERQWEN_TEST_LOGS/kvarn-serve-summary.json.
 
 Run on the GPU host: `pytest -m gpu tests/test_kvarn_serve_gpu.py` (two tiny servers, one after
 the other).
