@@ -25,8 +25,10 @@ The pieces:
 
 What is not handled yet, and why:
 - The builder copies the block table's used columns to the host each step to plan the slots
-  (a device-to-host copy, which waits for the GPU's queue): the runner's own host copy of the
-  block table does not reach the builder.
+  (a device-to-host copy, which waits for the GPU's queue): vLLM 0.26 gives a builder no host
+  copy of the block table (CommonAttentionMetadata carries block_table_tensor on the device
+  only; the V1 runner keeps BlockTable.block_table.cpu to itself; README, "What it does not do
+  yet"), so removing it needs a patch that passes the runner's host slice.
 - vLLM's Attention layer builds its KV cache spec from the cache dtype, not from the backend
   (model_executor/layers/attention/attention.py: get_kv_cache_spec), and so does the hybrid
   page alignment (platforms/interface.py: _align_hybrid_block_size): serving needs a seam that
