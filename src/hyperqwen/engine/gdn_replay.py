@@ -1,0 +1,109 @@
+"""What the replay verify (kernels/gdn_replay.py) folds in, per request, from vLLM 0.26's metadata.
+
+The replay verify keeps one committed GDN state per request, the state at the step's start,
+and saves the step's inputs in the request's state slot; the next step folds the previous
+step's accepted tokens into the state first. How many: vLLM's num_accepted_tokens (in
+GDNAttentionMetadata, spec rows only) is that count after a verify, but it also reads 1 where
+there is nothing to fold in: a new or resumed request, the first verify after a prefill or a
+plain decode (the runner's default, gpu_model_runner.py `num_accepted_tokens.np.fill(1)` and
+gpu_input_batch.py `add_request`). The metadata of one step cannot tell these apart: both are
+spec rows with count 1. What does is the slot's previous step: a verify (its inputs were saved
+and not folded in) or a non-spec row (the prefill or decode kernels wrote the whole state
+back). So a record is kept per state slot, `saved`: True after a step ran the slot as a spec
+row, False after a step ran it as a non-spec row, unchanged for slots a step did not run.
+
+  replay count of spec row n = num_accepted_tokens[n] if saved[slot n] else 0
+
+Per state slot, not per batch row: vLLM reorders and condenses the batch between steps, while a
+request keeps its slot (block table column 0 in mamba_cache_mode "none"; the same slot the
+saved inputs are kept under). Every slot a request starts on is first run as a non-spec row
+(vLLM prefills a new or resumed request, and a prefill row has no drafts), which clears what a
+slot's previous owner left. In mamba_cache_mode "align" a request also moves to a new slot
+mid-decode; that holds there only with the move hook of quoting.md's plan (step 4). Rows on
+vLLM's null block (padding of a CUDA-graph batch) are neither read nor recorded.
+
+A non-spec row with context whose slot is still `saved` verified last step and now runs
+the prefill or decode kernels, which do not replay (a decode scheduled with fewer tokens than
+its drafts + 1, scheduler.py's budget cut): `unreplayed` marks it, for the caller to route it
+to the verify or refuse the step. vLLM's own per-token-slot path reads block column 0 there
+too, whatever it accepted.
+
+Tensor ops on the metadata's device tensors only, no host synchronisation, so a step's counts
+can be computed while the GPU is busy and a CUDA graph can read them from a fixed buffer. Not
+yet called by vLLM: engine/quoting.md ("GDN replay: integration plan") says where it goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NULL_SLOT = 0  # vLLM's NULL_BLOCK_ID (v1/attention/backends/utils.py): padding, never a request's
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """One step's replay, per spec row (the metadata's spec rows, padding included), and the
+    non-spec rows that would skip a replay they need."""
+
+    committed_slots: torch.Tensor  # int32 [spec rows]: the state slot read, folded into, saved to
+    replay_counts: torch.Tensor  # int32 [spec rows]: saved tokens to fold in first
+    unreplayed: torch.Tensor  # bool [non-spec rows]: saved inputs not folded in before this step
+
+
+def new_record(num_slots: int, device: torch.device | str) -> torch.Tensor:
+    """No slot has saved inputs: bool [num_slots], num_slots the mamba group's block count."""
+    return torch.zeros(num_slots, dtype=torch.bool, device=device)
+
+
+def _row_has_tokens(query_start_loc: torch.Tensor, rows: int) -> torch.Tensor:
+    # padded rows repeat the last offset (the builder's CUDA-graph buffers): no tokens
+    return query_start_loc[1 : rows + 1] > query_start_loc[:rows]
+
+
+def _spec_rows(metadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Committed slot and whether the row has tokens, per spec row."""
+    slots = metadata.spec_state_indices_tensor[:, 0]
+    return slots, _row_has_tokens(metadata.spec_query_start_loc, slots.shape[0])
+
+
+def _non_spec_rows(metadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """State slot and whether the row has tokens, per non-spec row (prefill, chunk or decode)."""
+    slots = metadata.non_spec_state_indices_tensor
+    if slots is None:  # every row of the step verifies
+        empty = torch.empty(0, dtype=torch.int32, device=metadata.spec_state_indices_tensor.device)
+        return empty, empty.bool()
+    return slots, _row_has_tokens(metadata.non_spec_query_start_loc, slots.shape[0])
+
+
+def replay_plan(metadata, saved: torch.Tensor) -> ReplayPlan:
+    """The step's replay counts from its GDNAttentionMetadata (vLLM's builder, mamba_cache_mode
+    "none") and the record the previous steps left (`next_record`)."""
+    non_spec_slots, non_spec_live = _non_spec_rows(metadata)
+    # a row with no context (a new or recomputed prompt) starts from zeros, whatever its slot
+    # holds; with no prefill in the step every non-spec row is a decode, which has context
+    continues = metadata.has_initial_state if metadata.num_prefills > 0 else non_spec_live
+    unreplayed = non_spec_live & continues & saved[non_spec_slots.long()]
+    if metadata.spec_state_indices_tensor is None:  # no verify this step
+        none = torch.empty(0, dtype=torch.int32, device=saved.device)
+        return ReplayPlan(none, none, unreplayed)
+    slots, live = _spec_rows(metadata)
+    pending = live & (slots != NULL_SLOT) & saved[slots.long()]
+    counts = torch.where(pending, metadata.num_accepted_tokens, 0).to(torch.int32)
+    return ReplayPlan(slots, counts, unreplayed)
+
+
+def next_record(metadata, saved: torch.Tensor) -> torch.Tensor:
+    """The record after this step: its spec rows' slots saved, its non-spec rows' slots not,
+    others as they were. Call once per step the model runs (not for profile or capture runs,
+    whose metadata names slots no request of theirs owns)."""
+    after = saved.clone()
+    non_spec_slots, non_spec_live = _non_spec_rows(metadata)
+    # a row without tokens writes to the null slot, which no request owns: harmless
+    after[torch.where(non_spec_live, non_spec_slots, NULL_SLOT).long()] = False
+    if metadata.spec_state_indices_tensor is not None:
+        slots, live = _spec_rows(metadata)
+        # padding rows (on the null slot) all write False there: the null slot never reads saved
+        after.index_put_((slots.long(),), live & (slots != NULL_SLOT))
+    return after
