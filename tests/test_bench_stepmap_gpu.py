@@ -29,6 +29,7 @@ from gpu_server import (
     log_dir,
     patched_vllm_parent,
     require_gpu,
+    with_vllm_first,
 )
 
 from hyperqwen.bench.stepmap_cli import server_flags
@@ -47,7 +48,9 @@ def test_stepmap_of_the_served_27b_single_profile(tmp_path_factory, tmp_path):
     subprocess.run(synth, check=True, timeout=300, capture_output=True)
     logs = log_dir(tmp_path)
     trace_dir = tmp_path / "trace"
-    pythonpath = os.pathsep.join([str(patched_vllm_parent(tmp_path_factory)), str(ROOT / "src")])
+    # the patched vLLM first, the environment's packages (e.g. the GPU kit's) kept behind it
+    patched = with_vllm_first(patched_vllm_parent(tmp_path_factory))["PYTHONPATH"]
+    pythonpath = os.pathsep.join([str(ROOT / "src"), patched])
     profiler = shlex.join(server_flags(trace_dir, STEPS))
     knobs = {
         "MODELS_DIR": str(models),
