@@ -21,7 +21,7 @@ The pieces:
   tile's slot; then each tile the step fills (the allocator's plan: attention.blocks_to_store
   per request, the sink included) is quantized by store.py from its slot into the pool block
   the block table names; then decodes (query length 1) run decode.decode_attention and
-  prefills a torch attention over dequantized tiles (below).
+  prefills prefill.prefill_attention (one launch for all of them).
 
 What is not handled yet, and why:
 - The builder copies the block table's used columns to the host each step to plan the slots
@@ -34,8 +34,7 @@ What is not handled yet, and why:
   page alignment (platforms/interface.py: _align_hybrid_block_size): serving needs a seam that
   asks the backend (`kv_cache_spec` below) in both places; without it vLLM sizes bf16 pages and
   the pool shape does not fit them.
-- Prefill is a reference-exact torch attention per request (fp32, the [queries, context] score
-  matrix whole): correct, not fast, and its memory grows with chunk x context.
+- The prefill kernel (prefill.py) has not run on a GPU yet, and its program size is untuned.
 - CUDA graphs: the builder declares none (AttentionCGSupport.NEVER), so vLLM runs this
   attention eagerly between piecewise graphs; the tile store's size is decided on the host.
 - Speculative decoding: the store plan uses the host's sequence lengths, which vLLM makes an
@@ -60,8 +59,8 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from hyperqwen.kvarn.decode import decode_attention
-from hyperqwen.kvarn.dequant import dequantize_tiles
 from hyperqwen.kvarn.layout import TileLayout
+from hyperqwen.kvarn.prefill import prefill_attention
 from hyperqwen.kvarn.quantize import TILE_TOKENS
 from hyperqwen.kvarn.sizing import serving_side_slots
 from hyperqwen.kvarn.slots import RequestStep, SlotAllocator
@@ -326,65 +325,14 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
                 attn_metadata.query_start_loc[: decodes + 1], 1, DECODE_SPLITS,
                 scale=self.scale, out=out[:decode_tokens], layout=self.layout,
             )  # fmt: skip
-        starts = attn_metadata.query_start_loc_cpu.tolist()
-        seq_lens = attn_metadata.seq_lens_cpu.tolist()
-        for row in range(decodes, len(seq_lens)):
-            first, last = starts[row], starts[row + 1]
-            out[first:last] = prefill_attention(
-                q[first:last], kv_cache, block_table[row], side_k, side_v, slot_of_block,
-                seq_lens[row], self.scale, self.layout,
+        if attn_metadata.seq_lens_cpu.shape[0] > decodes:
+            prefills = slice(decodes, attn_metadata.seq_lens_cpu.shape[0])
+            starts = slice(decodes, prefills.stop + 1)
+            prefill_attention(
+                q, kv_cache, block_table[prefills], side_k, side_v, slot_of_block,
+                attn_metadata.seq_lens[prefills], attn_metadata.query_start_loc[starts],
+                scale=self.scale, out=out, layout=self.layout,
+                host_query_start_loc=attn_metadata.query_start_loc_cpu[starts],
+                host_seq_lens=attn_metadata.seq_lens_cpu[prefills],
             )  # fmt: skip
         return output
-
-
-def prefill_attention(
-    query: torch.Tensor,
-    pool: torch.Tensor,
-    blocks: torch.Tensor,
-    side_k: torch.Tensor,
-    side_v: torch.Tensor,
-    slot_of_block: torch.Tensor,
-    seq_len: int,
-    scale: float,
-    layout: TileLayout,
-) -> torch.Tensor:
-    """One request's queries [q_len, Hq, D], the last q_len of its seq_len tokens, each reading
-    its own context L by attention.read_plan(L): keys and values of blocks 1 .. L // 128 - 1
-    (0 too for a sink without a slot) dequantized from the pool, the sink and the filling
-    tiles from their side slots; in fp32 torch, with no host sync."""
-    q_len, heads = query.shape[:2]
-    tile = layout.tokens
-    num_blocks = -(-seq_len // tile)
-    block_ids = blocks[:num_blocks].long()
-    slots = slot_of_block[block_ids].long()
-    in_side = (slots >= 0).repeat_interleave(tile)[:seq_len, None, None]
-    # blocks without a slot are read quantized only; zeros, not whatever slot 0 holds, stand
-    # in for them, since a 0 weight times a NaN there would still be NaN
-    exact_k = side_k[slots.clamp(min=0)].flatten(0, 1)[:seq_len].float().where(in_side, 0.0)
-    exact_v = side_v[slots.clamp(min=0)].flatten(0, 1)[:seq_len].float().where(in_side, 0.0)
-    quant_k, quant_v = exact_k.clone(), exact_v.clone()
-    full = seq_len // tile
-    if full:  # every full block has its tile in the pool, the sink's included
-        # decoded in fp32 straight into place: no 16-bit rounding the decode kernel has not
-        tiles = (full, tile, *exact_k.shape[1:])
-        out = (quant_k[: full * tile].view(tiles), quant_v[: full * tile].view(tiles))
-        dequantize_tiles(pool, block_ids[:full], layout, out)
-
-    group = heads // exact_k.shape[1]
-    context = torch.arange(seq_len - q_len + 1, seq_len + 1, device=query.device)  # L per query
-    position = torch.arange(seq_len, device=query.device)
-    block = position // tile
-    first_quantized = (slots[0] >= 0).long()  # 0 for a sink read quantized
-    quantized = (block[None, :] >= first_quantized) & (block[None, :] < (context // tile)[:, None])
-    visible = position[None, :] < context[:, None]
-    q = query.float().transpose(0, 1)  # [Hq, q_len, D]
-
-    def per_head(x: torch.Tensor) -> torch.Tensor:  # [seq_len, Hkv, D] -> [Hq, seq_len, D]
-        return x.transpose(0, 1).repeat_interleave(group, dim=0)
-
-    scores = torch.where(
-        quantized, q @ per_head(quant_k).transpose(1, 2), q @ per_head(exact_k).transpose(1, 2)
-    )
-    weights = (scores * scale).masked_fill(~visible, float("-inf")).softmax(dim=-1)
-    out = (weights * quantized) @ per_head(quant_v) + (weights * ~quantized) @ per_head(exact_v)
-    return out.transpose(0, 1).to(query.dtype)

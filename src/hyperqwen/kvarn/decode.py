@@ -65,6 +65,102 @@ def _online_softmax(scores, m_i, l_i, acc):
 
 
 @triton.jit
+def attend_quantized_tile(tile, qr, reads, sm_scale, m_i, l_i, acc, BLOCK_N: tl.constexpr,
+                          T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
+                          DOT: tl.constexpr):  # fmt: skip
+    """One quantized tile (its first byte `tile`) into the running softmax of the rotated
+    query rows qr [rows, D] (fp32) whose `reads` [rows] is set; acc accumulates in the rotated
+    basis. The scales are folded into the small operands (module docstring), BLOCK_N tokens
+    per dot. Returns (m, l, acc)."""
+    d = tl.arange(0, D)
+    k_scale = tl.load(fp16_section(tile, AT.k_scale) + d).to(tl.float32)
+    k_zero = tl.load(fp16_section(tile, AT.k_zero) + d).to(tl.float32)
+    q_scaled = (qr * k_scale[None, :]).to(DOT)
+    bias = tl.sum(qr * k_zero[None, :], axis=1)
+    for start in tl.static_range(0, T, BLOCK_N):
+        rows = start + tl.arange(0, BLOCK_N)
+        codes = k_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D).to(DOT)
+        r = tl.load(fp16_section(tile, AT.k_token_scale) + rows).to(tl.float32)
+        dots = tl.dot(q_scaled, tl.trans(codes))
+        scores = (dots + bias[:, None]) * (r * sm_scale)[None, :]
+        scores = tl.where(reads[:, None], scores, float("-inf"))
+        p, m_i, l_i, acc = _online_softmax(scores, m_i, l_i, acc)
+        v_scale = tl.load(fp16_section(tile, AT.v_scale) + rows).to(tl.float32)
+        v_zero = tl.load(fp16_section(tile, AT.v_zero) + rows).to(tl.float32)
+        codes = v_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D).to(DOT)
+        acc += tl.dot((p * v_scale[None, :]).to(DOT), codes)
+        acc += tl.sum(p * v_zero[None, :], axis=1)[:, None]
+    return m_i, l_i, acc
+
+
+@triton.jit
+def attend_side_tile(side_k, side_v, stride_kt, stride_vt, b, in_side, reads, q, context,
+                     seq_len, sm_scale, m_i, l_i, acc, BLOCK_N: tl.constexpr, T: tl.constexpr,
+                     D: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """Block position b's 16-bit tile (side_k / side_v: its slot's token 0 of this KV head)
+    into the running softmax of the plain query rows q [rows, D] whose `reads` [rows] is set,
+    each up to its own context [rows]; acc in the model's basis. Nothing is loaded where
+    in_side is false (no slot) or past seq_len. Returns (m, l, acc)."""
+    d = tl.arange(0, D)
+    for start in tl.static_range(0, T, BLOCK_N):
+        rows = start + tl.arange(0, BLOCK_N)
+        position = b * T + rows
+        present = ((position < seq_len) & in_side)[:, None]
+        k = tl.load(side_k + rows[:, None].to(tl.int64) * stride_kt + d[None, :],
+                    mask=present, other=0.0)  # fmt: skip
+        scores = tl.dot(q.to(DOT), tl.trans(k.to(DOT))) * sm_scale
+        visible = reads[:, None] & (position[None, :] < context[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        p, m_i, l_i, acc = _online_softmax(scores, m_i, l_i, acc)
+        v = tl.load(side_v + rows[:, None].to(tl.int64) * stride_vt + d[None, :],
+                    mask=present, other=0.0)  # fmt: skip
+        acc += tl.dot(p.to(DOT), v.to(DOT))
+    return m_i, l_i, acc
+
+
+@triton.jit
+def attend_quantized_tiles(pool_ptr, table, stride_block, stride_head, kv_head, first, end, qr,
+                           filling, sm_scale, m_i, l_i, acc, BLOCK_N: tl.constexpr,
+                           T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
+                           DOT: tl.constexpr):  # fmt: skip
+    """Block positions first .. end - 1 of a request's table, read quantized from the pool by
+    the rows whose filling block [rows] is past them. Returns (m, l, acc)."""
+    for b in range(first, end):
+        block = tl.load(table + b).to(tl.int64)
+        tile = pool_ptr + block * stride_block + kv_head.to(tl.int64) * stride_head
+        m_i, l_i, acc = attend_quantized_tile(tile, qr, b < filling, sm_scale, m_i, l_i, acc,
+                                              BLOCK_N, T, D, AT, DOT)  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
+def attend_side_tiles(side_k_ptr, side_v_ptr, slot_ptr, table,
+                      stride_skb, stride_skt, stride_skh, stride_svb, stride_svt, stride_svh,
+                      kv_head, first_context, last_context, seq_len, q, context, sm_scale,
+                      m_i, l_i, acc, BLOCK_N: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+                      DOT: tl.constexpr):  # fmt: skip
+    """The 16-bit reads of rows whose contexts [rows] lie in first_context .. last_context:
+    the sink, then the filling blocks of the first context to the block of the last one's
+    last token (a later one would hold no token, and the tables need not name it); a block
+    without a slot (only an evicted sink) loads nothing and is read quantized instead.
+    Returns (m, l, acc), acc in the model's basis."""
+    filling = context // T
+    first_filling = tl.maximum(first_context // T, 1)
+    for i in range(0, 1 + tl.maximum((last_context - 1) // T - first_filling + 1, 0)):
+        b = tl.where(i == 0, 0, first_filling + i - 1)
+        slot = tl.load(slot_ptr + tl.load(table + b).to(tl.int64)).to(tl.int64)
+        in_side = slot >= 0
+        slot = tl.maximum(slot, 0)
+        side_k = side_k_ptr + slot * stride_skb + kv_head.to(tl.int64) * stride_skh
+        side_v = side_v_ptr + slot * stride_svb + kv_head.to(tl.int64) * stride_svh
+        reads = in_side & ((b == 0) | (b == filling))
+        m_i, l_i, acc = attend_side_tile(side_k, side_v, stride_skt, stride_svt, b, in_side,
+                                         reads, q, context, seq_len, sm_scale, m_i, l_i, acc,
+                                         BLOCK_N, T, D, DOT)  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _partition_kernel(q_ptr, pool_ptr, block_table_ptr, side_k_ptr, side_v_ptr, slot_ptr,
                       seq_lens_ptr, query_start_ptr, part_o_ptr, part_ml_ptr,
                       sm_scale, num_splits,
@@ -105,53 +201,17 @@ def _partition_kernel(q_ptr, pool_ptr, block_table_ptr, side_k_ptr, side_v_ptr, 
         quantized = tl.maximum(last_filling - first_quantized, 0)
         share = tl.cdiv(quantized, num_splits)
         first = first_quantized + split * share
-        for b in range(first, tl.minimum(first + share, last_filling)):
-            block = tl.load(table + b).to(tl.int64)
-            tile = pool_ptr + block * stride_block + kv_head.to(tl.int64) * stride_head
-            reads = (b < filling)[:, None]
-            k_scale = tl.load(fp16_section(tile, AT.k_scale) + d).to(tl.float32)
-            k_zero = tl.load(fp16_section(tile, AT.k_zero) + d).to(tl.float32)
-            q_scaled = (qr * k_scale[None, :]).to(DOT)
-            bias = tl.sum(qr * k_zero[None, :], axis=1)
-            for start in tl.static_range(0, T, BLOCK_N):
-                rows = start + tl.arange(0, BLOCK_N)
-                codes = k_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D).to(DOT)
-                r = tl.load(fp16_section(tile, AT.k_token_scale) + rows).to(tl.float32)
-                dots = tl.dot(q_scaled, tl.trans(codes))
-                scores = (dots + bias[:, None]) * (r * sm_scale)[None, :]
-                scores = tl.where(reads, scores, float("-inf"))
-                p, m_i, l_i, acc = _online_softmax(scores, m_i, l_i, acc)
-                v_scale = tl.load(fp16_section(tile, AT.v_scale) + rows).to(tl.float32)
-                v_zero = tl.load(fp16_section(tile, AT.v_zero) + rows).to(tl.float32)
-                codes = v_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D).to(DOT)
-                acc += tl.dot((p * v_scale[None, :]).to(DOT), codes)
-                acc += tl.sum(p * v_zero[None, :], axis=1)[:, None]
+        m_i, l_i, acc = attend_quantized_tiles(
+            pool_ptr, table, stride_block, stride_head, kv_head, first,
+            tl.minimum(first + share, last_filling), qr, filling, sm_scale, m_i, l_i, acc,
+            BLOCK_N, T, D, AT, DOT,
+        )  # fmt: skip
     else:
-        # the sink, then the filling blocks of the first query to the block of the last token
-        # (a later one would hold no token, and the tables need not name it); a block without
-        # a slot (only an evicted sink) loads nothing and is read by the quantized programs
-        first_filling = tl.maximum((seq_len - q_len + 1) // T, 1)
-        for i in range(0, 1 + tl.maximum((seq_len - 1) // T - first_filling + 1, 0)):
-            b = tl.where(i == 0, 0, first_filling + i - 1)
-            slot = tl.load(slot_ptr + tl.load(table + b).to(tl.int64)).to(tl.int64)
-            in_side = slot >= 0
-            slot = tl.maximum(slot, 0)
-            side_k = side_k_ptr + slot * stride_skb + kv_head.to(tl.int64) * stride_skh
-            side_v = side_v_ptr + slot * stride_svb + kv_head.to(tl.int64) * stride_svh
-            reads = in_side & ((b == 0) | (b == filling))
-            for start in tl.static_range(0, T, BLOCK_N):
-                rows = start + tl.arange(0, BLOCK_N)
-                position = b * T + rows
-                present = ((position < seq_len) & in_side)[:, None]
-                k = tl.load(side_k + rows[:, None].to(tl.int64) * stride_skt + d[None, :],
-                            mask=present, other=0.0)  # fmt: skip
-                scores = tl.dot(q.to(DOT), tl.trans(k.to(DOT))) * sm_scale
-                visible = reads[:, None] & (position[None, :] < context[:, None])
-                scores = tl.where(visible, scores, float("-inf"))
-                p, m_i, l_i, acc = _online_softmax(scores, m_i, l_i, acc)
-                v = tl.load(side_v + rows[:, None].to(tl.int64) * stride_svt + d[None, :],
-                            mask=present, other=0.0)  # fmt: skip
-                acc += tl.dot(p.to(DOT), v.to(DOT))
+        m_i, l_i, acc = attend_side_tiles(
+            side_k_ptr, side_v_ptr, slot_ptr, table, stride_skb, stride_skt, stride_skh,
+            stride_svb, stride_svt, stride_svh, kv_head, seq_len - q_len + 1, seq_len, seq_len,
+            q, context, sm_scale, m_i, l_i, acc, BLOCK_N, T, D, DOT,
+        )  # fmt: skip
 
     part = token * stride_pot + head * stride_poh + split.to(tl.int64) * stride_pos
     tl.store(part_o_ptr + part[:, None] + d[None, :], acc, mask=row_ok[:, None])
@@ -211,7 +271,7 @@ def _check(name: str, tensor: torch.Tensor, dtypes, dims: int) -> None:
         )
 
 
-def decode_attention(
+def check_cache_args(
     query: torch.Tensor,
     pool: torch.Tensor,
     block_table: torch.Tensor,
@@ -220,23 +280,17 @@ def decode_attention(
     slot_of_block: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
-    max_query_len: int,
-    num_splits: int,
-    scale: float | None = None,
-    out: torch.Tensor | None = None,
-    layout: TileLayout | None = None,
-) -> torch.Tensor:
-    """Attention of query [num_tokens, Hq, D] (bf16 or fp16; request r's queries are rows
-    query_start_loc[r] .. query_start_loc[r + 1] - 1, at most max_query_len of them, the last
-    of its seq_lens[r] tokens) over the KVarN cache described in the module docstring, into
-    out [num_tokens, Hq, D] (query's dtype). num_splits: how many programs share each
-    request's quantized blocks per KV head (a fixed number keeps the launch graph-capturable;
-    splits with no blocks write empty partials). Indices are not checked on the GPU."""
+    layout: TileLayout | None,
+) -> TileLayout:
+    """The checks every reader of a KVarN cache (decode, prefill) makes of its arguments (the
+    module docstring's storage); returns the layout (query's head_dim by default)."""
     _check("query", query, (torch.bfloat16, torch.float16), 3)
     num_tokens, heads, d = query.shape
     layout = layout or TileLayout(head_dim=d)
     layout.check_pool(pool)
     kv_heads = pool.shape[1]
+    if query.stride(2) != 1:
+        raise ValueError(f"query must be contiguous along head_dim; stride {query.stride()}")
     if layout.head_dim != d or heads % kv_heads:
         raise ValueError(
             f"query [{num_tokens}, {heads}, {d}] does not fit a pool of {kv_heads} KV heads of "
@@ -258,17 +312,53 @@ def decode_attention(
         raise ValueError("slot_of_block must be contiguous")
     _check("seq_lens", seq_lens, (torch.int32,), 1)
     _check("query_start_loc", query_start_loc, (torch.int32,), 1)
-    if query_start_loc.shape[0] != num_reqs + 1 or not 1 <= max_query_len <= layout.tokens:
-        raise ValueError(
-            f"query_start_loc must be int32 [{num_reqs + 1}] and 1 <= max_query_len <= "
-            f"{layout.tokens}; got {list(query_start_loc.shape)}, {max_query_len}"
-        )
-    if num_splits < 1:
-        raise ValueError(f"num_splits={num_splits}: at least one program per KV head")
+    if query_start_loc.shape[0] != num_reqs + 1:
+        raise ValueError(f"query_start_loc must be int32 [{num_reqs + 1}]")
+    return layout
+
+
+def output_for(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """out checked to take the attention of query (its dtype and shape, contiguous along D),
+    or a new tensor for it."""
     if out is None:
         out = torch.empty_like(query)
     if out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
         raise ValueError(f"out must be {query.dtype} {list(query.shape)}, contiguous along D")
+    return out
+
+
+def decode_attention(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    block_table: torch.Tensor,
+    side_k: torch.Tensor,
+    side_v: torch.Tensor,
+    slot_of_block: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    num_splits: int,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    layout: TileLayout | None = None,
+) -> torch.Tensor:
+    """Attention of query [num_tokens, Hq, D] (bf16 or fp16; request r's queries are rows
+    query_start_loc[r] .. query_start_loc[r + 1] - 1, at most max_query_len of them, the last
+    of its seq_lens[r] tokens) over the KVarN cache described in the module docstring, into
+    out [num_tokens, Hq, D] (query's dtype). num_splits: how many programs share each
+    request's quantized blocks per KV head (a fixed number keeps the launch graph-capturable;
+    splits with no blocks write empty partials). Indices are not checked on the GPU."""
+    layout = check_cache_args(
+        query, pool, block_table, side_k, side_v, slot_of_block, seq_lens, query_start_loc,
+        layout,
+    )  # fmt: skip
+    num_tokens, heads, d = query.shape
+    kv_heads, num_reqs = pool.shape[1], seq_lens.shape[0]
+    if not 1 <= max_query_len <= layout.tokens:
+        raise ValueError(f"1 <= max_query_len <= {layout.tokens}; got {max_query_len}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits}: at least one program per KV head")
+    out = output_for(query, out)
     if num_tokens == 0:
         return out
 

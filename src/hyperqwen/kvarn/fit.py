@@ -4,7 +4,8 @@ Triton sizes a kernel's shared memory at compile time (`metadata.shared`), and a
 asks for more than the card allows per block fails. sm86 and sm89 (RTX 3090, 4090) allow
 99 KB, sm80 (A100) 163 KB, sm90 (H100, H200) 227 KB. Each kernel is compiled with the
 arguments its launcher gives at the 27B's shapes (4 KV heads of head_dim 256, 24 query heads,
-a verify block of 4 queries). `python -m hyperqwen.kvarn.fit [--json] [arch ...]` prints them,
+a verify block of 4 queries, prefill programs of
+prefill.PREFILL_ROWS rows). `python -m hyperqwen.kvarn.fit [--json] [arch ...]` prints them,
 with each kernel's register spill stores.
 """
 
@@ -20,7 +21,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hyperqwen.kvarn import decode, dequant, hadamard, quantize, store
+from hyperqwen.kvarn import decode, dequant, hadamard, prefill, quantize, store
 from hyperqwen.kvarn.layout import HEAD_DIM_27B, TileLayout
 
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -49,6 +50,13 @@ def _launches(d: int) -> dict:
         G=GROUP_27B, BLOCK_M=block_m, BLOCK_N=decode.BLOCK_N, T=layout.tokens, D=d,
         AT=layout.offsets, DOT=tl.bfloat16,
     )  # fmt: skip
+    prefill_pointers = {
+        name: kind for name, kind in partition_pointers.items() if not name.startswith("part_")
+    } | {"work_ptr": "*i32", "out_ptr": "*bf16"}
+    prefill_constants = dict(
+        G=GROUP_27B, QUERIES=prefill.PREFILL_ROWS // GROUP_27B, BLOCK_M=prefill.PREFILL_ROWS,
+        BLOCK_N=decode.BLOCK_N, T=layout.tokens, D=d, AT=layout.offsets, DOT=tl.bfloat16,
+    )  # fmt: skip
     merge_pointers = {"part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16"}
     dequant_constants = dict(T=layout.tokens, D=d, AT=layout.offsets, UNROTATE=True)
     rotate_constants = dict(BLOCK_ROWS=hadamard.ROTATE_BLOCK_ROWS, N=d)
@@ -75,6 +83,13 @@ def _launches(d: int) -> dict:
             dict(G=GROUP_27B, BLOCK_H=16, D=d),
             decode.MERGE_WARPS,
             3,
+        ),
+        "prefill": (
+            prefill._prefill_kernel,
+            prefill_pointers,
+            prefill_constants,
+            prefill.PREFILL_WARPS,
+            1,
         ),
     }
 
