@@ -53,12 +53,17 @@ class Cache:
         seq_len = int(self.seq_lens[req])
         return [seq_len - n + j + 1 for j in range(n)]
 
-    def expected(self) -> torch.Tensor:
-        """Float64 [num_tokens, Hq, D]: each query by attention_reference at its own length."""
+    def expected(self, rows: list[int] | None = None) -> torch.Tensor:
+        """Float64 [num_tokens, Hq, D] (or [len(rows), Hq, D]: only those query rows, for
+        contexts too long to take every one): each query by attention_reference at its own
+        length."""
+        wanted = None if rows is None else set(rows)
         rows = []
         for req, (key, value) in enumerate(zip(self.keys, self.values, strict=True)):
             start = int(self.query_start_loc[req])
             for j, context in enumerate(self.contexts(req)):
+                if wanted is not None and start + j not in wanted:
+                    continue
                 filling = max(T, context // T * T)
                 sink = (key[: min(context, T)], value[: min(context, T)])
                 rows.append(

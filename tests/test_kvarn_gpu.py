@@ -4,7 +4,8 @@ vLLM's block tables are) judged by tests/kvarn_encoding.py's criterion (exact aw
 ties; a failure lists each violation's first place and the worst tile's error ratio), bytes
 outside the named blocks left alone, outputs poisoned; the
 decode kernel at the 27B's 24 / 4 heads with its 16-bit dot operands, decodes and verify
-blocks, in a pool past 2^32 bytes."""
+blocks, in a pool past 2^32 bytes; the prefill kernel there at a long context (an 8k chunk
+after 32k tokens) beside a short chunk with its sink evicted."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from hyperqwen.kvarn.decode import decode_attention  # noqa: E402
 from hyperqwen.kvarn.dequant import dequantize_tiles  # noqa: E402
 from hyperqwen.kvarn.hadamard import rotate_reference, rotate_rows  # noqa: E402
 from hyperqwen.kvarn.layout import TileLayout, unpack_tile  # noqa: E402
+from hyperqwen.kvarn.prefill import prefill_attention  # noqa: E402
 from hyperqwen.kvarn.store import store_tiles  # noqa: E402
 
 HEADS, D, TILES = 4, 256, 64
@@ -80,3 +82,29 @@ def test_decode_at_27b_shapes_in_a_pool_past_2_32_bytes(num_splits):
     expected = cache.expected()
     for row in range(out.shape[0]):
         assert relative_error(out[row], expected[row]) < 1.5e-2, row
+
+
+def test_prefill_of_an_8k_chunk_after_32k_tokens_in_a_pool_past_2_32_bytes():
+    """One launch: an 8192-token chunk after 32768 tokens (256 quantized tiles before it, 64
+    filled by the chunk itself) and a 300-token chunk crossing 2 tile boundaries whose sink
+    is evicted (read quantized); the pool's last block (past 2^32 bytes) holds a tile. Every
+    output row must be written (poisoned first); the float64 reference is taken at rows
+    around the chunks' tile boundaries and ends (each costs a float64 decode of its whole
+    context). Bound: decode's at these shapes (its 16-bit operands)."""
+    layout = TileLayout(head_dim=D)
+    blocks = 2**32 // (HEADS * layout.tile_bytes) + 8
+    past, chunk = 32768, 8192
+    cache = build_cache([past + chunk, 5 * T + 17], [chunk, 300], 24, HEADS, D, seed=93,
+                        device="cuda", pool_blocks=blocks, evicted_sinks=(1,))  # fmt: skip
+    out = torch.full_like(cache.query, float("nan"))
+    args = cache.kernel_args()
+    args.pop("max_query_len")
+    prefill_attention(cache.query, **args, out=out)
+    assert not out.isnan().any()
+    # contexts 32769 on; rows T - 2 / T - 1 read block 256 in 16 bits / quantized. The short
+    # chunk's contexts start at 358: rows 25 / 26 and 153 / 154 straddle tile boundaries
+    rows = [0, 1, T - 2, T - 1, T, 4000, chunk - 2, chunk - 1]
+    rows += [chunk + j for j in (0, 25, 26, 153, 154, 299)]
+    expected = cache.expected(rows)
+    for row, want in zip(rows, expected, strict=True):
+        assert relative_error(out[row], want) < 1.5e-2, row

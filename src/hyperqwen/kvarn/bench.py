@@ -13,6 +13,16 @@ not values.
 
     python -m hyperqwen.kvarn.bench --contexts 32768 114688 --batch 1 4 --queries 1 4 \\
         --out kvarn-decode.json
+
+`--prefill` times the chunked prefill instead: one request's chunk of --chunks tokens after
+--contexts tokens, KVarN's prefill kernel (prefill.py, at each --rows program size) against
+the same FlashAttention calls (causal, the chunk at the end of the context). Prefill runs
+eagerly (its launcher plans work items on the host), so these are medians of eager launches
+timed with CUDA events, the host copies of the lengths given as the backend gives them;
+one cache copy (every work item reads the whole context, so L2 serves most reads in either).
+
+    python -m hyperqwen.kvarn.bench --prefill --contexts 32768 114688 --chunks 8192 \\
+        --out kvarn-prefill.json
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ from pathlib import Path
 
 HEADS, KV_HEADS, D, T = 24, 4, 256, 128
 SPLITS = (4, 8, 16, 32, 64, 128)
+PREFILL_ROWS = (16, 32, 64)
+EAGER_REPEATS = 10
 
 
 def _tables(batch: int, blocks_per_req: int, generator):
@@ -147,6 +159,60 @@ def measure(context: int, batch: int, queries: int, splits: tuple[int, ...], log
     return entry
 
 
+def eager_time_us(launch, repeats: int = EAGER_REPEATS) -> float:
+    """Median of `repeats` eager calls of launch, each timed with CUDA events, after one
+    warm-up call (compilation)."""
+    import statistics
+
+    import torch
+
+    launch()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def measure_prefill(context: int, chunk: int, rows: tuple[int, ...], log) -> dict:
+    """Times in µs of one layer's prefill attention of a `chunk`-token chunk after `context`
+    tokens: {"kvarn": {rows: us}, "fa_bf16": us, "fa_fp8": us} (a failure's message instead
+    of a time)."""
+    import torch
+
+    from hyperqwen.kvarn.prefill import prefill_attention
+
+    total = context + chunk
+    g = torch.Generator().manual_seed(total)
+    query = torch.randn(chunk, HEADS, D, device="cuda", dtype=torch.bfloat16)
+    source = tuple(
+        torch.randn(total, KV_HEADS, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)
+    )
+    kvarn = _kvarn_copy(total, 1, chunk, source, g)
+    del source, kvarn["max_query_len"]
+    kvarn["host_query_start_loc"] = kvarn["query_start_loc"].cpu()
+    kvarn["host_seq_lens"] = kvarn["seq_lens"].cpu()
+    entry = {"kvarn": {}}
+    for n in rows:
+        launch = lambda n=n: prefill_attention(query, **kvarn, rows=n)  # noqa: E731
+        entry["kvarn"][str(n)] = round(eager_time_us(launch), 2)
+        log(f"  kvarn rows {n}: {entry['kvarn'][str(n)]} us")
+    for name, dtype in (("fa_bf16", torch.bfloat16), ("fa_fp8", torch.float8_e4m3fn)):
+        try:
+            fa = _fa_copy(total, 1, chunk, dtype, g)
+            entry[name] = round(eager_time_us(_fa_launch(fa, query, dtype != torch.bfloat16)), 2)
+        except Exception as failed:  # a missing baseline is recorded, not fatal
+            entry[name] = f"{type(failed).__name__}: {str(failed)[:300]}"
+        log(f"  {name}: {entry[name]}")
+        torch.cuda.empty_cache()
+    return entry
+
+
 def result(raw: dict, command: str, commit: str) -> dict:
     from hyperqwen.bench.results import RESULT_SCHEMA, comparison_row
 
@@ -154,7 +220,10 @@ def result(raw: dict, command: str, commit: str) -> dict:
     for case in raw["cases"]:
         best = min(case["kvarn"].values())
         fp8 = case["fa_fp8"] if isinstance(case["fa_fp8"], float) else None
-        name = f"kvarn_decode_c{case['context']}_b{case['batch']}_q{case['queries']}"
+        if "chunk" in case:
+            name = f"kvarn_prefill_c{case['context']}_chunk{case['chunk']}"
+        else:
+            name = f"kvarn_decode_c{case['context']}_b{case['batch']}_q{case['queries']}"
         rows.append(asdict(comparison_row(name, "ms", fp8 and fp8 / 1000, best / 1000)))
     return {
         "schema": RESULT_SCHEMA, "gpu": raw["gpu"], "vllm": raw["vllm"], "commit": commit,
@@ -162,12 +231,15 @@ def result(raw: dict, command: str, commit: str) -> dict:
         "model": "27B full-attention layer geometry (24/4 heads, head_dim 256), random K/V",
         "rows": rows,
         "notes": [
-            "One layer's decode attention, ms per launch, lower is better. stock = vLLM's "
+            "One layer's decode attention (rows kvarn_decode_*) or prefill attention of one "
+            "chunk (kvarn_prefill_*), ms per launch, lower is better. stock = vLLM's "
             "FlashAttention (FA3 on sm90) over a paged fp8 e4m3 cache with unit scales; "
-            "patched = KVarN (src/hyperqwen/kvarn/decode.py) at its fastest split count; raw "
-            "holds every split, FA over bf16 and the bytes each cache holds.",
-            "Median of 15 CUDA-graph replays timed with CUDA events, one launch per layer copy, "
-            "copies together past 256 MiB (hyperqwen/bench/timing.py).",
+            "patched = KVarN (src/hyperqwen/kvarn/decode.py, prefill.py) at its fastest split "
+            "count or program size; raw holds every one, FA over bf16 and the bytes each "
+            "decode cache holds.",
+            "Decode: median of 15 CUDA-graph replays timed with CUDA events, one launch per "
+            "layer copy, copies together past 256 MiB (hyperqwen/bench/timing.py). Prefill: "
+            f"median of {EAGER_REPEATS} eager launches timed with CUDA events, one copy.",
         ],
         "raw": raw,
     }  # fmt: skip
@@ -186,7 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         help="query tokens per request: 1 decode, 1 + k an MTP verify block",
     )  # fmt: skip
     parser.add_argument("--splits", type=int, nargs="+", default=list(SPLITS))
-    parser.add_argument("--out", default="kvarn-decode.json")
+    parser.add_argument(
+        "--prefill", action="store_true",
+        help="time the prefill of a chunk of --chunks tokens after each context instead",
+    )  # fmt: skip
+    parser.add_argument("--chunks", type=int, nargs="+", default=[8192])
+    parser.add_argument("--rows", type=int, nargs="+", default=list(PREFILL_ROWS),
+                        help="prefill: query rows per program")  # fmt: skip
+    parser.add_argument("--out", help="default kvarn-decode.json (kvarn-prefill.json)")
     parser.add_argument("--commit", help="the checkout's commit (default: git describe)")
     args = parser.parse_args(argv)
 
@@ -207,17 +286,27 @@ def main(argv: list[str] | None = None) -> int:
     raw = {"gpu": gpu_label(), "vllm": vllm_version,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cases": []}  # fmt: skip
     command = shlex.join(["python", "-m", "hyperqwen.kvarn.bench", *sys.argv[1:]])
-    out = Path(args.out)
-    for context in args.contexts:
-        for batch in args.batch:
-            for queries in args.queries:
-                print(f"context {context}, batch {batch}, {queries} queries:", flush=True)
-                entry = measure(context, batch, queries, tuple(args.splits), print)
-                raw["cases"].append(
-                    {"context": context, "batch": batch, "queries": queries, **entry}
-                )
-                document = result(raw, command, args.commit or git_commit())
-                out.write_text(json.dumps(document, indent=1) + "\n")  # a kill keeps the rest
+    out = Path(args.out or ("kvarn-prefill.json" if args.prefill else "kvarn-decode.json"))
+    if args.prefill:
+        cases = [
+            (f"context {context}, chunk {chunk}:", {"context": context, "chunk": chunk},
+             lambda context=context, chunk=chunk: measure_prefill(
+                 context, chunk, tuple(args.rows), print))
+            for context in args.contexts for chunk in args.chunks
+        ]  # fmt: skip
+    else:
+        cases = [
+            (f"context {context}, batch {batch}, {queries} queries:",
+             {"context": context, "batch": batch, "queries": queries},
+             lambda context=context, batch=batch, queries=queries: measure(
+                 context, batch, queries, tuple(args.splits), print))
+            for context in args.contexts for batch in args.batch for queries in args.queries
+        ]  # fmt: skip
+    for title, shape, run in cases:
+        print(title, flush=True)
+        raw["cases"].append({**shape, **run()})
+        document = result(raw, command, args.commit or git_commit())
+        out.write_text(json.dumps(document, indent=1) + "\n")  # a kill keeps the rest
     print(f"kvarn bench: wrote {out}")
     return 0
 
