@@ -99,7 +99,7 @@ class KvChoice:
 
 def _choice(dtype: str) -> KvChoice:
     if dtype == KVARN_CHOICE:
-        path = "KVarN (Triton decode, torch prefill)"
+        path = "KVarN (Triton decode and prefill)"
         return KvChoice(dtype, CUSTOM, (path, path), speculation=False, cache_dtype="auto")
     if dtype.startswith("turboquant_"):
         path = "TurboQuant (Triton decode, FlashAttention 2 prefill)"

@@ -434,7 +434,8 @@ KVARN = Feature(
     "sink and filling tiles also in a 16-bit side cache of a few slots per sequence "
     "(`../kvarn/slots.py`), allocated in vLLM's profile run so that its budget counts it; "
     "decode by the fused Triton kernel, "
-    "prefill in torch over dequantized tiles, no CUDA graphs for attention, no speculation; "
+    "prefill by a Triton kernel over the same tiles (not run on a GPU yet), "
+    "no CUDA graphs for attention, no speculation; "
     "CPU-tested (`tests/test_kvarn_backend.py`, `tests/test_engine_kvarn.py`); the greedy GPU "
     "test (`tests/test_kvarn_serve_gpu.py`) not run",
 )

@@ -31,6 +31,10 @@ holding the queries' filling tokens) with the plain query. Each writes its unnor
 output, row maximum and sum, fp32. Step 2, `_merge_kernel`, grid (query tokens, KV heads),
 merges them by log-sum-exp, rotates the quantized partitions' sum back
 (hadamard.py) and adds the 16-bit one, which is in the model's basis already.
+
+The two reads are jit helpers, `attend_quantized_tiles` and `attend_side_tiles`, which
+prefill.py's kernel runs too (both phases in one program), as it shares the launcher's
+argument checks (`check_cache_args`, `output_for`).
 """
 
 from __future__ import annotations

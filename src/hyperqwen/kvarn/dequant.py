@@ -2,10 +2,10 @@
 
 One program per (tile, KV head) reads pool[block_ids[i], head] (layout.py), decodes it as
 quantize.dequantize_rotated does (K = r·(q·s + z), V = q·s + z) and writes [128, D] rows of K
-and V, in the model's basis (rotated back, the default: prefill attention with a plain query,
-and the tests) or left in the rotated basis (`unrotate=False`: a reader that rotates its
-query instead). The fused split-K decode kernel will read tiles the same way without
-writing them out.
+and V, in the model's basis (rotated back, the default) or left in the rotated basis
+(`unrotate=False`: a reader that rotates its query instead). The attention kernels
+(decode.py, prefill.py) do not use it: they dequantize in registers with the code unpackers
+below and never write a tile out.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hyperqwen.kvarn.store import (
     program_tile,
 )
 
-# fp32 for readers that keep the decoded tile unrounded (the backend's prefill)
+# fp32 for readers that keep the decoded tile unrounded (the tests)
 OUT_DTYPES = (*SIXTEEN_BIT, torch.float32)
 
 
