@@ -51,8 +51,9 @@ def assert_matches_float64(cache, out):
     [
         # a whole prompt of 2 tiles and a bit; a chunk from mid tile 2 into tile 3; a chunk
         # ending on a tile boundary; one query; programs of 8 queries (rows 16, 2 heads each),
-        # so programs straddle tile boundaries
-        ([2 * T + 44, 3 * T + 40, 2 * T, T + 5], [2 * T + 44, 150, 70, 1],
+        # so programs straddle tile boundaries; the last chunk's programs 0 and 16 start at
+        # contexts 127 and 255, their first query filling the tile before the others'
+        ([2 * T + 44, 3 * T + 40, 2 * T, T + 5, 276], [2 * T + 44, 150, 70, 1, 150],
          4, 2, 64, torch.bfloat16, 16, ()),
         # one query head per KV head, fp16, the default program size (64 queries)
         ([4 * T + 3, 150], [3 * T, 150], 2, 2, 32, torch.float16, 64, ()),
