@@ -15,8 +15,8 @@ consecutive queries of one request, all G query heads of the KV head as rows (qu
 is row (j - first) * G + g), so each tile is dequantized once for all of them. The program runs
 decode.py's loops over the tiles with one online softmax (flash-attention style, fp32, one
 [rows, BLOCK_N] score block at a time, never the chunk x context matrix):
-1. the quantized blocks 0 or 1 .. F_last - 1 of its last query, each row masked past its own
-   F_j, with the query rotated (hadamard.py) and the accumulator in the rotated basis;
+1. the quantized blocks 1 (0: an evicted sink) .. F_last - 1 of its last query, rows masked past
+   their own F_j, with the query rotated (hadamard.py) and the accumulator in the rotated basis;
 2. the accumulator rotated back (H is its own inverse; the softmax's rescaling is per row, so it
    commutes with the rotation), then the 16-bit sink and filling blocks F_first .. F_last with
    the plain query, each row up to its own L_j;
@@ -25,8 +25,9 @@ Every query reads its own token, so no row's sum is empty. Items are launched lo
 first (the host orders them: prefill runs eagerly, its query_start_loc and seq_lens are on the
 host), so a long request's items do not start last.
 
-Unlike decode there is no split over the context: a chunk has enough items to fill the GPU, and
-each item reads its whole context once.
+Unlike decode there is no split over the context: each item reads its whole context once. A
+long chunk has enough items to fill a GPU; a short one after a long context has few, each
+walking every tile alone (a split with decode's log-sum-exp merge would spread it; not built).
 """
 
 from __future__ import annotations
