@@ -138,23 +138,25 @@ class KVarNMetadata:
     num_actual_tokens: int
     num_decodes: int
     num_decode_tokens: int
+    max_decode_query_len: int  # 1, or 1 + drafts with verify blocks
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs]
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 for padding
     query_start_loc_cpu: torch.Tensor
-    seq_lens_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor  # exact for the prefill rows (the only ones read from it)
     num_slots: int  # the side cache's slots
     slot_of_block: torch.Tensor  # int32: slots.py's map after this step's plan
     side_rows: torch.Tensor  # int64 [num_tokens]: slot * 128 + offset; num_slots * 128 for padding
-    store_blocks: torch.Tensor  # int32: the pool blocks this step fills
+    store_blocks: torch.Tensor  # int32: the pool blocks this step fills; -1: a candidate it didn't
     store_slots: torch.Tensor  # int64: the slots their 16-bit tiles are in
 
 
 def side_cache_slots(vllm_config) -> int:
     """The side cache's slots for this vLLM configuration (sizing.py)."""
     scheduler = vllm_config.scheduler_config
-    return serving_side_slots(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+    speculative = vllm_config.speculative_config is not None
+    return serving_side_slots(scheduler.max_num_seqs, scheduler.max_num_batched_tokens, speculative)
 
 
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
@@ -162,8 +164,11 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        # verify blocks (1 + drafts queries) are decodes: decode_attention reads each query
+        # at its own context from the device's exact seq_lens
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         # one allocator per KV cache group: its layers share the block tables, so the slots
+        # (the drafter builds its own builder for its layers, so it has its own allocator)
         self.slots = SlotAllocator(side_cache_slots(vllm_config))
 
     def build(
@@ -172,31 +177,67 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> KVarNMetadata:
-        cam = common_attn_metadata
-        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(cam)
+        return self._build(common_attn_metadata, drafting=False)
+
+    def build_for_drafting(
+        self, common_attn_metadata: CommonAttentionMetadata, draft_index: int
+    ) -> KVarNMetadata:
+        """The drafter's passes (README, "Speculative decoding"): pass 0 has the verify step's
+        batch; each later pass one query per request at host lengths grown by one from the
+        verify step's upper bound, while the device's start from the accepted length."""
+        return self._build(common_attn_metadata, drafting=draft_index > 0)
+
+    def _request_steps(self, cam, seq_lens_cpu, query_lens, drafting: bool) -> list[RequestStep]:
+        """The step's requests for the slot allocator, from the host's lengths: exact for rows
+        longer than a verify block (prefills), else upper bounds up to the previous step's
+        drafts above the device's (in a later drafter pass, also this step's)."""
+        # a drafter pass past max_model_len writes nothing (vLLM's slot -1): the table's reach
+        reach = cam.block_table_tensor.shape[1] * TILE_TOKENS
+        afters = seq_lens_cpu.clamp(max=reach)
+        befores = (afters - query_lens).clamp(min=0)
+        drafts = self.reorder_batch_threshold - 1  # 0 without speculation
+        rejectable = 2 * drafts if drafting else drafts
+        width = -(-int(afters.max()) // TILE_TOKENS) if cam.num_reqs else 0
+        tables = cam.block_table_tensor[: cam.num_reqs, :width].cpu().tolist()
+        steps = []
+        for blocks, before, after, query_len in zip(
+            tables, befores.tolist(), afters.tolist(), query_lens.tolist(), strict=True
+        ):
+            if not drafts or query_len > self.reorder_batch_threshold:  # exact
+                steps.append(RequestStep(blocks, before, after))
+                continue
+            # positions below the lowest possible start, and that start's own token (a verify
+            # block's first is the last accepted), are final; a later drafter pass proves none
+            final = 0 if drafting else max(before - rejectable, 0) + 1
+            steps.append(RequestStep(blocks, before, after, rejectable, final))
+        return steps
+
+    def _build(self, cam: CommonAttentionMetadata, drafting: bool) -> KVarNMetadata:
+        threshold = self.reorder_batch_threshold
+        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(cam, threshold)
         seq_lens_cpu = cam.seq_lens_cpu_upper_bound
         if seq_lens_cpu is None:
             seq_lens_cpu = cam.seq_lens.cpu()
         seq_lens_cpu = seq_lens_cpu[: cam.num_reqs]
         query_start_loc_cpu = cam.query_start_loc_cpu[: cam.num_reqs + 1]
         query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
-        befores, afters = (seq_lens_cpu - query_lens).tolist(), seq_lens_cpu.tolist()
-        width = -(-max(afters, default=0) // TILE_TOKENS)
-        tables = cam.block_table_tensor[: cam.num_reqs, :width].cpu().tolist()
-        plan = self.slots.plan(
-            [RequestStep(*request) for request in zip(tables, befores, afters, strict=True)]
-        )
+        plan = self.slots.plan(self._request_steps(cam, seq_lens_cpu, query_lens, drafting))
         device = cam.block_table_tensor.device
         slot_of_block = plan.slot_of_block.to(device)
         num_slots = self.slots.num_slots
         mapping = cam.slot_mapping
-        rows = slot_of_block[mapping.clamp(min=0) // TILE_TOKENS].long() * TILE_TOKENS
+        slots = slot_of_block[mapping.clamp(min=0) // TILE_TOKENS].long()
         padding_row = num_slots * TILE_TOKENS
-        side_rows = torch.where(mapping >= 0, rows + mapping % TILE_TOKENS, padding_row)
+        # a token whose block has no slot (never, by the plan) goes to the padding row too,
+        # not to a negative row, which would index from the end
+        side_rows = torch.where(
+            (mapping >= 0) & (slots >= 0), slots * TILE_TOKENS + mapping % TILE_TOKENS, padding_row
+        )
         return KVarNMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
+            max_decode_query_len=int(query_lens[:num_decodes].max()) if num_decodes else 1,
             query_start_loc=cam.query_start_loc,
             seq_lens=cam.seq_lens,
             block_table=cam.block_table_tensor,
@@ -206,9 +247,23 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             num_slots=num_slots,
             slot_of_block=slot_of_block,
             side_rows=side_rows,
-            store_blocks=torch.tensor(plan.store_blocks, dtype=torch.int32).to(device),
+            store_blocks=filled_on_device(plan, cam.seq_lens, cam.query_start_loc, device),
             store_slots=torch.tensor(plan.store_slots, dtype=torch.int64).to(device),
         )
+
+
+def filled_on_device(plan, seq_lens, query_start_loc, device) -> torch.Tensor:
+    """The plan's candidate tiles as store_tiles' block ids: a tile's block where the device's
+    exact lengths say this step filled it (its end in (seq_len - query_len, seq_len]), else
+    -1 (skipped). Tensor ops queued on the device: no host sync."""
+    blocks = torch.tensor(plan.store_blocks, dtype=torch.int32).to(device)
+    if not plan.store_blocks:
+        return blocks
+    rows = torch.tensor(plan.store_rows, dtype=torch.int64).to(device)
+    ends = torch.tensor(plan.store_ends, dtype=torch.int32).to(device)
+    after = seq_lens[rows]
+    before = after - (query_start_loc[rows + 1] - query_start_loc[rows])
+    return torch.where((before < ends) & (ends <= after), blocks, -1)
 
 
 class SideCache:
@@ -323,7 +378,8 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
             decode_attention(
                 q[:decode_tokens], kv_cache, block_table[:decodes], side_k, side_v,
                 slot_of_block, attn_metadata.seq_lens[:decodes],
-                attn_metadata.query_start_loc[: decodes + 1], 1, DECODE_SPLITS,
+                attn_metadata.query_start_loc[: decodes + 1],
+                attn_metadata.max_decode_query_len, DECODE_SPLITS,
                 scale=self.scale, out=out[:decode_tokens], layout=self.layout,
             )  # fmt: skip
         starts = attn_metadata.query_start_loc_cpu.tolist()
