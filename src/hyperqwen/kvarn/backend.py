@@ -14,14 +14,15 @@ The pieces:
 - The side cache: 16-bit K and V tiles in a few slots per running request (sizing.py), one
   per layer; which slot holds which pool block (`slot_of_block`) is decided on the host by
   the builder's slots.SlotAllocator from the block tables and each request's token counts,
-  once per step for all layers. Each impl allocates its layer's slots in vLLM's profile run
-  (the forward without metadata), so vLLM's memory profile counts them among the non-KV
-  memory and sizes the pool around them; ../capacity.py subtracts the same bytes.
+  once per step (per drafter pass) for all layers. Each impl allocates its layer's slots in
+  vLLM's profile run (the forward without metadata), so vLLM's memory profile counts them
+  among the non-KV memory and sizes the pool around them; ../capacity.py subtracts the same
+  bytes.
 - Each step (`forward`, which includes the cache update): every new token's K and V go to its
   tile's slot; then each tile the step fills (the allocator's plan: attention.blocks_to_store
   per request, the sink included) is quantized by store.py from its slot into the pool block
-  the block table names; then decodes (query length 1) run decode.decode_attention and
-  prefills a torch attention over dequantized tiles (below).
+  the block table names; then decodes (query length up to 1 + drafts) run
+  decode.decode_attention and prefills a torch attention over dequantized tiles (below).
 
 What is not handled yet, and why:
 - The builder copies the block table's used columns to the host each step to plan the slots
@@ -38,9 +39,12 @@ What is not handled yet, and why:
   matrix whole): correct, not fast, and its memory grows with chunk x context.
 - CUDA graphs: the builder declares none (AttentionCGSupport.NEVER), so vLLM runs this
   attention eagerly between piecewise graphs; the tile store's size is decided on the host.
-- Speculative decoding: the store plan uses the host's sequence lengths, which vLLM makes an
-  optimistic upper bound under asynchronous speculation, and this impl's verify path is not
-  tested; kv_choices.py refuses KV=kvarn with SPEC != off.
+- Speculative decoding (README, "Speculative decoding"): verify blocks are decodes, read at the
+  device's exact lengths; the host's lengths are upper bounds under async scheduling, so the
+  slot plan covers every tile the device may write or fill and the store skips, on the device,
+  the candidates this step did not fill (`filled_on_device`). Served with MTP (the drafter's
+  builder plans its own layer's slots, `build_for_drafting`); kv_choices.py refuses n-gram
+  drafters and more than 3 drafts.
 """
 
 from __future__ import annotations

@@ -7,8 +7,12 @@ it does not schedule keep one partial tile each, at most max_num_seqs - n. So
 ceil(max_num_batched_tokens / 128) + 2 max_num_seqs slots never run out of live tiles, and
 the cached sinks come on top: SINK_SLOTS_PER_SEQ per sequence, so every running request's
 sink can be read in 16 bits with room for as many cached prefixes. Under speculative decoding
-a request also keeps a filled tile pinned until its drafts are known accepted (slots.py), at
-most one (the rejectable window is shorter than a tile): 3 per sequence instead of 2.
+a request may also keep a filled tile pinned until its drafts are known accepted (slots.py), at
+most one (the rejectable window is shorter than a tile), so an unscheduled request holds 2.
+The sum above still covers that (a verify block of q <= 128 tokens touches at most 2 tiles,
+its own unsettled one included, and ceil(q / 128) + 1 counts 2), but the cache takes one slot
+more per sequence when speculating, 8 MiB over the 27B's layers: a margin for the drafter's
+passes and the orphan reclaim, whose worst cases are not derived here.
 
 Bytes: each full-attention layer's impl holds its own K and V tiles of every slot, 16 bits,
 plus one row for the writes of padding tokens.
