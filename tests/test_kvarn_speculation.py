@@ -27,6 +27,7 @@ from test_kvarn_backend import (
     Sequence,
     check_step,
     check_tiles,
+    common_metadata,
     step,
 )
 
@@ -222,3 +223,22 @@ def test_the_drafters_passes_store_and_read_like_the_target(vllm_cpu_platform):
     drafter_step(verify, verify)  # 127..130 refill it again; 131 accepted
     drafter_step(verify, verify)
     assert builder.slots.slot(sink) in builder.slots.sinks
+
+
+def test_a_verify_row_behind_a_prefill_is_refused_a_first_chunk_is_not(vllm_cpu_platform):
+    """Rows after the decodes go to the prefill path, which reads the host's lengths: exact for
+    a first chunk wherever it stands (vLLM's reorder puts those last, whatever their size),
+    an upper bound for a verify block, which a smaller reorder threshold than KVarN's could put
+    there."""
+    layout = TileLayout(head_dim=D)
+    pool, builder, _ = make_backend(layout, num_blocks=8)
+    prefill = Sequence(T + 50, seed=31, blocks=[1, 2])
+    verifying = Sequence(T + 50, seed=33, blocks=[3, 4])
+    tiny_prompt = Sequence(3, seed=35, blocks=[5])
+    meta = builder.build(
+        0, common_metadata([(prefill, 0, 100), (tiny_prompt, 0, 3)], pool.shape[0], 5)
+    )
+    assert meta.num_decodes == 0
+    misordered = [(prefill, 100, 50), (verifying, 120, 1 + DRAFTS)]
+    with pytest.raises(RuntimeError, match="smaller decode threshold"):
+        builder.build(0, common_metadata(misordered, pool.shape[0], 5, ahead=[0, 2]))

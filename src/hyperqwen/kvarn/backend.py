@@ -152,7 +152,7 @@ class KVarNMetadata:
     num_slots: int  # the side cache's slots
     slot_of_block: torch.Tensor  # int32: slots.py's map after this step's plan
     side_rows: torch.Tensor  # int64 [num_tokens]: slot * 128 + offset; num_slots * 128 for padding
-    store_blocks: torch.Tensor  # int32: the pool blocks this step fills; -1: a candidate it didn't
+    store_blocks: torch.Tensor  # int64: the pool blocks this step fills; -1: a candidate it didn't
     store_slots: torch.Tensor  # int64: the slots their 16-bit tiles are in
 
 
@@ -225,6 +225,8 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         seq_lens_cpu = seq_lens_cpu[: cam.num_reqs]
         query_start_loc_cpu = cam.query_start_loc_cpu[: cam.num_reqs + 1]
         query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+        if threshold > 1:
+            check_decodes_first(seq_lens_cpu, query_lens, num_decodes, threshold)
         plan = self.slots.plan(self._request_steps(cam, seq_lens_cpu, query_lens, drafting))
         device = cam.block_table_tensor.device
         slot_of_block = plan.slot_of_block.to(device)
@@ -236,6 +238,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         # not to a negative row, which would index from the end
         side_rows = torch.where(
             (mapping >= 0) & (slots >= 0), slots * TILE_TOKENS + mapping % TILE_TOKENS, padding_row
+        )
+        store_blocks, store_slots = filled_on_device(
+            plan, cam.seq_lens, cam.query_start_loc, device
         )
         return KVarNMetadata(
             num_actual_tokens=cam.num_actual_tokens,
@@ -251,23 +256,39 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             num_slots=num_slots,
             slot_of_block=slot_of_block,
             side_rows=side_rows,
-            store_blocks=filled_on_device(plan, cam.seq_lens, cam.query_start_loc, device),
-            store_slots=torch.tensor(plan.store_slots, dtype=torch.int64).to(device),
+            store_blocks=store_blocks,
+            store_slots=store_slots,
         )
 
 
-def filled_on_device(plan, seq_lens, query_start_loc, device) -> torch.Tensor:
-    """The plan's candidate tiles as store_tiles' block ids: a tile's block where the device's
-    exact lengths say this step filled it (its end in (seq_len - query_len, seq_len]), else
-    -1 (skipped). Tensor ops queued on the device: no host sync."""
-    blocks = torch.tensor(plan.store_blocks, dtype=torch.int32).to(device)
-    if not plan.store_blocks:
-        return blocks
-    rows = torch.tensor(plan.store_rows, dtype=torch.int64).to(device)
-    ends = torch.tensor(plan.store_ends, dtype=torch.int32).to(device)
+def check_decodes_first(seq_lens_cpu, query_lens, num_decodes: int, threshold: int) -> None:
+    """The prefill path reads the host's lengths, exact for prefill rows only: a verify-sized
+    row with context after the decodes (vLLM's runner reorders by the least threshold of all
+    builders, gpu_model_runner.calculate_reorder_batch_threshold; Qwen3.5's GDN builder asks
+    for the same 1 + drafts) would be read at an upper bound. A first chunk (no context)
+    is exact wherever it stands."""
+    rest = query_lens[num_decodes:]
+    misplaced = (rest <= threshold) & (seq_lens_cpu[num_decodes:] > rest)
+    if bool(misplaced.any()):
+        raise RuntimeError(
+            f"KV=kvarn: a row of at most {threshold} tokens with context came after the "
+            "batch's first prefill: vLLM reordered the batch by a smaller decode threshold "
+            "than KVarN's, whose prefill path would read it at the host's upper bound"
+        )
+
+
+def filled_on_device(plan, seq_lens, query_start_loc, device) -> tuple[torch.Tensor, ...]:
+    """The plan's candidate tiles as store_tiles' block ids and their slots (int64): a tile's
+    block where the device's exact lengths say this step filled it (its end in
+    (seq_len - query_len, seq_len]), else -1 (skipped). One host-to-device copy for all four
+    lists, then tensor ops queued on the device: no wait for the device's lengths."""
+    candidates = torch.tensor(
+        [plan.store_blocks, plan.store_slots, plan.store_rows, plan.store_ends], dtype=torch.int64
+    ).to(device)
+    blocks, slots, rows, ends = candidates
     after = seq_lens[rows]
     before = after - (query_start_loc[rows + 1] - query_start_loc[rows])
-    return torch.where((before < ends) & (ends <= after), blocks, -1)
+    return torch.where((before < ends) & (ends <= after), blocks, -1), slots
 
 
 class SideCache:
