@@ -104,6 +104,8 @@ def run_step(impl, builder, pool, batch, num_decodes, g, layout):
     queries = torch.randn(sum(n for _, n in batch), HEADS, D, generator=g).to(DTYPE)
     before = pool.clone()
     out, meta = step(impl, builder, pool, requests, num_decodes, queries, ahead=ahead)
+    # the decode kernel sizes its query rows by it (1 would drop rows at the 27B's 6 per head)
+    assert meta.max_decode_query_len == max((n for _, n in batch[:num_decodes]), default=1)
     check_step(out, meta, pool, requests, queries, layout)
     for seq, computed, scheduled in requests:
         if computed + scheduled >= T:
