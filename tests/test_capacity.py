@@ -342,8 +342,12 @@ VLLM_CASES = list(
 )
 
 
-# KV=kvarn serves without speculation only (kv_choices.py)
-VLLM_CASES += [(KVARN_CHOICE, False, True), (KVARN_CHOICE, False, False)]
+# KV=kvarn serves with MTP (its layer's pool a KVarN one too) and without speculation
+VLLM_CASES += [
+    (KVARN_CHOICE, True, True),
+    (KVARN_CHOICE, False, True),
+    (KVARN_CHOICE, False, False),
+]
 
 
 @pytest.mark.parametrize(("kv", "mtp", "prefix_caching"), VLLM_CASES)
@@ -398,6 +402,10 @@ def test_kvarn_pool_leaves_room_for_its_side_cache():
     unset = Settings(KV=KVARN_CHOICE, SPEC="off")
     line = fit_to_card(card(48), unset, setup, (32768, 8), HUGE_BATCHED_TOKENS).line
     assert f"{gib(kvarn_side_bytes(G27, setup, 8, HUGE_BATCHED_TOKENS))} GiB KVarN" in line
+    # speculating, the MTP layer's side cache too, and a slot more per sequence (a filled
+    # tile pinned until its drafts are known accepted): 32 + 12 + 8 slots over 17 layers
+    speculating = kvarn_side_bytes(G27, setup_for(KVARN_CHOICE, True), 4, HUGE_BATCHED_TOKENS)
+    assert speculating == 17 * (52 * MiB // 2 + 2 * 4 * 256 * 2)
     fp8 = Settings(KV="fp8", SPEC="off", MAX_SEQS=4, MAX_LEN=32768)
     line = fit_to_card(card(48), fp8, setup_for("fp8", False), (32768, 8), HUGE_BATCHED_TOKENS)
     assert "KVarN" not in line.line

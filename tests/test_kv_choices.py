@@ -20,6 +20,7 @@ from hyperqwen.kv_choices import (
     KV_CACHE_DTYPES,
     KV_CHOICES,
     KVARN_CHOICE,
+    KVARN_MAX_DRAFTS,
     TRITON,
     TURBOQUANT,
     capability_refusal,
@@ -191,19 +192,38 @@ def test_turboquant_still_has_no_speculative_verify_path(vllm_cpu_platform):
 def test_kvarn_reaches_vllm_as_its_custom_backend_on_auto_pages(vllm_serve):
     """KV=kvarn: vLLM's cache dtype stays auto, `--attention-backend CUSTOM` selects the backend
     the plugin registers because the launcher sets its variable (test_vllm_plugin.py)."""
-    for mode, values in [("single", dict(SPEC="off")), ("batch", {})]:
+    for mode, values in [("single", dict(SPEC="off")), ("single", dict(SPEC="mtp")), ("batch", {})]:
         plan = build_launch(loaded(KV=KVARN_CHOICE, **values), mode, api_key=None)
         args = vllm_serve(plan.argv)
         assert (args.kv_cache_dtype, args.attention_backend) == ("auto", CUSTOM)
         assert plan.env[KVARN_FEATURE.env] == "1"
+        if values.get("SPEC") == "mtp":
+            assert args.speculative_config["num_speculative_tokens"] == KVARN_MAX_DRAFTS
     plan = build_launch(loaded(KV="fp8"), "single", api_key=None)
     assert KVARN_FEATURE.env not in plan.env
 
 
-@pytest.mark.parametrize("spec", SPECULATING)
-def test_kvarn_with_speculation_is_refused_naming_both_knobs(spec):
+@pytest.mark.parametrize("spec", ["ngram", "lookup"])
+def test_kvarn_with_an_ngram_drafter_is_refused_naming_both_knobs(spec):
     with pytest.raises(KvRefusal) as refusal:
         build_launch(loaded(KV=KVARN_CHOICE, SPEC=spec), "single", api_key=None)
     message = str(refusal.value)
     assert message.startswith(f"KV=kvarn cannot serve with SPEC={spec}: ")
-    assert message.endswith("Use SPEC=off with KV=kvarn.")
+    assert message.endswith("Use SPEC=mtp or SPEC=off with KV=kvarn.")
+    assert speculation_refusal(KVARN_CHOICE, spec, 2) is not None  # by name, not width
+
+
+def test_kvarn_speculates_with_mtp_up_to_the_verify_width_its_kernel_is_fitted_to():
+    from hyperqwen.kvarn.fit import VERIFY_QUERIES
+
+    assert VERIFY_QUERIES == 1 + KVARN_MAX_DRAFTS
+    for drafts in (None, 1, KVARN_MAX_DRAFTS):
+        assert speculation_refusal(KVARN_CHOICE, "mtp", drafts) is None
+    wide = KVARN_MAX_DRAFTS + 1
+    with pytest.raises(KvRefusal) as refusal:
+        build_launch(loaded(KV=KVARN_CHOICE, DRAFT_TOKENS=str(wide)), "single", api_key=None)
+    message = str(refusal.value)
+    assert message.startswith(f"KV=kvarn cannot serve with DRAFT_TOKENS={wide}: ")
+    assert message.endswith(f"Use DRAFT_TOKENS={KVARN_MAX_DRAFTS} or fewer with KV=kvarn.")
+    # batch mode never speculates
+    assert build_launch(loaded(KV=KVARN_CHOICE, DRAFT_TOKENS=str(wide)), "batch", api_key=None)

@@ -86,11 +86,12 @@ class Sequence:
         self.blocks = blocks  # pool block of each position
 
 
-def common_metadata(requests, num_blocks, width, padding=0):
+def common_metadata(requests, num_blocks, width, padding=0, ahead=None):
     """vLLM's per-step batch description (v1/attention/backend.py: CommonAttentionMetadata) as
-    its runner fills it: requests (sequence, computed, scheduled) in batch order, decodes first;
-    slots block * 128 + offset, then `padding` rows of slot -1; the host's sequence lengths
-    exact (no speculation)."""
+    its runner fills it: requests (sequence, computed, scheduled) in batch order, decodes first,
+    `computed` the device's count; slots block * 128 + offset, then `padding` rows of slot -1;
+    the host's sequence lengths exact, or `ahead[r]` tokens above the device's (under async
+    speculation vLLM's host assumes the last step's drafts all accepted)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     query_lens = [scheduled for _, _, scheduled in requests]
@@ -111,13 +112,14 @@ def common_metadata(requests, num_blocks, width, padding=0):
         max_seq_len=int(seq_lens.max()),
         block_table_tensor=table,
         slot_mapping=torch.tensor(slots + [-1] * padding, dtype=torch.int64),
-        seq_lens_cpu_upper_bound=seq_lens.clone(),
+        seq_lens_cpu_upper_bound=seq_lens + torch.tensor(ahead or [0] * len(requests)).int(),
     )
 
 
-def step(impl, builder, pool, requests, num_decodes, queries, padding=0):
-    meta = builder.build(0, common_metadata(requests, pool.shape[0], 5, padding))
-    assert (meta.num_decodes, meta.num_decode_tokens) == (num_decodes, num_decodes)
+def step(impl, builder, pool, requests, num_decodes, queries, padding=0, ahead=None):
+    meta = builder.build(0, common_metadata(requests, pool.shape[0], 5, padding, ahead))
+    decode_tokens = sum(scheduled for _, _, scheduled in requests[:num_decodes])
+    assert (meta.num_decodes, meta.num_decode_tokens) == (num_decodes, decode_tokens)
     n = meta.num_actual_tokens + padding
 
     def take(name):

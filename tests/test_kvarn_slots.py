@@ -20,9 +20,8 @@ T = 128
 
 
 def step(allocator, *requests):
-    return allocator.plan(
-        [RequestStep(blocks, before, after) for blocks, before, after in requests]
-    )
+    """requests: (blocks, before, after[, rejectable, final]) each."""
+    return allocator.plan([RequestStep(*request) for request in requests])
 
 
 def test_a_filling_tile_keeps_its_slot_until_the_step_that_fills_it_then_frees_it():
@@ -172,40 +171,54 @@ def test_the_serving_cache_of_the_27b_is_small():
     assert side_cache_bytes(slots, 4, 256, 16) == slots * per_slot + side_cache_bytes(0, 4, 256, 16)
 
 
+def test_speculating_a_sequence_takes_a_slot_more():
+    """A filled tile stays pinned until its drafts are known accepted (slots.py)."""
+    assert side_slots(4, 512, 4, speculative=True) == side_slots(4, 512, 4) + 4
+    assert serving_side_slots(8, 8192, speculative=True) == serving_side_slots(8, 8192) + 8
+
+
 def test_side_slots_refuses_nonsense():
     with pytest.raises(ValueError, match="max_num_seqs=0"):
         side_slots(0, 10, 1)
 
 
+@pytest.mark.parametrize("drafts", [0, 3])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_scheduler_like_workload_never_runs_out_or_loses_a_tile(seed):
+def test_a_scheduler_like_workload_never_runs_out_or_loses_a_tile(seed, drafts):
     """vLLM-like traffic at side_slots(8, 1024, 16): requests arrive with random prompts and
     outputs, running ones are scheduled in order (prefill chunks up to the token budget,
-    decodes of one token), some wait a step when the budget runs out, finished ones free
-    their blocks to the back of a FIFO free list, so block ids come back. Each step: no
-    OutOfSlotsError or LostTileError, every tile the step writes holds its own slot, and the
-    map and the slots' owners agree."""
+    decodes of one token, or with `drafts` verify blocks of 1 + drafts of which a random
+    number is accepted), some wait a step when the budget runs out, finished ones free
+    their blocks to the back of a FIFO free list, so block ids come back. Speculating, the
+    planner sees the host's counts as async scheduling gives them (backend.py): ahead of the
+    device's by the rejections of the request's step just before, if it ran. Each step: no
+    OutOfSlotsError or LostTileError, every tile the device writes holds its own slot, and
+    the map and the slots' owners agree."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(low, high):
         return int(torch.randint(low, high + 1, (1,), generator=g))
 
     seqs, budget_tokens, pool = 8, 1024, 400
-    slots = SlotAllocator(side_slots(seqs, budget_tokens, 2 * seqs), num_blocks=pool)
+    total_slots = side_slots(seqs, budget_tokens, 2 * seqs, speculative=drafts > 0)
+    slots = SlotAllocator(total_slots, num_blocks=pool)
     free_blocks = list(range(pool))
-    running, waiting = [], []  # [blocks, computed, prompt, total]
+    running, waiting = [], []  # [blocks, computed (the device's), prompt, total, ahead]
     finished = 0
     for _ in range(1500):
         if rand(0, 1) == 0:
             prompt = rand(1, 3000)
-            waiting.append([[], 0, prompt, prompt + rand(1, 200)])
+            waiting.append([[], 0, prompt, prompt + rand(1, 200), 0])
         budget, scheduled = budget_tokens - rand(0, 300), []  # other work takes some budget
         for request in running + waiting[: seqs - len(running)]:
             if budget == 0:
                 break
-            blocks, computed, prompt, total = request
-            step_tokens = min(max(prompt - computed, 1), budget, total - computed)
-            need = -(-(computed + step_tokens) // T) - len(blocks)
+            blocks, computed, prompt, total, ahead = request
+            verify = computed >= prompt
+            wanted = 1 + drafts if verify else min(prompt - computed, total - computed)
+            step_tokens = min(wanted, budget)
+            host_after = computed + ahead + step_tokens
+            need = -(-(host_after + drafts) // T) - len(blocks)  # vLLM's lookahead: drafts
             if need > len(free_blocks):
                 continue
             blocks += [free_blocks.pop(0) for _ in range(need)]
@@ -214,19 +227,33 @@ def test_a_scheduler_like_workload_never_runs_out_or_loses_a_tile(seed):
             if request not in running:
                 waiting.remove(request)
                 running.append(request)
-        plan = step(slots, *[(list(r[0]), before, after) for r, before, after in scheduled])
+        host_steps = []
+        for request, before, after in scheduled:
+            host_before = before + request[4]
+            host = (list(request[0]), host_before, host_before + after - before)
+            if drafts and after - before <= 1 + drafts:
+                host += (drafts, max(host_before - drafts, 0) + 1)
+            host_steps.append(host)
+        plan = step(slots, *host_steps)
         used = []
         for request, before, after in scheduled:
             for position in range(before // T, -(-after // T)):
                 slot = int(plan.slot_of_block[request[0][position]])
                 assert slot >= 0 and slots.block_of_slot[slot] == request[0][position]
                 used.append(slot)
-            request[1] = after
         assert len(used) == len(set(used))
+        for request in running:  # the host knows the true count unless it ran just now
+            request[4] = 0
+        for request, before, after in scheduled:
+            is_verify = drafts and before >= request[2]
+            accepted = rand(1, after - before) if is_verify else after - before
+            request[1], request[4] = before + accepted, after - before - accepted
+            if request[1] >= request[3]:
+                request[1] = request[3]
         for block in range(len(plan.slot_of_block)):
             slot = int(plan.slot_of_block[block])
             assert slot < 0 or slots.block_of_slot[slot] == block
-        for request in [r for r in running if r[1] == r[3]]:
+        for request in [r for r in running if r[1] >= r[3]]:
             running.remove(request)
             free_blocks += request[0]
             finished += 1

@@ -130,6 +130,20 @@ def test_27b_tiles_match_float64_and_nothing_else_is_written():
 
 
 @pytest.mark.usefixtures("interpreted")
+def test_a_negative_block_id_skips_its_tile():
+    """The backend's candidates the device did not fill come as -1 (backend.filled_on_device):
+    that tile writes nothing, the others exactly what a store of them alone writes."""
+    layout = TileLayout(head_dim=64)
+    key, value = tiles(3, 2, 64, seed=17)
+    g = torch.Generator().manual_seed(1)
+    pool = torch.randint(0, 256, layout.pool_shape(6, 2), dtype=torch.uint8, generator=g)
+    alone = pool.clone()
+    store_tiles(key, value, pool, torch.tensor([4, -1, 1], dtype=torch.int32), layout)
+    store_tiles(key[[0, 2]], value[[0, 2]], alone, torch.tensor([4, 1]), layout)
+    assert torch.equal(pool, alone)
+
+
+@pytest.mark.usefixtures("interpreted")
 @pytest.mark.parametrize(("heads", "d"), [(1, 64), (2, 128), (1, 512)])
 def test_other_head_dims_and_strided_fp16_inputs(heads, d):
     layout = TileLayout(head_dim=d)

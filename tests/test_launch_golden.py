@@ -70,7 +70,7 @@ def cases() -> dict[str, tuple[str, dict[str, str]]]:
         values = {**profile, "SPEC": spec, **switches}
         found["-".join([mode, *profile.values(), spec, variant])] = (mode, values)
     # Each KV choice set explicitly: single mode at fast and huge with MTP (SPEC=off for
-    # TurboQuant and KVarN, which refuse to speculate) and batch.
+    # TurboQuant, which refuses to speculate) and batch.
     for kv, choice in KV_CHOICES.items():
         spec = "mtp" if choice.speculation else "off"
         knobs = {"KV": kv}

@@ -306,7 +306,7 @@ def kvarn_side_bytes(g: Geometry, setup: CacheSetup, max_seqs: int, batched_toke
 
     kv_heads = max(1, g.num_key_value_heads // setup.tensor_parallel)
     layers = g.layer_types.count("full_attention") + setup.mtp_layers
-    slots = serving_side_slots(max_seqs, batched_tokens)
+    slots = serving_side_slots(max_seqs, batched_tokens, speculative=setup.draft_tokens > 0)
     return side_cache_bytes(slots, kv_heads, g.head_dim, layers)
 
 

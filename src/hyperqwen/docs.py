@@ -165,7 +165,8 @@ def kv_table() -> str:
         refused = []
         if kv == KVARN_CHOICE:
             refused.append(
-                "SPEC other than off: its tile store is planned from host sequence lengths"
+                "SPEC ngram and lookup, DRAFT_TOKENS over 3: its decode kernel is fitted to "
+                "MTP's verify block of 1 + 3 queries"
             )
         elif not choice.speculation:
             refused.append("SPEC other than off: vLLM 0.26's TurboQuant has no verify path")
@@ -179,7 +180,7 @@ def kv_table() -> str:
                     choice.paths[1],
                     adds or "nothing (vLLM's selector)",
                     str(attention_token_bytes(kv, g.num_key_value_heads, g.head_dim)),
-                    "mtp, ngram, lookup, off" if choice.speculation else "off",
+                    ", ".join((*choice.speculation, "off")),
                     "; ".join(refused) or "-",
                 ]
             )

@@ -30,6 +30,13 @@ What vLLM 0.26.0's source says (vllm/...: function), read for these facts:
   kernels that need exact per-row context lengths") and slices by them in Python, which a
   captured full CUDA graph of a verify step (TurboQuant declares UNIFORM_BATCH support) replays
   with the capture's lengths. Hence: TurboQuant only without speculation.
+- KVarN (ours) serves speculation as decodes (kvarn/backend.py: verify blocks through the
+  decode kernel at the device's exact lengths, the tile store planned from the host's upper
+  bounds and decided on the device; kvarn/README.md, "Speculative decoding"). Its decode
+  kernel is fitted (kvarn/fit.py: VERIFY_QUERIES) and GPU-checked at MTP's verify block of
+  1 + 3 queries, and its server test speculates with MTP only: hence SPEC=mtp with at most 3
+  drafts, and ngram / lookup (4 drafts by default, an n-gram drafter's path not run in a
+  server with it) refused.
 - Prefix caching: Qwen3.5 runs it in "align" mode, which changes the recurrent state's blocks,
   not the attention cache (capacity.py); no backend above refuses it.
 """
@@ -71,6 +78,9 @@ TRITON = "TRITON_ATTN"
 TURBOQUANT = "TURBOQUANT"
 CUSTOM = "CUSTOM"  # vLLM's slot for a registered backend: KVarN's, with KV=kvarn
 ADA = (8, 9)
+SPECULATING = ("mtp", "ngram", "lookup")
+# the widest verify block KVarN's decode kernel is fitted and checked for: 1 + 3 drafts
+KVARN_MAX_DRAFTS = 3
 
 
 @dataclass(frozen=True)
@@ -79,7 +89,7 @@ class KvChoice:
     attention_backend: str | None  # --attention-backend it needs; None: vLLM's selector
     paths: tuple[str, str]  # the attention kernels it runs on Ampere/Ada and on Hopper
     min_capability: tuple[int, int] = (8, 0)
-    speculation: bool = True  # serves with SPEC != off
+    speculation: tuple[str, ...] = SPECULATING  # the SPEC methods it serves with besides off
     cache_dtype: str = ""  # --kv-cache-dtype; "": the choice's own name
 
     @property
@@ -100,10 +110,10 @@ class KvChoice:
 def _choice(dtype: str) -> KvChoice:
     if dtype == KVARN_CHOICE:
         path = "KVarN (Triton decode and prefill)"
-        return KvChoice(dtype, CUSTOM, (path, path), speculation=False, cache_dtype="auto")
+        return KvChoice(dtype, CUSTOM, (path, path), speculation=("mtp",), cache_dtype="auto")
     if dtype.startswith("turboquant_"):
         path = "TurboQuant (Triton decode, FlashAttention 2 prefill)"
-        return KvChoice(dtype, TURBOQUANT, (path, path), speculation=False)
+        return KvChoice(dtype, TURBOQUANT, (path, path), speculation=())
     if dtype.endswith("_per_token_head"):
         minimum = ADA if dtype.startswith("fp8") else (8, 0)
         return KvChoice(dtype, TRITON, ("Triton", "Triton"), minimum)
@@ -115,16 +125,24 @@ KV_CHOICES: dict[str, KvChoice] = {
 }
 
 
-def speculation_refusal(kv: str, spec: str) -> str | None:
-    """Why KV cannot serve with this SPEC (single mode), or None."""
-    if spec == "off" or KV_CHOICES[kv].speculation:
+def speculation_refusal(kv: str, spec: str, drafts: int | None = None) -> str | None:
+    """Why KV cannot serve with this SPEC (single mode) and `drafts` per step (None: the
+    method's default), or None."""
+    if kv == KVARN_CHOICE and spec == "mtp" and (drafts or 0) > KVARN_MAX_DRAFTS:
+        return (
+            f"KV=kvarn cannot serve with DRAFT_TOKENS={drafts}: KVarN's decode kernel reads "
+            f"verify blocks of up to 1 + {KVARN_MAX_DRAFTS} queries, the width it is fitted to "
+            "the card's shared memory and checked on a GPU at (src/hyperqwen/kvarn/fit.py). "
+            f"Use DRAFT_TOKENS={KVARN_MAX_DRAFTS} or fewer with KV=kvarn."
+        )
+    if spec == "off" or spec in KV_CHOICES[kv].speculation:
         return None
     if kv == KVARN_CHOICE:
         return (
-            f"KV=kvarn cannot serve with SPEC={spec}: KVarN's backend plans which tiles a step "
-            "quantizes from the host's sequence lengths, which vLLM makes an upper bound "
-            "under speculation, and its verify path has not run in a server "
-            "(src/hyperqwen/kvarn/backend.py). Use SPEC=off with KV=kvarn."
+            f"KV=kvarn cannot serve with SPEC={spec}: KVarN speculates with MTP only, the "
+            "drafter its server test runs and whose verify block (1 + 3 queries) its decode "
+            f"kernel is fitted to; {spec}'s default 4 drafts are wider "
+            "(src/hyperqwen/kv_choices.py). Use SPEC=mtp or SPEC=off with KV=kvarn."
         )
     return (
         f"KV={kv} cannot serve with SPEC={spec}: vLLM 0.26's TurboQuant attention has no "

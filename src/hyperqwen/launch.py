@@ -225,7 +225,8 @@ def build_launch(
     path = model_path(settings)
     served_name = path.name
     kv_dtype = kv_cache_dtype(settings, profile)
-    if mode == "single" and (refusal := speculation_refusal(kv_dtype, settings.SPEC)):
+    refusal = speculation_refusal(kv_dtype, settings.SPEC, settings.DRAFT_TOKENS)
+    if mode == "single" and refusal:
         raise KvRefusal(refusal)
     split = settings.GPU_SPLIT or profile.gpu_split
     tensor_parallel = settings.GPU_COUNT if split == "tp" else 1

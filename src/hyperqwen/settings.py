@@ -162,7 +162,8 @@ class ServingKnobs(BaseModel):
         "(fp8_e4m3 is the same; fp8_e5m2 keeps less precision); *_per_token_head add a scale "
         "per token and head (int4 halves fp8 again) and run Triton attention, fp8_per_token_head "
         "on sm89+ only; turboquant_* (3-4 bit) run TurboQuant, never with SPEC other than off; "
-        "kvarn: HyperQwen's 4-bit K / 2-bit V tiles (src/hyperqwen/kvarn), SPEC=off only. "
+        "kvarn: HyperQwen's 4-bit K / 2-bit V tiles (src/hyperqwen/kvarn), SPEC=mtp (at most 3 "
+        "drafts) or off. "
         "Which works with what, and what a card holds with each: docs/long-context.md; "
         "batch/README.md has fp8's measured cost.",
         "--kv-cache-dtype (with --attention-backend where the dtype needs one)",

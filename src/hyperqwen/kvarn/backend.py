@@ -14,14 +14,15 @@ The pieces:
 - The side cache: 16-bit K and V tiles in a few slots per running request (sizing.py), one
   per layer; which slot holds which pool block (`slot_of_block`) is decided on the host by
   the builder's slots.SlotAllocator from the block tables and each request's token counts,
-  once per step for all layers. Each impl allocates its layer's slots in vLLM's profile run
-  (the forward without metadata), so vLLM's memory profile counts them among the non-KV
-  memory and sizes the pool around them; ../capacity.py subtracts the same bytes.
+  once per step (per drafter pass) for all layers. Each impl allocates its layer's slots in
+  vLLM's profile run (the forward without metadata), so vLLM's memory profile counts them
+  among the non-KV memory and sizes the pool around them; ../capacity.py subtracts the same
+  bytes.
 - Each step (`forward`, which includes the cache update): every new token's K and V go to its
   tile's slot; then each tile the step fills (the allocator's plan: attention.blocks_to_store
   per request, the sink included) is quantized by store.py from its slot into the pool block
-  the block table names; then decodes (query length 1) run decode.decode_attention and
-  prefills prefill.prefill_attention (one launch for all of them).
+  the block table names; then decodes (query length up to 1 + drafts) run
+  decode.decode_attention and prefills prefill.prefill_attention (one launch for all of them).
 
 What is not handled yet, and why:
 - The builder copies the block table's used columns to the host each step to plan the slots
@@ -37,9 +38,12 @@ What is not handled yet, and why:
 - The prefill kernel (prefill.py) has not run on a GPU yet, and its program size is untuned.
 - CUDA graphs: the builder declares none (AttentionCGSupport.NEVER), so vLLM runs this
   attention eagerly between piecewise graphs; the tile store's size is decided on the host.
-- Speculative decoding: the store plan uses the host's sequence lengths, which vLLM makes an
-  optimistic upper bound under asynchronous speculation, and this impl's verify path is not
-  tested; kv_choices.py refuses KV=kvarn with SPEC != off.
+- Speculative decoding (README, "Speculative decoding"): verify blocks are decodes, read at the
+  device's exact lengths; the host's lengths are upper bounds under async scheduling, so the
+  slot plan covers every tile the device may write or fill and the store skips, on the device,
+  the candidates this step did not fill (`filled_on_device`). Served with MTP (the drafter's
+  builder plans its own layer's slots, `build_for_drafting`); kv_choices.py refuses n-gram
+  drafters and more than 3 drafts.
 """
 
 from __future__ import annotations
@@ -137,23 +141,25 @@ class KVarNMetadata:
     num_actual_tokens: int
     num_decodes: int
     num_decode_tokens: int
+    max_decode_query_len: int  # 1, or 1 + drafts with verify blocks
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs]
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 for padding
     query_start_loc_cpu: torch.Tensor
-    seq_lens_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor  # exact for the prefill rows (the only ones read from it)
     num_slots: int  # the side cache's slots
     slot_of_block: torch.Tensor  # int32: slots.py's map after this step's plan
     side_rows: torch.Tensor  # int64 [num_tokens]: slot * 128 + offset; num_slots * 128 for padding
-    store_blocks: torch.Tensor  # int32: the pool blocks this step fills
+    store_blocks: torch.Tensor  # int64: the pool blocks this step fills; -1: a candidate it didn't
     store_slots: torch.Tensor  # int64: the slots their 16-bit tiles are in
 
 
 def side_cache_slots(vllm_config) -> int:
     """The side cache's slots for this vLLM configuration (sizing.py)."""
     scheduler = vllm_config.scheduler_config
-    return serving_side_slots(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+    speculative = vllm_config.speculative_config is not None
+    return serving_side_slots(scheduler.max_num_seqs, scheduler.max_num_batched_tokens, speculative)
 
 
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
@@ -161,8 +167,11 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        # verify blocks (1 + drafts queries) are decodes: decode_attention reads each query
+        # at its own context from the device's exact seq_lens
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         # one allocator per KV cache group: its layers share the block tables, so the slots
+        # (the drafter builds its own builder for its layers, so it has its own allocator)
         self.slots = SlotAllocator(side_cache_slots(vllm_config))
 
     def build(
@@ -171,31 +180,72 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> KVarNMetadata:
-        cam = common_attn_metadata
-        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(cam)
+        return self._build(common_attn_metadata, drafting=False)
+
+    def build_for_drafting(
+        self, common_attn_metadata: CommonAttentionMetadata, draft_index: int
+    ) -> KVarNMetadata:
+        """The drafter's passes (README, "Speculative decoding"): pass 0 has the verify step's
+        batch; each later pass one query per request at host lengths grown by one from the
+        verify step's upper bound, while the device's start from the accepted length."""
+        return self._build(common_attn_metadata, drafting=draft_index > 0)
+
+    def _request_steps(self, cam, seq_lens_cpu, query_lens, drafting: bool) -> list[RequestStep]:
+        """The step's requests for the slot allocator, from the host's lengths: exact for rows
+        longer than a verify block (prefills), else upper bounds up to the previous step's
+        drafts above the device's (in a later drafter pass, also this step's)."""
+        # a drafter pass past max_model_len writes nothing (vLLM's slot -1): the table's reach
+        reach = cam.block_table_tensor.shape[1] * TILE_TOKENS
+        afters = seq_lens_cpu.clamp(max=reach)
+        befores = (afters - query_lens).clamp(min=0)
+        drafts = self.reorder_batch_threshold - 1  # 0 without speculation
+        rejectable = 2 * drafts if drafting else drafts
+        width = -(-int(afters.max()) // TILE_TOKENS) if cam.num_reqs else 0
+        tables = cam.block_table_tensor[: cam.num_reqs, :width].cpu().tolist()
+        steps = []
+        for blocks, before, after, query_len in zip(
+            tables, befores.tolist(), afters.tolist(), query_lens.tolist(), strict=True
+        ):
+            if not drafts or query_len > self.reorder_batch_threshold:  # exact
+                steps.append(RequestStep(blocks, before, after))
+                continue
+            # positions below the lowest possible start, and that start's own token (a verify
+            # block's first is the last accepted), are final; a later drafter pass proves none
+            final = 0 if drafting else max(before - rejectable, 0) + 1
+            steps.append(RequestStep(blocks, before, after, rejectable, final))
+        return steps
+
+    def _build(self, cam: CommonAttentionMetadata, drafting: bool) -> KVarNMetadata:
+        threshold = self.reorder_batch_threshold
+        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(cam, threshold)
         seq_lens_cpu = cam.seq_lens_cpu_upper_bound
         if seq_lens_cpu is None:
             seq_lens_cpu = cam.seq_lens.cpu()
         seq_lens_cpu = seq_lens_cpu[: cam.num_reqs]
         query_start_loc_cpu = cam.query_start_loc_cpu[: cam.num_reqs + 1]
         query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
-        befores, afters = (seq_lens_cpu - query_lens).tolist(), seq_lens_cpu.tolist()
-        width = -(-max(afters, default=0) // TILE_TOKENS)
-        tables = cam.block_table_tensor[: cam.num_reqs, :width].cpu().tolist()
-        plan = self.slots.plan(
-            [RequestStep(*request) for request in zip(tables, befores, afters, strict=True)]
-        )
+        if threshold > 1:
+            check_decodes_first(seq_lens_cpu, query_lens, num_decodes, threshold)
+        plan = self.slots.plan(self._request_steps(cam, seq_lens_cpu, query_lens, drafting))
         device = cam.block_table_tensor.device
         slot_of_block = plan.slot_of_block.to(device)
         num_slots = self.slots.num_slots
         mapping = cam.slot_mapping
-        rows = slot_of_block[mapping.clamp(min=0) // TILE_TOKENS].long() * TILE_TOKENS
+        slots = slot_of_block[mapping.clamp(min=0) // TILE_TOKENS].long()
         padding_row = num_slots * TILE_TOKENS
-        side_rows = torch.where(mapping >= 0, rows + mapping % TILE_TOKENS, padding_row)
+        # a token whose block has no slot (never, by the plan) goes to the padding row too,
+        # not to a negative row, which would index from the end
+        side_rows = torch.where(
+            (mapping >= 0) & (slots >= 0), slots * TILE_TOKENS + mapping % TILE_TOKENS, padding_row
+        )
+        store_blocks, store_slots = filled_on_device(
+            plan, cam.seq_lens, cam.query_start_loc, device
+        )
         return KVarNMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
+            max_decode_query_len=int(query_lens[:num_decodes].max()) if num_decodes else 1,
             query_start_loc=cam.query_start_loc,
             seq_lens=cam.seq_lens,
             block_table=cam.block_table_tensor,
@@ -205,9 +255,39 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             num_slots=num_slots,
             slot_of_block=slot_of_block,
             side_rows=side_rows,
-            store_blocks=torch.tensor(plan.store_blocks, dtype=torch.int32).to(device),
-            store_slots=torch.tensor(plan.store_slots, dtype=torch.int64).to(device),
+            store_blocks=store_blocks,
+            store_slots=store_slots,
         )
+
+
+def check_decodes_first(seq_lens_cpu, query_lens, num_decodes: int, threshold: int) -> None:
+    """The prefill path reads the host's lengths, exact for prefill rows only: a verify-sized
+    row with context after the decodes (vLLM's runner reorders by the least threshold of all
+    builders, gpu_model_runner.calculate_reorder_batch_threshold; Qwen3.5's GDN builder asks
+    for the same 1 + drafts) would be read at an upper bound. A first chunk (no context)
+    is exact wherever it stands."""
+    rest = query_lens[num_decodes:]
+    misplaced = (rest <= threshold) & (seq_lens_cpu[num_decodes:] > rest)
+    if bool(misplaced.any()):
+        raise RuntimeError(
+            f"KV=kvarn: a row of at most {threshold} tokens with context came after the "
+            "batch's first prefill: vLLM reordered the batch by a smaller decode threshold "
+            "than KVarN's, whose prefill path would read it at the host's upper bound"
+        )
+
+
+def filled_on_device(plan, seq_lens, query_start_loc, device) -> tuple[torch.Tensor, ...]:
+    """The plan's candidate tiles as store_tiles' block ids and their slots (int64): a tile's
+    block where the device's exact lengths say this step filled it (its end in
+    (seq_len - query_len, seq_len]), else -1 (skipped). One host-to-device copy for all four
+    lists, then tensor ops queued on the device: no wait for the device's lengths."""
+    candidates = torch.tensor(
+        [plan.store_blocks, plan.store_slots, plan.store_rows, plan.store_ends], dtype=torch.int64
+    ).to(device)
+    blocks, slots, rows, ends = candidates
+    after = seq_lens[rows]
+    before = after - (query_start_loc[rows + 1] - query_start_loc[rows])
+    return torch.where((before < ends) & (ends <= after), blocks, -1), slots
 
 
 class SideCache:
@@ -322,7 +402,8 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
             decode_attention(
                 q[:decode_tokens], kv_cache, block_table[:decodes], side_k, side_v,
                 slot_of_block, attn_metadata.seq_lens[:decodes],
-                attn_metadata.query_start_loc[: decodes + 1], 1, DECODE_SPLITS,
+                attn_metadata.query_start_loc[: decodes + 1],
+                attn_metadata.max_decode_query_len, DECODE_SPLITS,
                 scale=self.scale, out=out[:decode_tokens], layout=self.layout,
             )  # fmt: skip
         if attn_metadata.seq_lens_cpu.shape[0] > decodes:

@@ -21,6 +21,18 @@ Its rules (kvarn/README.md, "Design of the side-slot allocator"):
 - Requests are followed by their block ids, never by runner rows, so the runner's row moves
   need nothing.
 
+Under speculative decoding the host knows a request's token counts only from above (vLLM's
+`seq_lens_cpu_upper_bound` assumes every draft of the previous step accepted; kvarn/README.md,
+"Speculative decoding"): the device may start up to `rejectable` tokens before `before`,
+rewriting the rejected drafts' positions, possibly in the tile below. So a step holds a slot
+for every tile the device may write (those below `before`'s tile only while still pinned: a
+tile released as final is never written again), names every tile it may fill as a store
+candidate (the backend stores a candidate only where the device's exact lengths say this step
+filled it), and keeps a filled tile pinned until it is final: until a step's `final` (a lower
+bound on the positions any later write reaches) passes its end. Without speculation
+`rejectable` is 0 and `final` the step's `after`: a filled tile is final in the step that
+fills it, as above.
+
 A request that ends with a partial tile leaves that tile pinned (the builder is not told
 which requests ended: most requests end so). Such an orphan's slot is reclaimed when its block
 is written fresh again, or when slots run out: first a pinned slot untouched for
@@ -58,11 +70,21 @@ class OutOfSlotsError(RuntimeError):
 @dataclass(frozen=True)
 class RequestStep:
     """One request in a step: its block ids (pool blocks of positions 0, 1, ..., at least up
-    to the block of its last token) and its token count before and after the step."""
+    to the block of its last token) and its token count before and after the step, as the
+    host knows them: exact, or, under speculation, upper bounds the device's counts may be up
+    to `rejectable` below; `final`: positions below it are never written again from this step
+    on (None: `after`, every token of the step final)."""
 
     blocks: Sequence[int]
     before: int
     after: int
+    rejectable: int = 0
+    final: int | None = None
+
+    @property
+    def lowest(self) -> int:
+        """The lowest position the device may write in this step."""
+        return max(self.before - self.rejectable, 0)
 
 
 @dataclass(frozen=True)
@@ -70,8 +92,10 @@ class StepSlots:
     """What a step's kernels need: the map after planning, and the tiles the step fills."""
 
     slot_of_block: torch.Tensor  # int32 [num_blocks], a copy: later steps do not change it
-    store_blocks: list[int]  # pool blocks the step fills, in request order
+    store_blocks: list[int]  # pool blocks the step may fill, in request order
     store_slots: list[int]  # their slots (the 16-bit tiles the store reads)
+    store_rows: list[int]  # the request (its index in the step) of each
+    store_ends: list[int]  # the position after each tile's last: filled once the length is here
 
 
 class SlotAllocator:
@@ -137,39 +161,74 @@ class SlotAllocator:
         for slot in self.release_next:
             self._release(slot)
         self.release_next, self.in_step = [], set()
-        store_blocks, store_slots, filled_sinks = [], [], []
+        store_blocks, store_slots, store_rows, store_ends, filled_sinks = [], [], [], [], []
         for request in requests:  # the step's sink reads first: recent, evicted last
             slot = self.slot(int(request.blocks[0])) if request.before >= self.tile else -1
             if slot in self.sinks:
                 self.sinks.move_to_end(slot)
-        for request in requests:
+        for row, request in enumerate(requests):
             before, after, tile = request.before, request.after, self.tile
-            if not 0 <= before <= after or len(request.blocks) * tile < after:
+            final = after if request.final is None else request.final
+            if not 0 <= before <= after or len(request.blocks) * tile < after or final > after:
                 raise ValueError(
-                    f"a step from {before} to {after} tokens over {len(request.blocks)} blocks"
+                    f"a step from {before} to {after} tokens (final {final}) over "
+                    f"{len(request.blocks)} blocks"
                 )
-            for position in range(before // tile, -(-after // tile)):
+            # one tile below the lowest write: a tile filled by the request's last step may be
+            # final only now (the rejectable window is shorter than a tile)
+            first = max(request.lowest // tile - 1, 0)
+            for position in range(first, -(-after // tile)):
                 block = int(request.blocks[position])
                 slot = self.slot(block)
+                end = (position + 1) * tile
                 if before <= position * tile:  # fresh: any old copy of the block is stale
                     if slot >= 0:
                         self._release(slot)
                     slot = self._take(block)
-                elif slot not in self.pinned:  # -1 included
-                    raise LostTileError(
-                        f"block {block} (position {position}) holds {before - position * tile} "
-                        "tokens but its 16-bit tile has no slot: it was reclaimed as an "
-                        "orphan's (a live request unscheduled for many steps?)"
-                    )
+                elif position == before // tile:
+                    if slot not in self.pinned:  # -1 included
+                        raise LostTileError(
+                            f"block {block} (position {position}) holds "
+                            f"{before - position * tile} tokens but its 16-bit tile has no "
+                            "slot: it was reclaimed as an orphan's (a live request "
+                            "unscheduled for many steps?)"
+                        )
+                elif slot not in self.pinned:  # below before's tile: final already, or cached
+                    continue
+                elif end <= request.lowest:  # not written now: only its finality is news
+                    if end <= final:  # its last store ran in an earlier step: free it now
+                        self._finalize_now(slot, position)
+                    continue
                 self.in_step.add(slot)
                 self.pinned[slot] = self.step
                 self.pinned.move_to_end(slot)
-                if after >= (position + 1) * tile:  # this step's store fills it
+                if end <= after:  # this step may fill it: the store decides on the device
                     store_blocks.append(block)
                     store_slots.append(slot)
-                    (filled_sinks if position == 0 else self.release_next).append(slot)
+                    store_rows.append(row)
+                    store_ends.append(end)
+                    if end <= final:
+                        self._settle(slot, position, filled_sinks)
         for slot in filled_sinks:
             self.pinned.pop(slot, None)
             self.sinks[slot] = None
             self.sinks.move_to_end(slot)
-        return StepSlots(self.slot_of_block.clone(), store_blocks, store_slots)
+        return StepSlots(
+            self.slot_of_block.clone(), store_blocks, store_slots, store_rows, store_ends
+        )
+
+    def _finalize_now(self, slot: int, position: int) -> None:
+        """A tile this step does not touch is final (not in_step, so an eviction later in the
+        plan could take its slot: settled at once, never through release_next)."""
+        if position == 0:
+            self.pinned.pop(slot, None)
+            self.sinks[slot] = None
+            self.sinks.move_to_end(slot)
+        else:
+            self._release(slot)
+
+    def _settle(self, slot: int, position: int, filled_sinks: list[int]) -> None:
+        """A filled tile is final: a sink joins the cached sinks (after the step's plan), any
+        other tile's slot is free the step after (this step's store may still read it)."""
+        if slot not in self.release_next and slot not in filled_sinks:
+            (filled_sinks if position == 0 else self.release_next).append(slot)

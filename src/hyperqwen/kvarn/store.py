@@ -101,6 +101,8 @@ def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr,
                   BALANCE_ROUNDS: tl.constexpr, GRID_ROUNDS: tl.constexpr,
                   MIN_SCALE: tl.constexpr, MIN_STEP: tl.constexpr,
                   K_COLUMNS: tl.constexpr, V_ROWS: tl.constexpr):  # fmt: skip
+    if tl.load(block_ids_ptr + tl.program_id(0)) < 0:  # a candidate the device did not fill
+        return
     index, head, tile = program_tile(pool_ptr, block_ids_ptr, stride_block, stride_head)
     t = tl.arange(0, T)
     rows = t[:, None].to(tl.int64)
@@ -189,7 +191,9 @@ def store_tiles(
 ) -> None:
     """Quantize tiles key/value [n, 128, num_kv_heads, D] (bf16 or fp16, contiguous along D)
     into pool[block_ids[i], :] (layout.py), every KV head of each. Block ids must name blocks
-    of the pool; the kernel does not check them (a GPU-side check would cost a sync)."""
+    of the pool, or be negative: that tile is skipped (the backend decides on the device which
+    of a step's candidate tiles it filled, kvarn/backend.py); the kernel does not check them
+    otherwise (a GPU-side check would cost a sync)."""
     layout = layout or TileLayout(head_dim=key.shape[-1])
     layout.check_pool(pool)
     expected = (key.shape[0], layout.tokens, pool.shape[1], layout.head_dim)
