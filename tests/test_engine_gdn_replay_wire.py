@@ -84,7 +84,9 @@ def gdn_layer(geometry, config):
     layer.conv_kernel_size = geometry.linear_conv_kernel_dim
     speculative = config.speculative_config
     layer.num_spec = speculative.num_speculative_tokens if speculative else 0
-    layer.model_config = SimpleNamespace(dtype=torch.bfloat16)
+    layer.model_config = SimpleNamespace(
+        dtype=torch.bfloat16, architecture="Qwen3_5ForConditionalGeneration"
+    )
     layer.cache_config = config.cache_config
     return layer
 
@@ -168,6 +170,63 @@ def test_prefix_caching_modes_are_refused_by_the_layer(vllm_on_cpu, mode):
         gdn_replay.gdn_layer_built(gdn_layer(PRESETS["tiny"], config))
 
 
+def test_a_model_without_the_replay_page_is_refused_by_the_layer(vllm_on_cpu):
+    from hyperqwen.engine import gdn_replay
+
+    layer = gdn_layer(PRESETS["tiny"], vllm_config(3))
+    layer.model_config.architecture = "Qwen3NextForCausalLM"  # the same GDN layer class
+    with pytest.raises(ValueError, match="not Qwen3NextForCausalLM"):
+        gdn_replay.gdn_layer_built(layer)
+
+
+def test_the_launcher_refuses_prefix_caching_and_ignores_no_speculation():
+    from pathlib import Path
+
+    from hyperqwen.engine.features import GDN_REPLAY, launch_env, serve_refusal
+    from hyperqwen.settings import Settings
+
+    def settings(**values):
+        return Settings.model_validate({"GDN_REPLAY": "1", **values})
+
+    refusal = serve_refusal(settings(PREFIX_CACHE="1"), "single", [], Path())
+    assert refusal is not None and refusal.startswith("GDN_REPLAY=1 needs PREFIX_CACHE=0")
+    on = settings(PREFIX_CACHE="0")
+    assert serve_refusal(on, "single", [], Path()) is None
+    assert launch_env(on, "single")[GDN_REPLAY.env] == "1"
+    # nothing verifies without speculation: a warning, not a refusal, and the variable unset
+    off = settings(PREFIX_CACHE="1", SPEC="off")
+    assert serve_refusal(off, "single", [], Path()) is None
+    assert GDN_REPLAY.env not in launch_env(off, "single")
+    assert "SPEC=off" in GDN_REPLAY.ignored(off, "single")
+    # the shipped default: off, nothing refused
+    assert GDN_REPLAY.env not in launch_env(Settings.model_validate({}), "single")
+
+
+def test_the_plugin_registers_the_backend_and_the_model_classes(vllm_on_cpu):
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    from hyperqwen.engine import gdn_replay
+    from hyperqwen.engine.gdn_replay_backend import ReplayGDNBackend
+
+    backend = MambaAttentionBackendEnum.GDN_ATTN
+    models = dict(ModelRegistry.models)
+    try:
+        gdn_replay.register()
+        assert backend.get_class() is ReplayGDNBackend
+        from hyperqwen.engine import gdn_replay_models
+
+        for architecture, path in gdn_replay.REPLAY_MODELS.items():
+            model = ModelRegistry.models[architecture].load_model_cls()
+            assert model is getattr(gdn_replay_models, path.split(":")[1])
+            assert issubclass(model, Qwen3_5ForConditionalGeneration)
+    finally:
+        backend.clear_override()
+        ModelRegistry.models.clear()
+        ModelRegistry.models.update(models)
+
+
 def replay_builder(cudagraph_mode: str, slots: int = SLOTS, pool=None):
     """Ours on the replay page's spec (one block per request), the group's pool bound as the
     runner binds it: static_forward_context[layer].kv_cache."""
@@ -215,6 +274,7 @@ def test_the_builder_plans_each_step_and_advances_the_record(vllm_on_cpu, cudagr
         expected_fold = [a if u else 0 for a, u in zip(non_spec_accepted, unreplayed, strict=True)]
         if unreplayed:
             assert meta.fold_counts.tolist() == expected_fold, step
+            assert meta.fold_counts.data_ptr() == builder.fold_counts.data_ptr()
         else:
             assert meta.fold_counts is None
         live = {r.slot for r in rows}

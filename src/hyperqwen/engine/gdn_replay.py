@@ -148,6 +148,12 @@ def gdn_layer_built(layer) -> None:
         raise ValueError(
             f"{UNSUPPORTED_CACHE_MODE}; mamba_cache_mode is {layer.cache_config.mamba_cache_mode}"
         )
+    architecture = layer.model_config.architecture
+    if architecture not in REPLAY_MODELS:
+        # the hybrid page alignment sizes the page from the model class: only these have ours
+        raise ValueError(
+            f"the GDN replay verify serves {', '.join(REPLAY_MODELS)}, not {architecture}"
+        )
     from hyperqwen.engine.gdn_replay_state import replay_layer
 
     replay_layer(layer)

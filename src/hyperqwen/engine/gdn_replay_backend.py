@@ -13,9 +13,10 @@ those before it builds their metadata (gpu_model_runner.py `commit_block_table`,
 IDs from finished requests can corrupt Mamba state"), so every row sits on the null block,
 which the record never marks saved and the plan never counts.
 
-The counts live in a buffer of the builder's, at fixed addresses: the layer's verify under a
-FULL CUDA graph reads the buffer its capture saw (the committed slots are column 0 of vLLM's
-own persistent `spec_state_indices_tensor` there). Tensor ops only, no host synchronisation.
+The counts live in buffers of the builder's, at fixed addresses: the layer's verify (and the
+fold of a decode-only step) under a FULL CUDA graph reads the buffer its capture saw (the slots
+are vLLM's own persistent `spec_state_indices_tensor` / `non_spec_state_indices_tensor`
+there). Tensor ops only, no host synchronisation.
 Runs inside vLLM; imports vLLM.
 """
 
@@ -53,6 +54,7 @@ class ReplayMetadataBuilder(GDNAttentionMetadataBuilder):
         self.layer_names = layer_names  # vLLM's GDN builder keeps none; the record's size needs one
         rows = max(self.decode_cudagraph_max_bs, vllm_config.scheduler_config.max_num_seqs)
         self.replay_counts = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.fold_counts = torch.zeros(rows, dtype=torch.int32, device=device)
         self.record: torch.Tensor | None = None  # made at the first step: see _record
         self._capturing = False
 
@@ -86,6 +88,9 @@ class ReplayMetadataBuilder(GDNAttentionMetadataBuilder):
         self.replay_counts[:rows].copy_(plan.replay_counts, non_blocking=True)
         plan = ReplayPlan(plan.committed_slots, self.replay_counts[:rows], plan.unreplayed)
         fold = _fold_counts(metadata, plan, num_accepted_tokens, num_decode_draft_tokens_cpu)
+        if fold is not None:  # a decode-only step's FULL graph folds too: a fixed buffer
+            self.fold_counts[: fold.numel()].copy_(fold, non_blocking=True)
+            fold = self.fold_counts[: fold.numel()]
         if not self._capturing:
             self.record = next_record(metadata, record)
         return _with_plan(metadata, replay=plan, fold_counts=fold)

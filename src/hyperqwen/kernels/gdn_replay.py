@@ -43,8 +43,9 @@ blocks and buffer 334 MiB; without, 16 blocks (2,574 MiB) against 1 and the buff
 
 Status: agrees with a float64 reference of vLLM's semantics and with vLLM's own kernel run with
 per-token state slots, over multi-step runs with random acceptance (tests/test_kernel_gdn
-_replay.py, Triton's CPU interpreter only). Not compiled or run on a GPU, not timed, and not
-integrated: vLLM's GDN layer and KV-cache spec still verify their way.
+_replay.py, Triton's CPU interpreter only), and through the layer's verify seam on a page laid
+out as vLLM binds it (tests/test_engine_gdn_replay_seam.py). Not compiled or run on a GPU, not
+timed (engine/quoting.md, "GDN replay", says what is wired and what is left).
 """
 
 from __future__ import annotations
