@@ -6,10 +6,11 @@ its constructor sets) and vLLM's Qwen3.5 model class, switched and not, at the 2
 tiny preset's geometry: the spec's shapes, page size, blocks per request and memory per
 request against capacity.py's arithmetic. The builder: vLLM's GDN builder under ours, over
 test_engine_gdn_replay.py's seven steps, with and without FULL-graph padding; the record must
-not move in a CUDA-graph capture. The seam: engine/gdn_replay.py's `gdn_verify` over a run of
-steps on state and saved inputs laid out in a page as vLLM binds it, against vLLM's own
-per-token-state path (its builder and its fused_sigmoid_gating_delta_rule_update) and the
-float64 reference (test_kernel_gdn_recurrent.reference).
+not move in a CUDA-graph capture nor in a dummy run on the null block. Also: the layer refuses
+prefix caching's cache modes and architectures without the replay page, the launcher refuses
+GDN_REPLAY with PREFIX_CACHE=1 before vLLM starts, the plugin's registrations land in vLLM's
+registries, and the seam refuses metadata without a plan. The seam over a run of steps against vLLM's per-token
+path: test_engine_gdn_replay_seam.py.
 """
 
 from __future__ import annotations
@@ -309,3 +310,30 @@ def test_a_cuda_graph_capture_leaves_the_record_alone(vllm_on_cpu):
     assert meta.replay.committed_slots.tolist() == [7, 8]
     assert torch.equal(builder.record, before)
     assert before.nonzero().flatten().tolist() == [3]
+
+
+def test_a_dummy_run_on_the_null_block_leaves_the_record_alone(vllm_on_cpu):
+    """vLLM's dummy runs (warm-up, an idle data-parallel rank) build real metadata on cleared
+    block-table rows: every row on the null block, with tokens and drafts."""
+    builder = replay_builder("NONE")
+    metadata(builder, [verify(3, 10, 1), Row(5, 30, 1)], state_columns=1)
+    before = builder.record.clone()
+    dummy = [verify(NULL_SLOT, 0, 1)] * 3
+    meta = metadata(builder, dummy, state_columns=1)
+    assert meta.replay.replay_counts.tolist() == [0, 0, 0]
+    assert torch.equal(builder.record, before)
+    assert before.nonzero().flatten().tolist() == [3]
+
+
+def test_the_seam_refuses_metadata_without_a_plan(vllm_on_cpu):
+    """A replay layer's page has one block per request: vLLM's own verify must not run on it."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    from hyperqwen.engine import gdn_replay
+
+    config = vllm_config(DRAFTS)
+    layer = gdn_layer(PRESETS["tiny"], config)
+    gdn_replay.gdn_layer_built(layer)
+    vllms = GDNAttentionMetadata(0, 0, 0, 0, 1, 4, 4)
+    with pytest.raises(RuntimeError, match="without a replay plan"):
+        gdn_replay.gdn_verify(layer, vllms, None, None, None, None, None)
