@@ -13,8 +13,8 @@ the seam's). Every spec row's outputs must match vLLM's and the reference; where
 a request's accepted tokens in, its committed state must equal vLLM's state at column
 `accepted - 1` (fp32, the same arithmetic) and the reference's. The run has new requests,
 reordered rows, all / none / some drafts accepted, a finished request's slot reused, a mixed
-step (verifies and a prefill), and a verify cut to one token by the budget, whose replay the
-seam folds in before vLLM's decode kernel would run it.
+step (verifies and a prefill), a verify cut to one token by the budget and a step of plain
+decodes only, whose replays the seam folds in before vLLM's kernels would read their states.
 """
 
 from __future__ import annotations
@@ -178,6 +178,8 @@ class Worlds:
     def seam(self, metadata, q, k, v, a, b):
         from hyperqwen.engine import gdn_replay
 
+        # as the patched layer calls them: at the step's start, then at its recurrent step
+        gdn_replay.gdn_step_begins(self.layer, metadata)
         return gdn_replay.gdn_verify(self.layer, metadata, q, k, v, a, b)
 
     def run_vllms(self, vllms, q, k, v, a, b):
@@ -221,10 +223,13 @@ def test_the_seam_matches_vllms_per_token_path_over_a_run():
         # A cut to one token by the budget: its 4 accepted tokens folded in by the seam
         ([spec(9, 16), spec(5, 7), Row(3, 36, 1)], {}),
         ([spec(5, 10), spec(9, 18), spec(3, 37)], {}),
+        # no drafts anywhere (a lookup step without a match): plain decodes only, which vLLM
+        # runs on its fast decode path; each one's accepted tokens folded in first
+        ([Row(3, 41, 1), Row(5, 14, 1), Row(9, 22, 1)], {}),
     ]
     for rows, kept in steps:
         worlds.step(rows, kept)
-    assert worlds.saved == {3, 5, 9}
+    assert not worlds.saved
     # every slot of the run still in use, and nothing written outside them
     used = torch.zeros(SLOTS, dtype=torch.bool)
     used[[3, 5, 9]] = True

@@ -9,8 +9,8 @@ test_engine_gdn_replay.py's seven steps, with and without FULL-graph padding; th
 not move in a CUDA-graph capture nor in a dummy run on the null block. Also: the layer refuses
 prefix caching's cache modes and architectures without the replay page, the launcher refuses
 GDN_REPLAY with PREFIX_CACHE=1 before vLLM starts, the plugin's registrations land in vLLM's
-registries, and the seam refuses metadata without a plan. The seam over a run of steps against vLLM's per-token
-path: test_engine_gdn_replay_seam.py.
+registries, and the seam refuses metadata without a plan. The seam over a run of steps against
+vLLM's per-token path: test_engine_gdn_replay_seam.py.
 """
 
 from __future__ import annotations
@@ -335,5 +335,7 @@ def test_the_seam_refuses_metadata_without_a_plan(vllm_on_cpu):
     layer = gdn_layer(PRESETS["tiny"], config)
     gdn_replay.gdn_layer_built(layer)
     vllms = GDNAttentionMetadata(0, 0, 0, 0, 1, 4, 4)
+    with pytest.raises(RuntimeError, match="without a replay plan"):
+        gdn_replay.gdn_step_begins(layer, vllms)
     with pytest.raises(RuntimeError, match="without a replay plan"):
         gdn_replay.gdn_verify(layer, vllms, None, None, None, None, None)

@@ -50,6 +50,9 @@ class Seam:
 GDN_MODULE_LOADED = Seam("gdn_module_loaded", "gdn-layer.patch", "the GDN layer module loads")
 GDN_LAYER_BUILT = Seam("gdn_layer_built", "gdn-layer.patch", "a GDN layer is built")
 GDN_MIXED_QKV = Seam("gdn_mixed_qkv", "gdn-layer.patch", "the GDN layer's `rearrange_mixed_qkv`")
+GDN_STEP_BEGINS = Seam(
+    "gdn_step_begins", "gdn-layer.patch", "the GDN layer's step, before any kernel reads a state"
+)
 GDN_VERIFY = Seam(
     "gdn_verify", "gdn-layer.patch", "the GDN layer's recurrent step, before vLLM's verify kernel"
 )

@@ -33,6 +33,7 @@ from hyperqwen.engine.feature_model import (  # re-exported: features.X is the A
     GDN_LAYER_BUILT as GDN_LAYER_BUILT,
     GDN_MIXED_QKV as GDN_MIXED_QKV,
     GDN_MODULE_LOADED as GDN_MODULE_LOADED,
+    GDN_STEP_BEGINS as GDN_STEP_BEGINS,
     GDN_VERIFY as GDN_VERIFY,
     LINEAR_KERNELS as LINEAR_KERNELS,
     NGRAM_DRAFTS as NGRAM_DRAFTS,
@@ -449,7 +450,7 @@ def _gdn_replay_launch(settings: Any, mode: str) -> str | None:
 
 GDN_REPLAY = Feature(
     name="gdn_replay",
-    seams=(GDN_LAYER_BUILT, GDN_VERIFY),
+    seams=(GDN_LAYER_BUILT, GDN_STEP_BEGINS, GDN_VERIFY),
     registers=True,
     env="HYPERQWEN_GDN_REPLAY",
     own_files=(

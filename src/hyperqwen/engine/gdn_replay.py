@@ -35,8 +35,9 @@ This is also the GDN_REPLAY feature's module (features.py). Where vLLM calls it
 (engine/quoting.md, "GDN replay: integration plan"): `register` (the vLLM plugin) puts the
 metadata builder of gdn_replay_backend.py under vLLM's GDN_ATTN mamba backend and the model
 classes of gdn_replay_models.py (the page, gdn_replay_state.py) under the Qwen3.5
-architectures; `gdn_layer_built` gives each GDN layer the replay page; `gdn_verify` runs the
-layer's verify (and folds an unreplayed row) with kernels/gdn_replay.py.
+architectures; `gdn_layer_built` gives each GDN layer the replay page; `gdn_step_begins`
+folds an unreplayed row's saved tokens before vLLM's kernels (its fast decode path included)
+read its state; `gdn_verify` runs the layer's verify rows; both with kernels/gdn_replay.py.
 """
 
 from __future__ import annotations
@@ -160,32 +161,49 @@ def gdn_layer_built(layer) -> None:
     layer.hyperqwen_replay = True
 
 
-def gdn_verify(layer, metadata, q, k, v, a, b):
-    """The layer's recurrent step for its verify rows, before vLLM's kernels run: folds the
-    saved tokens of non-spec rows that skip their replay, then runs the spec rows through the
-    replay verify. Returns the spec rows' outputs [1, T, HV, V] (vLLM's verify kernel does not
-    run), or None where the step has no spec rows. q, k, v: the spec rows' [1, T, ...]
-    (vLLM's rearranged query_spec, key_spec, value_spec; None without spec rows); a, b: the
-    whole step's [tokens, HV] (vLLM's layer passes those to its verify kernel)."""
+def _replay_page(layer, metadata):
+    """The layer's state pool and saved inputs, where the layer is a replay layer; refused
+    where its metadata has no plan (vLLM's own verify would write past its one block)."""
     if not getattr(layer, "hyperqwen_replay", False):
         return None
     from hyperqwen.engine.gdn_replay_backend import ReplayMetadata
     from hyperqwen.engine.gdn_replay_state import saved_inputs
-    from hyperqwen.kernels.gdn_replay import ReplayBuffer, gdn_replay_fold, gdn_replay_verify
+    from hyperqwen.kernels.gdn_replay import ReplayBuffer
 
     if not isinstance(metadata, ReplayMetadata) or metadata.replay is None:
-        # the page has one block per request: vLLM's per-token verify would write past it
         raise RuntimeError(
             "GDN replay: a replay layer got metadata without a replay plan (is the vLLM "
             f"plugin's GDN backend registered?): {type(metadata).__name__}"
         )
-    state = layer.kv_cache[1]
-    saved = ReplayBuffer(*saved_inputs(layer.kv_cache))
-    if metadata.fold_counts is not None:
-        slots = metadata.non_spec_state_indices_tensor[: metadata.fold_counts.numel()]
-        gdn_replay_fold(layer.A_log, layer.dt_bias, state, slots, metadata.fold_counts, saved)
-    if metadata.spec_sequence_masks is None:
+    return layer.kv_cache[1], ReplayBuffer(*saved_inputs(layer.kv_cache))
+
+
+def gdn_step_begins(layer, metadata) -> None:
+    """Folds the saved tokens of the step's non-spec rows that skip their replay
+    (`unreplayed`: a plain decode or prefill chunk right after a verify) into their states,
+    before vLLM's decode or prefill kernels read them."""
+    page = _replay_page(layer, metadata)
+    if page is None or metadata.fold_counts is None:
+        return
+    from hyperqwen.kernels.gdn_replay import gdn_replay_fold
+
+    state, saved = page
+    slots = metadata.non_spec_state_indices_tensor[: metadata.fold_counts.numel()]
+    gdn_replay_fold(layer.A_log, layer.dt_bias, state, slots, metadata.fold_counts, saved)
+
+
+def gdn_verify(layer, metadata, q, k, v, a, b):
+    """The layer's verify rows through the replay verify. Returns their outputs [1, T, HV, V]
+    (vLLM's verify kernel does not run), or None where the step has no spec rows. q, k, v: the
+    spec rows' [1, T, ...] (vLLM's rearranged query_spec, key_spec, value_spec; None without
+    spec rows); a, b: the whole step's [tokens, HV] (vLLM's layer passes those to its verify
+    kernel)."""
+    page = _replay_page(layer, metadata)
+    if page is None or metadata.spec_sequence_masks is None:
         return None
+    from hyperqwen.kernels.gdn_replay import gdn_replay_verify
+
+    state, saved = page
     if metadata.num_prefills or metadata.num_decodes:
         # vLLM hands its verify kernel the whole step's a and b, right only while spec rows
         # come first; their own rows whatever the order

@@ -20,6 +20,7 @@ from hyperqwen.engine.features import (
     GDN_LAYER_BUILT,
     GDN_MIXED_QKV,
     GDN_MODULE_LOADED,
+    GDN_STEP_BEGINS,
     GDN_VERIFY,
     LINEAR_KERNELS,
     NGRAM_DRAFTS,
@@ -71,6 +72,13 @@ def gdn_mixed_qkv(mixed_qkv: Any, q_dim: int, k_dim: int, v_dim: int) -> Any | N
         if fused is not None:
             return fused
     return None
+
+
+def gdn_step_begins(layer: Any, metadata: Any) -> None:
+    """A GDN layer's step with its metadata, before its conv and recurrent kernels (vLLM's fast
+    decode path included) read any state."""
+    for hook in hooks(GDN_STEP_BEGINS):
+        hook(layer, metadata)
 
 
 def gdn_verify(layer: Any, metadata: Any, q: Any, k: Any, v: Any, a: Any, b: Any) -> Any | None:
