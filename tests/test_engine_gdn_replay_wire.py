@@ -152,13 +152,23 @@ def test_the_replay_page_holds_one_state_and_the_saved_inputs(vllm_on_cpu, prese
 
 
 def test_a_layer_without_speculation_keeps_vllms_page(vllm_on_cpu):
+    from vllm.model_executor.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+
     from hyperqwen.engine import gdn_replay
+    from hyperqwen.engine.gdn_replay_state import replay_model_class
 
     config = vllm_config(0)
     layer = gdn_layer(PRESETS["tiny"], config)
     gdn_replay.gdn_layer_built(layer)
     assert "get_kv_cache_spec" not in vars(layer)
     assert not getattr(layer, "hyperqwen_replay", False)
+    config.model_config = SimpleNamespace(
+        hf_text_config=text_config(PRESETS["tiny"]), dtype=torch.bfloat16
+    )
+    replay_class = replay_model_class(Qwen3_5ForConditionalGeneration)
+    for method in ("get_mamba_state_shape_from_config", "get_mamba_state_dtype_from_config"):
+        vllms = getattr(Qwen3_5ForConditionalGeneration, method)(config)
+        assert getattr(replay_class, method)(config) == vllms
 
 
 @pytest.mark.parametrize("mode", ["align", "all"])

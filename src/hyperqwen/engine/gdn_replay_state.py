@@ -60,7 +60,10 @@ def _activation_dtype(model_dtype: Any) -> torch.dtype:
 
 
 def model_state_shapes(vllm_config: Any, vllms: tuple) -> tuple[tuple[int, ...], ...]:
-    """The model class's state shapes (vLLM's, then the saved inputs), from its config."""
+    """The model class's state shapes (vLLM's, then the saved inputs), from its config; vLLM's
+    alone without speculation, as its layers keep then (gdn_replay.gdn_layer_built)."""
+    if not _drafts(vllm_config):
+        return vllms
     text = vllm_config.model_config.hf_text_config
     saved = saved_input_shapes(
         vllm_config.parallel_config.tensor_parallel_size,
@@ -74,6 +77,8 @@ def model_state_shapes(vllm_config: Any, vllms: tuple) -> tuple[tuple[int, ...],
 
 
 def model_state_dtypes(vllm_config: Any, vllms: tuple) -> tuple[torch.dtype, ...]:
+    if not _drafts(vllm_config):
+        return vllms
     dtype = _activation_dtype(vllm_config.model_config.dtype)
     return (*vllms, *(dtype,) * len(SAVED_INPUTS))
 
