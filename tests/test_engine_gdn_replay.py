@@ -79,7 +79,10 @@ def platforms_pin_memory() -> bool:
     return current_platform.is_pin_memory_available()
 
 
-def metadata(builder, rows: list[Row]):
+def metadata(builder, rows: list[Row], state_columns: int = 1 + DRAFTS, accepted=None):
+    """The builder's metadata of a step of `rows`; state_columns: the block table's width (1 +
+    DRAFTS: vLLM's per-draft blocks; 1: the replay page's one block); accepted: the runner's
+    num_accepted_tokens (default: each row's vllm_accepted)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     lens = [r.scheduled for r in rows]
@@ -87,10 +90,11 @@ def metadata(builder, rows: list[Row]):
     seq_lens = torch.tensor([r.computed + r.scheduled for r in rows], dtype=torch.int32)
     # column 0 the state slot, the DRAFTS speculative columns other blocks (vLLM's layout);
     # padding rows all null, as the runner's block table beyond its requests
-    table = torch.zeros((len(rows), 1 + DRAFTS), dtype=torch.int32)
+    table = torch.zeros((len(rows), state_columns), dtype=torch.int32)
     for i, r in enumerate(rows):
         if r.slot != NULL_SLOT:
-            table[i] = torch.tensor([r.slot, *(SLOTS + r.slot * DRAFTS + j for j in range(DRAFTS))])
+            columns = [r.slot, *(SLOTS + r.slot * DRAFTS + j for j in range(DRAFTS))]
+            table[i] = torch.tensor(columns[:state_columns])
     common = CommonAttentionMetadata(
         query_start_loc=starts,
         query_start_loc_cpu=starts.clone(),
@@ -103,7 +107,8 @@ def metadata(builder, rows: list[Row]):
         slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.int64),
         seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
-    accepted = torch.tensor([r.vllm_accepted for r in rows], dtype=torch.int32)
+    if accepted is None:
+        accepted = torch.tensor([r.vllm_accepted for r in rows], dtype=torch.int32)
     drafts = torch.tensor([-1 if r.drafts is None else r.drafts for r in rows], dtype=torch.int32)
     return builder.build(
         0, common, num_accepted_tokens=accepted, num_decode_draft_tokens_cpu=drafts

@@ -128,13 +128,13 @@ def state_blocks_per_request(draft_tokens: int, prefix_caching: bool, replay: bo
     """State blocks one request holds in each GDN group: the running state, one more under
     prefix caching's "align" mode (the last cached one), and in vLLM one per draft token
     (MambaSpec.max_memory_usage_bytes); none per draft under the replay verify
-    (kernels/gdn_replay.py), which keeps the committed state only."""
+    (engine/quoting.md, "GDN replay"), which keeps the committed state only."""
     return (2 if prefix_caching else 1) + (0 if replay else draft_tokens)
 
 
 def replay_buffer_bytes(g: Geometry, draft_tokens: int, tp: int = 1) -> int:
-    """One GDN layer's saved verify inputs for one request (kernels/gdn_replay.py's
-    ReplayBuffer): k, v, a and b of 1 + draft_tokens tokens, in the model dtype."""
+    """One GDN layer's saved verify inputs for one request (the replay verify's ReplayBuffer,
+    one slot): k, v, a and b of 1 + draft_tokens tokens, in the model dtype."""
     heads, v_heads = g.linear_num_key_heads // tp, g.linear_num_value_heads // tp
     token = heads * g.linear_key_head_dim + v_heads * g.linear_value_head_dim + 2 * v_heads
     return (1 + draft_tokens) * token * MODEL_DTYPE_BYTES

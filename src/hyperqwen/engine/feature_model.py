@@ -50,6 +50,12 @@ class Seam:
 GDN_MODULE_LOADED = Seam("gdn_module_loaded", "gdn-layer.patch", "the GDN layer module loads")
 GDN_LAYER_BUILT = Seam("gdn_layer_built", "gdn-layer.patch", "a GDN layer is built")
 GDN_MIXED_QKV = Seam("gdn_mixed_qkv", "gdn-layer.patch", "the GDN layer's `rearrange_mixed_qkv`")
+GDN_STEP_BEGINS = Seam(
+    "gdn_step_begins", "gdn-layer.patch", "the GDN layer's step, before any kernel reads a state"
+)
+GDN_VERIFY = Seam(
+    "gdn_verify", "gdn-layer.patch", "the GDN layer's recurrent step, before vLLM's verify kernel"
+)
 LINEAR_KERNELS = Seam(
     "linear_kernels", "linear-kernels.patch", "vLLM's choice of mixed-precision linear kernel"
 )
@@ -119,6 +125,9 @@ class Feature:
     they always were, none being shown to leave every compiled graph alone."""
     ignored: Callable[[Any, str], str | None] = _never
     """(Settings, mode) -> why the knob, set explicitly, has no effect there (a launch warning)."""
+    refusal: Callable[[Any, str], str | None] = _never
+    """(Settings, mode) -> why `hyperqwen serve MODE` must not start with these settings (a
+    combination the feature, switched on, does not support yet), asked before vLLM starts."""
     turned_on_by: str = ""
     """KNOB=VALUE that turns it on, where the knob is not its own."""
     own_files: tuple[str, ...] = ()

@@ -33,6 +33,8 @@ from hyperqwen.engine.feature_model import (  # re-exported: features.X is the A
     GDN_LAYER_BUILT as GDN_LAYER_BUILT,
     GDN_MIXED_QKV as GDN_MIXED_QKV,
     GDN_MODULE_LOADED as GDN_MODULE_LOADED,
+    GDN_STEP_BEGINS as GDN_STEP_BEGINS,
+    GDN_VERIFY as GDN_VERIFY,
     LINEAR_KERNELS as LINEAR_KERNELS,
     NGRAM_DRAFTS as NGRAM_DRAFTS,
     OFF as OFF,
@@ -440,8 +442,60 @@ KVARN = Feature(
     "test (`tests/test_kvarn_serve_gpu.py`) not run",
 )
 
+
+def _gdn_replay_launch(settings: Any, mode: str) -> str | None:
+    # a knob of single mode's speculative decoding: nothing verifies without it
+    on = mode == "single" and settings.GDN_REPLAY == ON and settings.SPEC != "off"
+    return ON if on else None
+
+
+GDN_REPLAY = Feature(
+    name="gdn_replay",
+    seams=(GDN_LAYER_BUILT, GDN_STEP_BEGINS, GDN_VERIFY),
+    registers=True,
+    env="HYPERQWEN_GDN_REPLAY",
+    own_files=(
+        "src/hyperqwen/kernels/gdn_replay.py",
+        "src/hyperqwen/engine/gdn_replay_backend.py",
+        "src/hyperqwen/engine/gdn_replay_state.py",
+        "src/hyperqwen/engine/gdn_replay_models.py",
+    ),
+    knob="GDN_REPLAY",
+    owned_knob=Knob(
+        OFF,
+        "With speculative decoding (SPEC not off) and PREFIX_CACHE=0: keep one Gated DeltaNet "
+        "state per request and the last verify's inputs, folded in at the next step, instead "
+        "of vLLM's state per draft position (1 + DRAFT_TOKENS blocks per request and layer; "
+        'src/hyperqwen/engine/quoting.md, "GDN replay"). Frees most of the GDN state memory '
+        "at large DRAFT_TOKENS (`hyperqwen capacity`). Refused with PREFIX_CACHE=1 (not built "
+        "for it yet). CPU-tested against vLLM's own kernels; never run on a GPU, so off.",
+        modes=SINGLE_MODE,
+    ),
+    launch=_gdn_replay_launch,
+    ignored=lambda settings, mode: (
+        "GDN_REPLAY is ignored with SPEC=off (no verify step)."
+        if mode == "single" and settings.GDN_REPLAY == ON and settings.SPEC == "off"
+        else None
+    ),
+    refusal=lambda settings, mode: (
+        "GDN_REPLAY=1 needs PREFIX_CACHE=0: under prefix caching vLLM moves a request's GDN "
+        "state between blocks and caches block-boundary states from the per-draft states the "
+        "replay verify does not keep (src/hyperqwen/engine/quoting.md's plan, item 4, not "
+        "built yet)"
+        if _gdn_replay_launch(settings, mode) and settings.PREFIX_CACHE == ON
+        else None
+    ),
+    status="off; with speculation and no prefix caching, the GDN layers keep one state block "
+    "per request with the last verify's k, v, a, b in its page (vLLM's per-draft blocks "
+    "gone), the metadata builder (registered as vLLM's GDN backend) counts each slot's tokens "
+    "to fold in, and the layer's verify runs `../kernels/gdn_replay.py`; refused with prefix "
+    "caching; CPU-tested against vLLM's classes and its per-token-state kernel over multi-step "
+    "runs; never run on a GPU (CUDA graphs included), not timed",
+)
+
 # In this order: Settings adds the owned knobs, the launcher sets the variables and warns.
 FEATURES: tuple[Feature, ...] = (
+    GDN_REPLAY,
     GDN_RECURRENT,
     GDN_BA,
     SPLIT_QKV,
@@ -460,6 +514,8 @@ def serve_refusal(settings: Any, mode: str, gpus: list[Any], model_dir: Path) ->
     """The first reason a feature gives why `hyperqwen serve MODE` must not start (a knob value
     the GPUs or the model folder cannot take), or None."""
     for feature in FEATURES:
+        if reason := feature.refusal(settings, mode):
+            return reason
         value = feature.env_for(settings, mode) if feature.checked_at_serve else None
         if value is not None and (reason := feature.code().serve_refusal(value, gpus, model_dir)):
             return reason

@@ -29,8 +29,15 @@ to the verify or refuse the step. vLLM's own per-token-slot path reads block col
 too, whatever it accepted.
 
 Tensor ops on the metadata's device tensors only, no host synchronisation, so a step's counts
-can be computed while the GPU is busy and a CUDA graph can read them from a fixed buffer. Not
-yet called by vLLM: engine/quoting.md ("GDN replay: integration plan") says where it goes.
+can be computed while the GPU is busy and a CUDA graph can read them from a fixed buffer.
+
+This is also the GDN_REPLAY feature's module (features.py). Where vLLM calls it
+(engine/quoting.md, "GDN replay: integration plan"): `register` (the vLLM plugin) puts the
+metadata builder of gdn_replay_backend.py under vLLM's GDN_ATTN mamba backend and the model
+classes of gdn_replay_models.py (the page, gdn_replay_state.py) under the Qwen3.5
+architectures; `gdn_layer_built` gives each GDN layer the replay page; `gdn_step_begins`
+folds an unreplayed row's saved tokens before vLLM's kernels (its fast decode path included)
+read its state; `gdn_verify` runs the layer's verify rows; both with kernels/gdn_replay.py.
 """
 
 from __future__ import annotations
@@ -107,3 +114,105 @@ def next_record(metadata, saved: torch.Tensor) -> torch.Tensor:
         # padding rows (on the null slot) all write False there: the null slot never reads saved
         after.index_put_((slots.long(),), live & (slots != NULL_SLOT))
     return after
+
+
+# vLLM's Qwen3.5 architectures -> the classes with the replay page that replace them
+REPLAY_MODELS = {
+    "Qwen3_5ForConditionalGeneration": "hyperqwen.engine.gdn_replay_models:ReplayQwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "hyperqwen.engine.gdn_replay_models:ReplayQwen3_5Moe",
+}
+REPLAY_BACKEND = "hyperqwen.engine.gdn_replay_backend.ReplayGDNBackend"
+# what the record's counts hold only in mamba_cache_mode "none" (quoting.md's plan, item 4)
+UNSUPPORTED_CACHE_MODE = (
+    "the GDN replay verify runs only without prefix caching: under prefix caching vLLM moves a "
+    "request's state between blocks and caches block-boundary states from per-token states "
+    "the replay verify does not keep (engine/quoting.md's plan, item 4, not built)"
+)
+
+
+def register() -> None:
+    """The builder and the model classes into vLLM's registries (each vLLM process)."""
+    from vllm import ModelRegistry
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum, register_backend
+
+    register_backend(MambaAttentionBackendEnum.GDN_ATTN, REPLAY_BACKEND, is_mamba=True)
+    for architecture, model in REPLAY_MODELS.items():
+        ModelRegistry.register_model(architecture, model)
+
+
+def gdn_layer_built(layer) -> None:
+    """A layer that verifies drafts gets the replay page (gdn_replay_state.py); refused in the
+    cache modes the record does not hold in."""
+    if not layer.num_spec:  # no speculation: nothing verifies, vLLM's page
+        return
+    if layer.cache_config.mamba_cache_mode != "none":
+        raise ValueError(
+            f"{UNSUPPORTED_CACHE_MODE}; mamba_cache_mode is {layer.cache_config.mamba_cache_mode}"
+        )
+    architecture = layer.model_config.architecture
+    if architecture not in REPLAY_MODELS:
+        # the hybrid page alignment sizes the page from the model class: only these have ours
+        raise ValueError(
+            f"the GDN replay verify serves {', '.join(REPLAY_MODELS)}, not {architecture}"
+        )
+    from hyperqwen.engine.gdn_replay_state import replay_layer
+
+    replay_layer(layer)
+    layer.hyperqwen_replay = True
+
+
+def _replay_page(layer, metadata):
+    """The layer's state pool and saved inputs, where the layer is a replay layer; refused
+    where its metadata has no plan (vLLM's own verify would write past its one block)."""
+    if not getattr(layer, "hyperqwen_replay", False):
+        return None
+    from hyperqwen.engine.gdn_replay_backend import ReplayMetadata
+    from hyperqwen.engine.gdn_replay_state import saved_inputs
+    from hyperqwen.kernels.gdn_replay import ReplayBuffer
+
+    if not isinstance(metadata, ReplayMetadata) or metadata.replay is None:
+        raise RuntimeError(
+            "GDN replay: a replay layer got metadata without a replay plan (is the vLLM "
+            f"plugin's GDN backend registered?): {type(metadata).__name__}"
+        )
+    return layer.kv_cache[1], ReplayBuffer(*saved_inputs(layer.kv_cache))
+
+
+def gdn_step_begins(layer, metadata) -> None:
+    """Folds the saved tokens of the step's non-spec rows that skip their replay
+    (`unreplayed`: a plain decode or prefill chunk right after a verify) into their states,
+    before vLLM's decode or prefill kernels read them."""
+    page = _replay_page(layer, metadata)
+    if page is None or metadata.fold_counts is None:
+        return
+    from hyperqwen.kernels.gdn_replay import gdn_replay_fold
+
+    state, saved = page
+    slots = metadata.non_spec_state_indices_tensor[: metadata.fold_counts.numel()]
+    gdn_replay_fold(layer.A_log, layer.dt_bias, state, slots, metadata.fold_counts, saved)
+
+
+def gdn_verify(layer, metadata, q, k, v, a, b):
+    """The layer's verify rows through the replay verify. Returns their outputs [1, T, HV, V]
+    (vLLM's verify kernel does not run), or None where the step has no spec rows. q, k, v: the
+    spec rows' [1, T, ...] (vLLM's rearranged query_spec, key_spec, value_spec; None without
+    spec rows); a, b: the whole step's [tokens, HV] (vLLM's layer passes those to its verify
+    kernel)."""
+    page = _replay_page(layer, metadata)
+    if page is None or metadata.spec_sequence_masks is None:
+        return None
+    from hyperqwen.kernels.gdn_replay import gdn_replay_verify
+
+    state, saved = page
+    if metadata.num_prefills or metadata.num_decodes:
+        # vLLM hands its verify kernel the whole step's a and b, right only while spec rows
+        # come first; their own rows whatever the order
+        a = a.index_select(0, metadata.spec_token_indx)
+        b = b.index_select(0, metadata.spec_token_indx)
+    rows = metadata.num_spec_decodes
+    plan = metadata.replay
+    return gdn_replay_verify(
+        layer.A_log, a, b, layer.dt_bias, q, k, v, state,
+        metadata.spec_query_start_loc[: rows + 1], plan.committed_slots[:rows],
+        plan.replay_counts[:rows], saved,
+    )  # fmt: skip

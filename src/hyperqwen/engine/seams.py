@@ -20,6 +20,8 @@ from hyperqwen.engine.features import (
     GDN_LAYER_BUILT,
     GDN_MIXED_QKV,
     GDN_MODULE_LOADED,
+    GDN_STEP_BEGINS,
+    GDN_VERIFY,
     LINEAR_KERNELS,
     NGRAM_DRAFTS,
     PROPOSER_LOADED,
@@ -69,6 +71,24 @@ def gdn_mixed_qkv(mixed_qkv: Any, q_dim: int, k_dim: int, v_dim: int) -> Any | N
         fused = hook(mixed_qkv, q_dim, k_dim, v_dim)
         if fused is not None:
             return fused
+    return None
+
+
+def gdn_step_begins(layer: Any, metadata: Any) -> None:
+    """A GDN layer's step with its metadata, before its conv and recurrent kernels (vLLM's fast
+    decode path included) read any state."""
+    for hook in hooks(GDN_STEP_BEGINS):
+        hook(layer, metadata)
+
+
+def gdn_verify(layer: Any, metadata: Any, q: Any, k: Any, v: Any, a: Any, b: Any) -> Any | None:
+    """The GDN layer's recurrent step before its kernels run (the step's metadata, its spec
+    rows' q, k, v, None without spec rows, and the step's a, b): the spec rows' outputs from
+    the first feature that verifies them, vLLM's verify kernel then not called; None: vLLM's."""
+    for hook in hooks(GDN_VERIFY):
+        out = hook(layer, metadata, q, k, v, a, b)
+        if out is not None:
+            return out
     return None
 
 

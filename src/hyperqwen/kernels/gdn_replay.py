@@ -26,7 +26,8 @@ request, the first verify after a prefill or plain decode, where vLLM's count re
 nothing was saved). That difference, and clearing r after a step that did not save, is the
 caller's: this module does not see vLLM's scheduler.
 
-The saved inputs live per state slot ([slots, 1 + W, ...], ReplayBuffer), so they follow the
+The saved inputs live per state slot ([slots, 1 + W, ...], ReplayBuffer; a slot's rows
+contiguous, slots any stride apart, as vLLM lays its state tensors a page apart), so they follow the
 request as its state does, whatever order the batch takes, and a request skipped by a step
 (a budget-starved decode) replays them one step later. Two launches, one fixed grid each, no
 host synchronisation (CUDA-graph safe): the verify, then the save, which must not overwrite an
@@ -42,8 +43,9 @@ blocks and buffer 334 MiB; without, 16 blocks (2,574 MiB) against 1 and the buff
 
 Status: agrees with a float64 reference of vLLM's semantics and with vLLM's own kernel run with
 per-token state slots, over multi-step runs with random acceptance (tests/test_kernel_gdn
-_replay.py, Triton's CPU interpreter only). Not compiled or run on a GPU, not timed, and not
-integrated: vLLM's GDN layer and KV-cache spec still verify their way.
+_replay.py, Triton's CPU interpreter only), and through the layer's verify seam on a page laid
+out as vLLM binds it (tests/test_engine_gdn_replay_seam.py). Not compiled or run on a GPU, not
+timed (engine/quoting.md, "GDN replay", says what is wired and what is left).
 """
 
 from __future__ import annotations
@@ -118,11 +120,14 @@ class ReplayBuffer:
         problems = []
         for name, (shape, dtype) in wanted.items():
             part = getattr(self, name)
-            if tuple(part.shape) != shape or part.dtype != dtype or not part.is_contiguous():
+            # a slot's rows contiguous; slots may lie a page apart (vLLM's state tensors)
+            if tuple(part.shape) != shape or part.dtype != dtype or not part[0].is_contiguous():
                 problems.append(
-                    f"saved {name} contiguous {list(shape)} {dtype}, got "
+                    f"saved {name} contiguous per slot {list(shape)} {dtype}, got "
                     f"{list(part.shape)} {part.dtype}"
                 )
+        if self.a.stride(0) != self.b.stride(0):
+            problems.append("saved a and b with one slot stride")
         return problems
 
 
@@ -148,6 +153,9 @@ def _gdn_replay_kernel(
     softplus_threshold,
     scale,
     state_stride,
+    saved_k_stride,
+    saved_v_stride,
+    saved_gates_stride,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -180,11 +188,15 @@ def _gdn_replay_kernel(
 
     if replayed > 0:
         # the previous verify's accepted tokens, from this slot's saved inputs
-        saved = slot * SAVED + o_t
         live = o_t < replayed
+        gates = slot * saved_gates_stride
         k_t, v_t, a_t, b_t = _token_inputs(
-            saved_k, saved_v, saved_a, saved_b, saved, live, i_h, i_hv, o_k, o_v, H, HV, K, V
-        )
+            saved_k + slot * saved_k_stride,
+            saved_v + slot * saved_v_stride,
+            saved_a + gates,
+            saved_b + gates,
+            o_t, live, i_h, i_hv, o_k, o_v, H, HV, K, V,
+        )  # fmt: skip
         decay, beta = _gates(a_t, b_t, decay_rate, bias, softplus_beta, softplus_threshold)
         k_t = _l2_normalised(k_t)
         for t in tl.static_range(TOKENS):
@@ -225,15 +237,18 @@ def _save_inputs_kernel(
     saved_v,
     saved_a,
     saved_b,
+    saved_k_stride,
+    saved_v_stride,
+    saved_gates_stride,
     KEYS: tl.constexpr,  # H * K of one token
     VALUES: tl.constexpr,  # HV * V
     GATES: tl.constexpr,  # HV
     BLOCK_KEYS: tl.constexpr,
     BLOCK_VALUES: tl.constexpr,
     BLOCK_GATES: tl.constexpr,
-    SAVED: tl.constexpr,
 ):
-    """One program per request and saved position: token t of request n into slot s's row t."""
+    """One program per request and saved position: token t of request n into slot s's row t
+    (the grid's second dimension is the buffer's rows, so no later token is saved)."""
     i_n = tl.program_id(0)
     t = tl.program_id(1)
     slot = tl.load(state_slots + i_n).to(tl.int64)
@@ -243,17 +258,17 @@ def _save_inputs_kernel(
     if t >= tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos:
         return
     token = bos + t
-    row = slot * SAVED + t
     o_keys = tl.arange(0, BLOCK_KEYS)
     o_values = tl.arange(0, BLOCK_VALUES)
     o_gates = tl.arange(0, BLOCK_GATES)
     keys, values, gates = o_keys < KEYS, o_values < VALUES, o_gates < GATES
-    tl.store(saved_k + row * KEYS + o_keys, tl.load(k + token * KEYS + o_keys, keys), keys)
-    tl.store(
-        saved_v + row * VALUES + o_values, tl.load(v + token * VALUES + o_values, values), values
-    )
-    tl.store(saved_a + row * GATES + o_gates, tl.load(a + token * GATES + o_gates, gates), gates)
-    tl.store(saved_b + row * GATES + o_gates, tl.load(b + token * GATES + o_gates, gates), gates)
+    to_k = saved_k + slot * saved_k_stride + t * KEYS + o_keys
+    to_v = saved_v + slot * saved_v_stride + t * VALUES + o_values
+    to_gate = slot * saved_gates_stride + t * GATES + o_gates
+    tl.store(to_k, tl.load(k + token * KEYS + o_keys, keys), keys)
+    tl.store(to_v, tl.load(v + token * VALUES + o_values, values), values)
+    tl.store(saved_a + to_gate, tl.load(a + token * GATES + o_gates, gates), gates)
+    tl.store(saved_b + to_gate, tl.load(b + token * GATES + o_gates, gates), gates)
 
 
 def gdn_replay_verify(
@@ -299,6 +314,7 @@ def gdn_replay_verify(
         return out
     a, b, q, k, v = (x.contiguous() for x in (a, b, q, k, v))
     block = block_v or default_block_v(requests, v_heads, v_dim)
+    slot_strides = (saved.k.stride(0), saved.v.stride(0), saved.a.stride(0))
     _gdn_replay_kernel[(triton.cdiv(v_dim, block), requests * v_heads)](
         A_log,
         a,
@@ -320,6 +336,7 @@ def gdn_replay_verify(
         softplus_threshold,
         scale if scale is not None else k_dim**-0.5,
         state.stride(0),
+        *slot_strides,
         H=heads,
         HV=v_heads,
         K=k_dim,
@@ -342,12 +359,45 @@ def gdn_replay_verify(
         saved.v,
         saved.a,
         saved.b,
+        *slot_strides,
         KEYS=keys,
         VALUES=values,
         GATES=v_heads,
         BLOCK_KEYS=triton.next_power_of_2(keys),
         BLOCK_VALUES=triton.next_power_of_2(values),
         BLOCK_GATES=triton.next_power_of_2(v_heads),
-        SAVED=saved.tokens,
     )
     return out
+
+
+def gdn_replay_fold(
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    replay_counts: torch.Tensor,
+    saved: ReplayBuffer,
+    *,
+    softplus_beta: float = 1.0,
+    softplus_threshold: float = 20.0,
+) -> None:
+    """Folds the first replay_counts[n] saved tokens of slot state_slots[n] into its state,
+    and nothing else: for a request that runs vLLM's prefill or decode kernels this step after
+    a verify (engine/gdn_replay.py `unreplayed`). The verify kernel over requests of no tokens
+    (it saves none either); a request with a count of 0 is not read."""
+    requests = state_slots.numel()
+    if requests == 0:
+        return
+    heads, k_dim = saved.k.shape[2], saved.k.shape[3]
+    v_heads, v_dim = saved.v.shape[2], saved.v.shape[3]
+    device, dtype = state.device, saved.k.dtype
+    # one placeholder token: the kernel's argument checks want a step's shapes; none is read
+    q = torch.zeros((1, 1, heads, k_dim), dtype=dtype, device=device)
+    v = torch.zeros((1, 1, v_heads, v_dim), dtype=dtype, device=device)
+    gates = torch.zeros((1, v_heads), dtype=dtype, device=device)
+    gdn_replay_verify(
+        A_log, gates, gates, dt_bias, q, q, v, state,
+        torch.zeros(requests + 1, dtype=torch.int32, device=device),
+        torch.where(replay_counts > 0, state_slots, 0).to(torch.int32),
+        replay_counts, saved, softplus_beta=softplus_beta, softplus_threshold=softplus_threshold,
+    )  # fmt: skip

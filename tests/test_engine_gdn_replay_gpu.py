@@ -1,0 +1,118 @@
+"""The GDN replay verify (GDN_REPLAY) on a GPU: the same greedy tokens as vLLM's per-draft
+states, in a smaller state page.
+
+The tiny synthetic Qwen3.5 (prepared, with its MTP layer) is served as single mode runs it
+without prefix caching (the feature refuses it) — async scheduling, full and piecewise CUDA
+graphs — at MTP's 3 greedy drafts and with quoting's 15 (lookup at auto), each with
+HYPERQWEN_GDN_REPLAY unset and at 1: four servers. Each answers test_engine_quoting_gpu.py's
+prompts greedily, one request at a time (the copy prompt makes quoting's steps accept many
+tokens, so later steps fold them in).
+
+Checked: each greedy continuation is the same tokens with and without the replay verify, up to
+the first near tie; a verify step accepted more than one token somewhere (else nothing was
+folded); and vLLM's own log of its KV-cache pool shows more concurrent requests with the
+replay page (one state block per request instead of 1 + W). Everything measured goes to
+$HYPERQWEN_TEST_LOGS/gdn-replay-summary.json.
+
+Run on the GPU host: `pytest -m gpu tests/test_engine_gdn_replay_gpu.py` (four tiny servers,
+one after another).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+from gpu_server import (
+    agreeing_prefix,
+    log_dir,
+    patched_vllm_parent,
+    require_gpu,
+    running_server,
+    with_vllm_first,
+)
+from local_server import free_port
+from test_engine_quoting_gpu import (
+    CHAT_PROMPTS,
+    COPY_PROMPT,
+    MTP3,
+    NEAR_TIE,
+    QUOTING,
+    answer,
+    quoting_server,
+)
+from test_prepare_common import run_prepare
+
+from hyperqwen.checkpoint.geometry import PRESETS
+from hyperqwen.checkpoint.synthesize import synthesize
+from hyperqwen.engine.features import GDN_REPLAY, LOOKUP
+
+pytestmark = pytest.mark.gpu
+
+CONFIGS = {  # name: (speculative config, engine environment)
+    "mtp3": (MTP3, {}),
+    "quoting15": (QUOTING, {LOOKUP.env: "auto"}),
+}
+CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x")
+
+
+def replay_server(model, port: int, speculative: dict) -> list[str]:
+    command = quoting_server(model, port, speculative)
+    return [
+        "--no-enable-prefix-caching" if arg == "--enable-prefix-caching" else arg for arg in command
+    ]
+
+
+def test_replay_verify_keeps_greedy_tokens_and_shrinks_the_state_page(tmp_path, tmp_path_factory):
+    require_gpu()
+    logs = log_dir(tmp_path)
+    base_env = with_vllm_first(patched_vllm_parent(tmp_path_factory))
+    for feature in (GDN_REPLAY, LOOKUP):
+        base_env.pop(feature.env, None)
+    model = tmp_path / "tiny-prepared"
+    shutil.copytree(synthesize(tmp_path / "tiny", PRESETS["tiny"], progress=False).directory, model)
+    code, out, err = run_prepare(str(model), "--quiet")
+    assert code == 0, err + out
+
+    prompts = {"copy": COPY_PROMPT, **{f"chat-{i}": p for i, p in enumerate(CHAT_PROMPTS)}}
+    results, concurrency = {}, {}
+    for config, (speculative, engine_env) in CONFIGS.items():
+        for replay in ("0", "1"):
+            side = f"{config}-replay{replay}"
+            port = free_port()
+            log = logs / f"gdn-replay-{side}-server.log"
+            env = {**base_env, **engine_env, GDN_REPLAY.env: replay}
+            command = replay_server(model, port, speculative)
+            with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
+                results[side] = {name: answer(url, prompt) for name, prompt in prompts.items()}
+            found = CONCURRENCY.findall(log.read_text())
+            concurrency[side] = float(found[-1]) if found else None
+
+    summary = {
+        config: {
+            name: {
+                "agreeing_prefix": agreeing_prefix(
+                    results[f"{config}-replay0"][name], results[f"{config}-replay1"][name], NEAR_TIE
+                ),
+                "tokens_per_step": [
+                    results[f"{config}-replay{r}"][name]["tokens_per_step"] for r in "01"
+                ],
+            }
+            for name in prompts
+        }
+        for config in CONFIGS
+    }
+    summary["concurrency"] = concurrency
+    (logs / "gdn-replay-summary.json").write_text(json.dumps(summary, indent=1))
+
+    for config in CONFIGS:
+        for name, row in summary[config].items():
+            agreed, at_near_tie = row["agreeing_prefix"]
+            assert at_near_tie, f"{config} {name}: greedy output differs at token {agreed}"
+        steps = [row["tokens_per_step"][1] or 1 for row in summary[config].values()]
+        assert max(steps) > 1, f"{config}: no verify step kept a draft, nothing was folded"
+        vllms, ours = concurrency[f"{config}-replay0"], concurrency[f"{config}-replay1"]
+        assert vllms is not None and ours is not None, concurrency
+        assert ours > vllms, f"{config}: concurrency {vllms}x with vLLM's page, {ours}x with ours"
