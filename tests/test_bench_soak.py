@@ -179,3 +179,18 @@ def test_gpu_memory_is_the_servers_processes_where_nvidia_smi_lists_them(tmp_pat
         assert gpu_memory(stranger.pid) == {"gpu_used_mib": 9000.0, "gpu_scope": "whole GPU"}
         monkeypatch.setenv("PATH", str(tmp_path / "no-nvidia-smi"))
         assert gpu_memory(os.getpid()) == {"gpu_used_mib": None, "gpu_scope": None}
+
+
+def test_the_activation_budget_is_read_from_vllms_startup_line() -> None:
+    from hyperqwen.bench.soak import profiled_activation_mib
+
+    line = (
+        "(EngineCore pid=2824) INFO 12-03 08:14:04 [gpu_worker.py:857] Free memory on device "
+        "(138.12/139.8 GiB) on startup. Desired GPU memory utilization is (0.4, 55.92 GiB). "
+        "Actual usage is 16.83 GiB for weight, {} GiB for peak activation, 20.25 GiB for "
+        "non-torch memory, and 2.48 GiB for CUDAGraph memory."
+    )
+    assert profiled_activation_mib(line.format("2.58")) == 2.58 * 1024
+    restarted = line.format("9.0") + "\n" + line.format("1.5")  # the last start counts
+    assert profiled_activation_mib(restarted) == 1.5 * 1024
+    assert profiled_activation_mib("INFO Starting vLLM API server") is None
