@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 from kvarn_data import outlier_keys, outlier_values
 
@@ -137,3 +138,25 @@ def build_cache(seq_lens, query_lens, heads, kv_heads, d, seed, dtype=torch.bflo
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=starts.to(device), layout=layout, evicted_sinks=frozenset(evicted_sinks),
     )  # fmt: skip
+
+
+def moved_past_2_32_bytes(cache: Cache, index: int = 1) -> dict[str, torch.Tensor]:
+    """Kernel arguments (pool, block_table, slot_of_block) reading request 0's block `index` from
+    a block a few KB past 2^32 bytes of a 4 GiB pool, reserved and not touched, where an int32
+    offset wraps into the small pool's blocks, poisoned; its side slot moves with it. Skips
+    where the machine refuses to reserve the address space."""
+    blocks = 2**32 // cache.layout.tile_bytes + 2
+    try:
+        big = torch.empty(cache.layout.pool_shape(blocks, 1), dtype=torch.uint8)
+    except RuntimeError as refused:
+        pytest.skip(f"this machine refuses to reserve 4 GiB of address space: {refused}")
+    small_blocks = cache.pool.shape[0]
+    big[:small_blocks] = 0xFF
+    moved = int(cache.block_table[0, index])
+    big[blocks - 1] = cache.pool[moved]
+    table = cache.block_table.clone()
+    table[0, index] = blocks - 1
+    slot_of_block = torch.full((blocks,), -1, dtype=torch.int32)
+    slot_of_block[:small_blocks] = cache.slot_of_block
+    slot_of_block[blocks - 1] = cache.slot_of_block[moved]
+    return {"pool": big, "block_table": table, "slot_of_block": slot_of_block}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvarn_cache import T, build_cache
+from kvarn_cache import T, build_cache, moved_past_2_32_bytes
 
 from hyperqwen.bench.kernels import relative_error
 from hyperqwen.kvarn.decode import decode_attention
@@ -85,18 +85,8 @@ def test_a_block_past_2_32_bytes_is_read_in_int64():
     wraps into the poisoned first blocks. The output must equal the same cache's from a
     small pool."""
     cache = build_cache([2 * T + 1], [1], 2, 1, 256, seed=9)
-    blocks = 2**32 // cache.layout.tile_bytes + 2
-    try:
-        big = torch.empty(cache.layout.pool_shape(blocks, 1), dtype=torch.uint8)
-    except RuntimeError as refused:
-        pytest.skip(f"this machine refuses to reserve 4 GiB of address space: {refused}")
-    small_blocks = cache.pool.shape[0]
-    big[:small_blocks] = 0xFF
-    big[blocks - 1] = cache.pool[int(cache.block_table[0, 1])]
-    table = cache.block_table.clone()
-    table[0, 1] = blocks - 1
     want = run(cache, 1)
-    got = run(cache, 1, pool=big, block_table=table)
+    got = run(cache, 1, **moved_past_2_32_bytes(cache))
     assert torch.equal(got, want)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvarn_cache import T, build_cache
+from kvarn_cache import T, build_cache, moved_past_2_32_bytes
 
 from hyperqwen.bench.kernels import relative_error
 from hyperqwen.kvarn.prefill import prefill_attention, work_items
@@ -93,24 +93,10 @@ def test_a_block_past_2_32_bytes_is_read_in_int64():
     2^32 bytes, where an int32 offset wraps into the poisoned first blocks. The output must
     equal the same cache's from the small pool."""
     cache = build_cache([2 * T + 30], [60], 2, 1, 256, seed=9)
-    blocks = 2**32 // cache.layout.tile_bytes + 2
-    try:
-        big = torch.empty(cache.layout.pool_shape(blocks, 1), dtype=torch.uint8)
-    except RuntimeError as refused:
-        pytest.skip(f"this machine refuses to reserve 4 GiB of address space: {refused}")
-    small_blocks = cache.pool.shape[0]
-    big[:small_blocks] = 0xFF
-    moved = int(cache.block_table[0, 1])
-    big[blocks - 1] = cache.pool[moved]
-    table = cache.block_table.clone()
-    table[0, 1] = blocks - 1
-    # the chunk's first queries read block 1 in 16 bits: its slot moves with it
-    slot_of_block = torch.full((blocks,), -1, dtype=torch.int32)
-    slot_of_block[:small_blocks] = cache.slot_of_block
-    slot_of_block[blocks - 1] = cache.slot_of_block[moved]
     want = run(cache)
     assert not want.isnan().any()
-    got = run(cache, pool=big, block_table=table, slot_of_block=slot_of_block)
+    # the chunk's first queries read block 1 in 16 bits: its slot moves with it
+    got = run(cache, **moved_past_2_32_bytes(cache))
     assert torch.equal(got, want)
 
 
