@@ -83,7 +83,10 @@ def quoting_server(model, port: int, speculative: dict) -> list[str]:
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
         "--language-model-only", "--max-model-len", "4096", "--max-num-seqs", "4",
-        "--gpu-memory-utilization", "0.12", "--seed", "0", "--async-scheduling",
+        # a fixed KV pool skips vLLM's memory profile, which fails when a server beside it on
+        # the GPU frees memory meanwhile (seen 2026-12-03)
+        "--gpu-memory-utilization", "0.12", "--kv-cache-memory-bytes", "2G",
+        "--seed", "0", "--async-scheduling",
         "--enable-prefix-caching", "--speculative-config", json.dumps(speculative),
         "--compilation-config", json.dumps(compilation_config(PREFILL_GRAPH_TOKENS)),
         *shlex.split(TRITON_GDN),
