@@ -18,6 +18,7 @@ read outside the plan shows. Under Triton's interpreter; bounds as in test_kvarn
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -116,8 +117,25 @@ def common_metadata(requests, num_blocks, width, padding=0, ahead=None):
     )
 
 
+def build_from_host_table(builder, cam):
+    """The builder's metadata from the runner's host block table, as
+    patches/runner-host-block-table.patch passes it (set as an attribute: the venv's vLLM may
+    not have the field yet), checked against the same builder's from a copy of the device
+    table (stock vLLM): the same slots, side rows and stores, from the same allocator state."""
+    planner = getattr(builder, "builder", builder)  # a drafter pass wraps the builder
+    allocator = copy.deepcopy(planner.slots)
+    from_device = builder.build(0, cam)
+    planner.slots = allocator
+    cam.block_table_cpu = cam.block_table_tensor.clone()
+    meta = builder.build(0, cam)
+    for name in ("slot_of_block", "side_rows", "store_blocks", "store_slots"):
+        assert torch.equal(getattr(meta, name), getattr(from_device, name)), name
+    return meta
+
+
 def step(impl, builder, pool, requests, num_decodes, queries, padding=0, ahead=None):
-    meta = builder.build(0, common_metadata(requests, pool.shape[0], 5, padding, ahead))
+    cam = common_metadata(requests, pool.shape[0], 5, padding, ahead)
+    meta = build_from_host_table(builder, cam)
     decode_tokens = sum(scheduled for _, _, scheduled in requests[:num_decodes])
     assert (meta.num_decodes, meta.num_decode_tokens) == (num_decodes, decode_tokens)
     n = meta.num_actual_tokens + padding
@@ -221,6 +239,22 @@ def test_store_and_decode_through_the_impl_match_float64(vllm_cpu_platform):
     assert int(meta.slot_of_block[6]) == -1 and meta.store_blocks.numel() == 0
     assert (pool[[5, 7, 9]] == POISON_BYTE).all(), "a filling block was quantized"
     check_step(out, meta, pool, third, queries, layout)
+
+
+def test_the_builder_plans_from_the_host_table_not_the_device_copy(vllm_cpu_platform):
+    """With the runner's host table given, the plan names its blocks: a device table of other
+    blocks (here all block 7) is not read back."""
+    from vllm.config import VllmConfig
+
+    spec = KVarNBackend.kv_cache_spec(T, KV_HEADS, D)
+    builder = KVarNBackend.get_builder_cls()(spec, ["layer"], VllmConfig(), "cpu")
+    cam = common_metadata([(Sequence(200, seed=1, blocks=[3, 5]), 0, 200)], 8, 5)
+    cam.block_table_cpu = cam.block_table_tensor.clone()
+    cam.block_table_tensor = torch.full_like(cam.block_table_tensor, 7)
+    meta = builder.build(0, cam)
+    assert meta.store_blocks.tolist() == [3]
+    assert int(meta.slot_of_block[3]) >= 0 and int(meta.slot_of_block[5]) >= 0
+    assert int(meta.slot_of_block[7]) == -1
 
 
 def test_the_profile_run_allocates_the_side_cache_so_vllm_counts_it(vllm_cpu_platform):

@@ -25,11 +25,10 @@ The pieces:
   decode.decode_attention and prefills prefill.prefill_attention (one launch for all of them).
 
 What is not handled yet, and why:
-- The builder copies the block table's used columns to the host each step to plan the slots
-  (a device-to-host copy, which waits for the GPU's queue): vLLM 0.26 gives a builder no host
-  copy of the block table (CommonAttentionMetadata carries block_table_tensor on the device
-  only; the V1 runner keeps BlockTable.block_table.cpu to itself; README, "What it does not do
-  yet"), so removing it needs a patch that passes the runner's host slice.
+- The builder plans the slots from the runner's host block table, which vLLM 0.26 does not
+  give a builder: patches/runner-host-block-table.patch adds it to CommonAttentionMetadata
+  (`block_table_cpu`). Without it (stock vLLM, or a caller that rebuilds the metadata without
+  it) the builder copies the device table's rows back, a copy that waits for the GPU's queue.
 - vLLM's Attention layer builds its KV cache spec from the cache dtype, not from the backend
   (model_executor/layers/attention/attention.py: get_kv_cache_spec), and so does the hybrid
   page alignment (platforms/interface.py: _align_hybrid_block_size): serving needs a seam that
@@ -201,7 +200,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         drafts = self.reorder_batch_threshold - 1  # 0 without speculation
         rejectable = 2 * drafts if drafting else drafts
         width = -(-int(afters.max()) // TILE_TOKENS) if cam.num_reqs else 0
-        tables = cam.block_table_tensor[: cam.num_reqs, :width].cpu().tolist()
+        tables = host_block_table(cam, width).tolist()
         steps = []
         for blocks, before, after, query_len in zip(
             tables, befores.tolist(), afters.tolist(), query_lens.tolist(), strict=True
@@ -258,6 +257,17 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             store_blocks=store_blocks,
             store_slots=store_slots,
         )
+
+
+def host_block_table(cam: CommonAttentionMetadata, width: int) -> torch.Tensor:
+    """The block table's rows (first `width` columns) on the host: the runner's own host
+    mirror where patches/runner-host-block-table.patch passes it (README, "The host block
+    table": the same rows as the device's, final when the builder runs), else a copy of the
+    device's, which waits for the GPU's queue (stock vLLM, and callers that rebuild the
+    metadata without it)."""
+    host = getattr(cam, "block_table_cpu", None)  # absent from an unpatched vLLM's class
+    table = host if host is not None else cam.block_table_tensor
+    return table[: cam.num_reqs, :width].cpu()  # a no-op on a host tensor
 
 
 def check_decodes_first(seq_lens_cpu, query_lens, num_decodes: int, threshold: int) -> None:
