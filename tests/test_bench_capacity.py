@@ -14,11 +14,13 @@ from hyperqwen.bench.capacity_rows import (
     BUDGET_GIB,
     DEFAULT_VLLM_ARGS,
     PART_ROWS,
+    CapacityRunError,
     choice_rows,
     patched_knobs,
     patched_settings,
     plan_choices,
     result_document,
+    serve_and_read,
     state_gib_per_slot,
     stock_argv,
 )
@@ -162,6 +164,23 @@ def test_an_unknown_kv_choice_is_refused_naming_the_choices(capsys):
         build_parser().parse_args(["bench", "capacity", "--kv", "fp8,fp4"])
     error = capsys.readouterr().err
     assert "fp4" in error and "int4_per_token_head" in error
+
+
+def test_a_length_vllm_refuses_names_the_knob_and_what_fits(tmp_path):
+    # vLLM 0.26's refusal, as its engine core logs it (kv_cache_utils.py), numbers invented
+    refusal = (
+        "(EngineCore pid=4711) ERROR 12-03 08:10:41 [core.py:1100] ValueError: To serve at "
+        "least one request with the model's max seq len (262144), (6.1 GiB KV cache is needed, "
+        "which is larger than the available KV cache memory (5.2 GiB). Based on the available "
+        "memory, the estimated maximum model length is 223360. Try increasing "
+        "`gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or "
+        "decreasing `max_model_len` when initializing the engine."
+    )
+    command = ["python3", "-c", f"print({refusal!r})"]
+    with pytest.raises(CapacityRunError, match=r"holds at most 223,360 .* --max-len 223360"):
+        serve_and_read(command, {}, tmp_path / "refused.log", 30, "KV=fp8 patched")
+    knobs = patched_knobs("fp8", tmp_path, 0.17, 1, "", max_len=223360)
+    assert patched_settings(knobs, tmp_path).MAX_LEN == 223360
 
 
 def test_a_server_that_exits_early_leaves_its_log(tmp_path):

@@ -32,9 +32,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hyperqwen.bench.capacity_serve import (
+    TOO_LONG_LINE,
     USAGE_LINE,
     VllmSizing,
     gpu_util_for_budget,
+    package_env,
     parse_sizing,
     served_until_logged,
     synth_command,
@@ -100,9 +102,13 @@ def plan_choices(kvs: list[str], gpus: list[Gpu]) -> list[ChoicePlan]:
     ]
 
 
-def patched_knobs(kv: str, models: Path, gpu_util: float, port: int, vllm_args: str) -> dict:
-    """`hyperqwen serve single`'s knobs: the launcher sizes MAX_LEN for one slot from GPU_UTIL."""
+def patched_knobs(
+    kv: str, models: Path, gpu_util: float, port: int, vllm_args: str, max_len: int | None = None
+) -> dict:
+    """`hyperqwen serve single`'s knobs: the launcher sizes MAX_LEN for one slot from GPU_UTIL
+    unless max_len is given."""
     return {
+        **({"MAX_LEN": str(max_len)} if max_len else {}),
         "MODELS_DIR": str(models),
         "MODEL": PATCHED_MODEL,
         "CTX": CTX,
@@ -191,10 +197,16 @@ def serve_and_read(command: list[str], env: dict, log: Path, timeout_s: float, s
     sizing = parse_sizing(served_until_logged(command, env, log, USAGE_LINE, timeout_s))
     if sizing.complete:
         return sizing
-    tail = log.read_text(errors="replace")[-1500:]
+    text = log.read_text(errors="replace")
+    if too_long := TOO_LONG_LINE.search(text):
+        raise CapacityRunError(
+            f"{side}: vLLM refused max_model_len {too_long[1]}: the pool it found holds at most "
+            f"{int(too_long[2]):,} tokens (the launcher's reserve estimate, capacity.py, was too "
+            f"small); rerun with --max-len {too_long[2]} or less; log {log}"
+        )
     raise CapacityRunError(
         f"{side}: vLLM did not log its KV cache size and CUDA-graph memory within "
-        f"--timeout-s {timeout_s:g} (exited or refused first?); log {log}:\n{tail}"
+        f"--timeout-s {timeout_s:g} (exited or refused first?); log {log}:\n{text[-1500:]}"
     )
 
 
@@ -208,7 +220,11 @@ def synthesize(work: Path) -> Path:
         if not (models / name / "config.json").exists():
             progress(f"synthesizing {models / name} (27b config, prepared={prepared})")
             command = synth_command(models / name, prepared)
-            subprocess.run(command, check=True, timeout=SYNTH_TIMEOUT_S, capture_output=True)
+            done = subprocess.run(
+                command, env=package_env(), timeout=SYNTH_TIMEOUT_S, capture_output=True, text=True
+            )
+            if done.returncode:
+                raise CapacityRunError(f"`{shlex.join(command)}` failed:\n{done.stderr[-1500:]}")
     return models
 
 
@@ -220,7 +236,7 @@ def run_choice(plan: ChoicePlan, args, models: Path, util: float) -> tuple[list,
         return choice_rows(kv, None, None, None), [f"capacity_{kv}: refused: {plan.refusal}"]
     logs = args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    knobs = patched_knobs(kv, models, util, free_port(), args.vllm_args)
+    knobs = patched_knobs(kv, models, util, free_port(), args.vllm_args, args.max_len)
     settings = patched_settings(knobs, args.work)
     command = [sys.executable, "-m", "hyperqwen.cli", "serve", "single"]
     progress(f"KV={kv}: patched `hyperqwen serve single` (GPU_UTIL {util}) ...")
@@ -300,7 +316,11 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     util = gpu_util_for_budget(budget, card)
     args.work.mkdir(parents=True, exist_ok=True)
     args.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    models = synthesize(args.work)
+    try:
+        models = synthesize(args.work)
+    except CapacityRunError as error:
+        print(f"bench capacity: {error}", file=sys.stderr)
+        return 1
     rows, notes, failed = [], [], False
     for plan in plan_choices(args.kv, [gpu]):
         try:
@@ -355,6 +375,12 @@ def add_subcommand(actions) -> None:
         "--vllm-args",
         default=DEFAULT_VLLM_ARGS,
         help="vLLM flags both sides get (patched: EXTRA_ARGS; default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-len",
+        type=int,
+        help="MAX_LEN for the patched side (default: the launcher sizes it for the budget; set "
+        "it when vLLM finds less room than the launcher estimated)",
     )
     parser.add_argument(
         "--timeout-s",

@@ -31,6 +31,11 @@ USAGE_LINE = re.compile(
     r"Actual usage is ([\d.]+) GiB for weight, ([\d.]+) GiB for peak activation, "
     r"([\d.]+) GiB for non-torch memory, and ([\d.]+) GiB for CUDAGraph memory"
 )
+# vLLM's refusal when max_model_len does not fit the pool it found (kv_cache_utils.py:
+# _check_enough_kv_cache_memory): the length asked for and the longest that fits.
+TOO_LONG_LINE = re.compile(
+    r"max seq len \((\d+)\).*?the estimated maximum model length is (\d+)", re.DOTALL
+)
 # Rounds GPU_UTIL down to what `--gpu-memory-utilization` is given with: never over the budget.
 UTIL_DECIMALS = 4
 
@@ -51,16 +56,21 @@ def gpu_util_for_budget(budget_bytes: float, card_bytes: int) -> float:
     return math.floor(util * 10**UTIL_DECIMALS) / 10**UTIL_DECIMALS
 
 
+def package_env() -> dict[str, str]:
+    """This environment with this checkout's package first on the path, so `python -m
+    hyperqwen.cli` runs it whether installed or not."""
+    return {**os.environ, "PYTHONPATH": f"{SRC}:{os.environ.get('PYTHONPATH', '')}"}
+
+
 def served_until_logged(
     command: list[str], env: dict[str, str], log: Path, done: re.Pattern, timeout_s: float
 ) -> str:
     """Run a server until its log matches `done` or it exits (or timeout_s passes), then stop
     its process group; its log. The caller reads what it needs (or its absence) from it."""
-    path = f"{SRC}:{os.environ.get('PYTHONPATH', '')}"
     with log.open("w") as sink:
         process = subprocess.Popen(
             command,
-            env={**os.environ, "PYTHONPATH": path, **env},
+            env={**package_env(), **env},
             stdout=sink,
             stderr=subprocess.STDOUT,
             start_new_session=True,
