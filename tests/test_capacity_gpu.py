@@ -19,21 +19,24 @@ $HYPERQWEN_TEST_LOGS/capacity-*.json. Run: `pytest -m gpu tests/test_capacity_gp
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import requests
-from gpu_server import ROOT, TRITON_GDN, chat, hyperqwen_server, log_dir, require_gpu
+from gpu_server import TRITON_GDN, chat, hyperqwen_server, log_dir, require_gpu
 
+from hyperqwen.bench.capacity_serve import (
+    AVAILABLE_LINE,
+    SIZE_LINE,
+    gpu_util_for_budget,
+    served_until_logged,
+    synth_command,
+)
 from hyperqwen.capacity import (
     PREPARED_27B_WEIGHT_BYTES,
     CacheSetup,
@@ -55,8 +58,6 @@ POOL_BYTES = 3_943_652_394  # what capacity.py leaves CTX=huge on a 24 GB card a
 MAX_LEN = 32768  # fits every KV choice in that pool at one slot
 CARD_24GB_BYTES = 24 * GiB
 LOGGED_TIMEOUT_S = 600
-SIZE_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
-AVAILABLE_LINE = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +65,7 @@ def prepared_27b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The prepared 27B's config, tokenizer and draft head (served with dummy weights)."""
     require_gpu()
     models = tmp_path_factory.mktemp("models")
-    command = [sys.executable, "-m", "hyperqwen.cli", "synth", str(models / "q27p")]
-    command += ["--preset", "27b", "--config-only", "--prepared", "--draft-head"]
+    command = synth_command(models / "q27p", prepared=True)
     subprocess.run(command, check=True, timeout=300, capture_output=True)
     return models
 
@@ -73,27 +73,8 @@ def prepared_27b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def served_until_sized(env: dict[str, str], log: Path) -> str:
     """`hyperqwen serve single` with these knobs until vLLM logs its KV-cache size (or exits);
     its log."""
-    full_env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
     command = [sys.executable, "-m", "hyperqwen.cli", "serve", "single"]
-    with log.open("w") as sink:
-        process = subprocess.Popen(
-            command,
-            env={**full_env, **env},
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            deadline = time.monotonic() + LOGGED_TIMEOUT_S
-            while time.monotonic() < deadline and process.poll() is None:
-                if SIZE_LINE.search(log.read_text()):
-                    break
-                time.sleep(2)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    return log.read_text()
+    return served_until_logged(command, env, log, SIZE_LINE, LOGGED_TIMEOUT_S)
 
 
 def knobs(models: Path, **more: str) -> dict[str, str]:
@@ -168,7 +149,7 @@ def test_vllm_holds_the_tokens_capacity_computes(prepared_27b, tmp_path, kv):
 def util_of_a_24gb_card() -> str:
     """GPU_UTIL that gives this GPU's server what 0.9 of a 24 GB card gives: the rest of the
     card stays free for other servers (the soaks run beside these probes)."""
-    return f"{0.9 * CARD_24GB_BYTES / (list_gpus()[0].memory_gib * GiB):.4f}"
+    return f"{gpu_util_for_budget(0.9 * CARD_24GB_BYTES, int(list_gpus()[0].memory_gib * GiB))}"
 
 
 def test_the_reserve_estimate_never_promises_more_than_vllm_finds(prepared_27b, tmp_path):

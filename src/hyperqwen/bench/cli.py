@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from hyperqwen.bench.ab import add_ab_subcommand
+from hyperqwen.bench.capacity_rows import add_subcommand as add_capacity_subcommand
 from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.copy_tasks import copy_prompts
 from hyperqwen.bench.gdn import add_subcommand as add_gdn_subcommand
@@ -209,6 +210,7 @@ def add_subcommand(subparsers) -> None:
     add_kernels_subcommand(actions)
     add_gdn_subcommand(actions)
     add_pdl_subcommand(actions)
+    add_capacity_subcommand(actions)
     add_sass_subcommand(actions)
     add_soak_subcommand(actions)
     add_stepmap_subcommand(actions)
