@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,8 +121,14 @@ def test_the_patched_argv_serves_one_slot_with_mtp_in_the_budget(tmp_path, kv):
 def test_the_stock_argv_matches_the_patched_cache_knobs(tmp_path, kv):
     knobs = patched_knobs(kv, tmp_path, 0.1716, 18123, DEFAULT_VLLM_ARGS)
     settings = patched_settings(knobs, tmp_path)
-    argv = stock_argv(settings, "/kit/stock/bin/vllm", tmp_path / "q27", 200704, 18124)
-    assert argv[:3] == ["/kit/stock/bin/vllm", "serve", str(tmp_path / "q27")]
+    argv = stock_argv(settings, tmp_path / "q27", 200704, 18124)
+    assert argv[:5] == [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(tmp_path / "q27"),
+    ]
     assert flag_value(argv, "--gpu-memory-utilization") == "0.1716"
     assert flag_value(argv, "--max-model-len") == "200704"
     assert flag_value(argv, "--max-num-seqs") == "1"
@@ -189,3 +197,13 @@ def test_a_server_that_exits_early_leaves_its_log(tmp_path):
     text = served_until_logged(command, {}, log, USAGE_LINE, timeout_s=30)
     assert parse_sizing(text).pool_gib == 1.5 and not parse_sizing(text).complete
     assert Path(log).read_text() == text
+
+
+def test_a_vllm_tree_goes_first_on_the_servers_path(tmp_path):
+    from hyperqwen.bench.capacity_rows import vllm_first
+
+    assert vllm_first(None, {"KV": "fp8"}) == {"KV": "fp8"}
+    env = vllm_first(tmp_path / "stock", {"KV": "fp8"})
+    first, second = env["PYTHONPATH"].split(os.pathsep)[:2]
+    assert (first, env["KV"]) == (str(tmp_path / "stock"), "fp8")
+    assert Path(second, "hyperqwen", "cli.py").is_file()  # the checkout's package behind it

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -128,13 +129,15 @@ def patched_settings(knobs: dict[str, str], work: Path) -> Settings:
     return load_settings(knobs, env_file=work / "no.env").settings
 
 
-def stock_argv(settings: Settings, vllm: str, model: Path, max_len: int, port: int) -> list[str]:
-    """Stock `vllm serve` with the patched side's budget, length, slot, KV dtype, MTP drafts
-    and prefix caching; the rest vLLM's defaults. No HyperQwen keys in the speculative config."""
+def stock_argv(settings: Settings, model: Path, max_len: int, port: int) -> list[str]:
+    """Stock `vllm serve` (the vllm/ first on PYTHONPATH, vllm_first) with the patched side's
+    budget, length, slot, KV dtype, MTP drafts and prefix caching; the rest vLLM's defaults.
+    No HyperQwen keys in the speculative config."""
     choice = KV_CHOICES[settings.KV]
     spec = speculative_config(settings)
     drafts = {"method": spec["method"], "num_speculative_tokens": spec["num_speculative_tokens"]}
-    argv = [vllm, "serve", str(model), "--host", SERVER_HOST, "--port", str(port)]
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model)]
+    argv += ["--host", SERVER_HOST, "--port", str(port)]
     argv += ["--served-model-name", model.name, "--language-model-only"]
     argv += ["--gpu-memory-utilization", f"{settings.GPU_UTIL}", "--max-model-len", str(max_len)]
     argv += ["--max-num-seqs", str(settings.MAX_SEQS), "--enable-prefix-caching"]
@@ -192,6 +195,14 @@ def choice_rows(
     return rows
 
 
+def vllm_first(parent: Path | None, env: dict[str, str]) -> dict[str, str]:
+    """env with parent's vllm/ (--stock-vllm, --patched-vllm) first on PYTHONPATH, before this
+    checkout's package (package_env); env as is without a parent."""
+    if parent is None:
+        return env
+    return {**env, "PYTHONPATH": f"{parent}{os.pathsep}{package_env()['PYTHONPATH']}"}
+
+
 def serve_and_read(command: list[str], env: dict, log: Path, timeout_s: float, side: str):
     """Serve until vLLM logs its CUDA-graph memory; its sizing, or CapacityRunError."""
     sizing = parse_sizing(served_until_logged(command, env, log, USAGE_LINE, timeout_s))
@@ -243,7 +254,11 @@ def run_choice(plan: ChoicePlan, args, models: Path, util: float) -> tuple[list,
     patched = stock = None
     try:
         patched = serve_and_read(
-            command, knobs, logs / f"{kv}-patched.log", args.timeout_s, f"KV={kv} patched"
+            command,
+            vllm_first(args.patched_vllm, knobs),
+            logs / f"{kv}-patched.log",
+            args.timeout_s,
+            f"KV={kv} patched",
         )
         progress(
             f"KV={kv}: patched: {patched.cache_tokens:,} tokens, {patched.concurrency}x "
@@ -253,13 +268,15 @@ def run_choice(plan: ChoicePlan, args, models: Path, util: float) -> tuple[list,
         notes.append(str(error).split("\n")[0])
         progress(str(error))
     if args.stock_vllm and plan.has_stock and patched is not None:
-        argv = stock_argv(
-            settings, args.stock_vllm, models / STOCK_MODEL, patched.max_len, free_port()
-        )
-        progress(f"KV={kv}: stock {shlex.join(argv[:3])} ...")
+        argv = stock_argv(settings, models / STOCK_MODEL, patched.max_len, free_port())
+        progress(f"KV={kv}: stock vLLM from {args.stock_vllm} ...")
         try:
             stock = serve_and_read(
-                argv, {}, logs / f"{kv}-stock.log", args.timeout_s, f"KV={kv} stock (--stock-vllm)"
+                argv,
+                vllm_first(args.stock_vllm, {}),
+                logs / f"{kv}-stock.log",
+                args.timeout_s,
+                f"KV={kv} stock (--stock-vllm)",
             )
             progress(f"KV={kv}: stock: {stock.cache_tokens:,} tokens, {stock.concurrency}x")
         except CapacityRunError as error:
@@ -352,7 +369,8 @@ def add_subcommand(actions) -> None:
         help="tokens that fit a 24 GiB budget per KV choice, MTP on (GPU host, starts servers)",
         description=__doc__,
         epilog="Example: hyperqwen bench capacity --kv fp8,int4_per_token_head "
-        "--stock-vllm /tmp/gpu-kit/vllm-stock/bin/vllm --out capacity.json\n"
+        "--stock-vllm /tmp/gpu-kit/vllm-stock --patched-vllm /tmp/gpu-kit/vllm-patched "
+        "--out capacity.json\n"
         "Exit codes: 0 done, 1 a choice that serves with MTP did not size, 2 bad options, "
         "3 no GPU.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -370,7 +388,15 @@ def add_subcommand(actions) -> None:
         default=BUDGET_GIB,
         help="memory vLLM may take, GiB (default %(default)g: a 24 GB card)",
     )
-    parser.add_argument("--stock-vllm", metavar="VLLM", help="stock vLLM 0.26's `vllm` executable")
+    parser.add_argument(
+        "--stock-vllm", metavar="PARENT_DIR", type=Path, help="folder holding a stock vllm/"
+    )
+    parser.add_argument(
+        "--patched-vllm",
+        metavar="PARENT_DIR",
+        type=Path,
+        help="folder holding the patched vllm/ (default: the one this Python imports)",
+    )
     parser.add_argument(
         "--vllm-args",
         default=DEFAULT_VLLM_ARGS,
