@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import json
 import random
-import re
 import shlex
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import requests
 
+from hyperqwen.bench.capacity_serve import USAGE_LINE
 from hyperqwen.bench.client import CONNECT_TIMEOUT_S, BenchClient, BenchError, SseDecoder
 from hyperqwen.bench.header import git_commit, gpu_facts
 from hyperqwen.bench.options import DATE_FORMAT, local_server
@@ -255,18 +255,13 @@ def gpu_memory(api_pid: int | None) -> dict:
         return {"gpu_used_mib": None, "gpu_scope": None}
 
 
-# vLLM 0.26's startup line (v1/worker/gpu_worker.py): "... Actual usage is W GiB for weight,
-# A GiB for peak activation, ..."
-_PEAK_ACTIVATION = re.compile(r"([\d.]+) GiB for peak activation")
-
-
 def profiled_activation_mib(server_log: str) -> float | None:
     """The activation peak vLLM's memory profile measured and kept out of the KV pool, from the
-    server's log (the last start's line); None where the log has none. vLLM empties PyTorch's
-    cache after the profile, so traffic may take up to this much back without a leak: the GPU
-    memory growth a soak may show before it is one."""
-    found = _PEAK_ACTIVATION.findall(server_log)
-    return float(found[-1]) * 1024 if found else None
+    server's usage line (capacity_serve.USAGE_LINE; the last start's); None where the log has
+    none. vLLM empties PyTorch's cache after the profile, so traffic may take up to this much
+    back without a leak: the GPU memory growth a soak may show before it is one."""
+    found = USAGE_LINE.findall(server_log)
+    return float(found[-1][1]) * 1024 if found else None
 
 
 class Tally:
