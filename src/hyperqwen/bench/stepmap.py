@@ -16,6 +16,10 @@ are matched in launch order to the geometry's layers (each layer launches its GE
 order; Marlin's and Machete's names and grids do not tell shapes apart), the lm_head last;
 after the forward, whatever is not sampling or a copy engine transfer is the MTP drafter (its
 weight-only GEMMs a class of their own).
+
+The window also splits by CUDA graphs: an op a cudaGraphLaunch ran carries that call's
+correlation id, so busy and idle time fall inside a replay (its ops, the gaps between them) or
+outside (eager ops, the host's gaps).
 """
 
 from __future__ import annotations
