@@ -26,6 +26,11 @@ from hyperqwen.bench import profile
         ("_topk_topp_kernel", "sampling"),
         ("Memset (Device)", "memory"),
         ("triton_poi_fused_add_0", "other"),
+        ("fused_sigmoid_gating_delta_rule_update_kernel", "gdn"),
+        # torch.compile's fused kernels, named after the Marlin GEMM they feed, are not GEMMs
+        ("triton_red_fused__to_copy_add_fused_add_rms_norm_marlin_gemm_3", "norm_activation"),
+        ("triton_poi_fused_marlin_gemm_mul_sigmoid_view_0", "norm_activation"),
+        ("triton_per_fused_marlin_gemm_0", "other"),
     ],
 )
 def test_kernels_fall_into_their_category(kernel, expected):

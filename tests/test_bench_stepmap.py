@@ -75,14 +75,26 @@ def step_range(name, start, dur, tid=COMPUTE, cat=stepmap.GPU_RANGE):
     return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": tid, "ts": start, "dur": dur}
 
 
-def trace_events(steps=3, ops=STEP_OPS):
-    """A prefill step at 0, `steps` decode steps from 1000, one more range (not counted)."""
+def trace_events(steps=3, ops=STEP_OPS, replay_of=None):
+    """A prefill step at 0, `steps` decode steps from 1000, one more range (not counted).
+    replay_of(position) names the CUDA graph replay (1, 2, ...) that ran a step's op, or None
+    for an eager op; each replay's ops carry its cudaGraphLaunch's correlation id."""
     events = [step_range("execute_context_1(128)_generation_0(0)", 0, 500)]
     events.append(op_event(MARLIN, "kernel", 0, 400, COMPUTE))
     for index in range(steps + 1):
         start = 1000 + index * STEP_US
         events.append(step_range(DECODE, start, FORWARD_US))
-        events += [op_event(n, c, start + s, start + e, tid) for n, c, s, e, tid in ops]
+        replays = set()
+        for position, (name, cat, begin, end, tid) in enumerate(ops):
+            event = op_event(name, cat, start + begin, start + end, tid)
+            replay = replay_of(position) if replay_of else None
+            if replay is not None:
+                replays.add(10 * index + replay)
+                event["args"] = {"correlation": 10 * index + replay}
+            events.append(event)
+        for replay in sorted(replays):
+            launch = {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch"}
+            events.append({**launch, "ts": start - 50, "dur": 5, "args": {"correlation": replay}})
     # the CPU range of a step and the side stream's copy of one are not step boundaries
     events.append(step_range(DECODE, 1010, 50, cat="user_annotation"))
     events.append(step_range(DECODE, 1030, 4, tid=SIDE))
@@ -226,6 +238,35 @@ def test_a_gap_split_moves_gaps_between_short_and_long():
     found = stepmap.gaps(steps[0], split_us=30.0)
     assert (found.busy_us, found.short_us, found.long_us, found.count) == (97, 38, 40, 20)
     assert found.long_gaps == (("rejection_greedy_sample_kernel", MARLIN, 40),)
+
+
+def test_busy_and_idle_time_split_by_cuda_graph_replays():
+    """Ops 0-14 but the side stream's copy replay one graph, the drafter's GEMM and attention
+    another; the copy, the lm_head, sampling and the argmax run eagerly."""
+
+    def replay_of(position):
+        if position < 15 and position != 6:
+            return 1
+        return 2 if position in (19, 20) else None
+
+    events = trace_events(replay_of=replay_of)
+    steps, _ = stepmap.segment(events)
+    found = stepmap.gaps(steps[0])
+    # graph ops: 61 us of the forward's 14 kernels, 10 of the drafter's two; the eager ones
+    # add the lm_head's 20 and 6 of copies, sampling and argmax (the side copy lies inside a
+    # GEMM's time)
+    assert (found.busy_us, found.graph_busy_us) == (97, 71)
+    # 13 gaps of 1 us between the forward graph's kernels, 1 between the drafter's
+    assert found.graph_idle_us == 14
+    summary = stepmap.summarize_steps(steps, FACTS)
+    assert summary["graph_replays_per_step"] == 2
+    assert (summary["graph_busy_ms"], summary["graph_idle_ms"]) == (0.071, 0.014)
+    assert summary["outside_graphs_busy_ms"] == 0.026
+    assert summary["outside_graphs_idle_ms"] == 0.064  # 78 us idle less the graphs' 14
+    table = "\n".join(stepmap_cli.format_stepmap(summary, None))
+    assert "CUDA graphs: 2.0 replays per step, busy 0.071 ms" in table
+    rows = {row.name: row.patched for row in stepmap_cli.stepmap_rows(summary, None, None)}
+    assert rows["outside_graphs_idle_ms_per_step"] == 0.064
 
 
 def test_a_forward_whose_gemms_do_not_match_the_geometry_keeps_them_unnamed():

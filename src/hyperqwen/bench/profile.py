@@ -27,16 +27,28 @@ CATEGORIES: tuple[tuple[str, re.Pattern], ...] = tuple(
     for name, pattern in (
         ("w4a16_gemm", r"machete|marlin|gptq|w4a16|humming|exllama"),
         # _ba_kernel: HyperQwen's GDN b/a projection (kernels/ba_proj.py)
-        ("gdn", r"gated_delta|fused_recurrent|chunk_|fla_|gdn|conv1d|l2norm|_ba_kernel"),
+        # fused_sigmoid_gating_delta_rule_update_kernel: vLLM's GDN decode recurrence
+        (
+            "gdn",
+            r"gated_delta|delta_rule|fused_recurrent|chunk_|fla_|gdn|conv1d|l2norm|_ba_kernel",
+        ),
         ("attention", r"flash|fmha|attention|attn"),
         ("dense_gemm", r"gemv|gemm|cutlass|xmma|nvjet|cublas|sm90_|sm80_"),
-        # rsqrt: an RMS norm that torch.compile fused into a Triton kernel (triton_red_fused_...)
-        ("norm_activation", r"norm|rsqrt|silu|gelu|act_and_mul|rotary|rope"),
+        # rsqrt: an RMS norm that torch.compile fused into a Triton kernel (triton_red_fused_...);
+        # sigmoid: the attention's output gate (GDN's sigmoid gating is claimed above)
+        ("norm_activation", r"norm|rsqrt|silu|gelu|sigmoid|act_and_mul|rotary|rope"),
         ("sampling", r"sampl|argmax|topk|top_k|softmax|rejection|gumbel|exponential"),
         ("memory", r"memset|memcpy|copy|fill|cat_|index|gather|scatter|split"),
     )
 )
 OTHER = "other"
+# torch.compile (Inductor) names a fused pointwise or reduction kernel after the ops it took
+# from the graph, and those include the GEMM whose input or output it handles:
+# triton_red_fused__to_copy_add_fused_add_rms_norm_marlin_gemm_3 is the residual add and RMS
+# norm in front of a Marlin GEMM. Such a kernel is never the GEMM itself (Inductor's own GEMMs
+# are templates, triton_tem_...), so the GEMM categories do not claim it.
+INDUCTOR_POINTWISE_OR_REDUCTION = re.compile(r"triton_(?:poi|red|per)_fused")
+GEMM_CATEGORIES = frozenset({"w4a16_gemm", "dense_gemm"})
 GPU_EVENT_CATEGORIES = frozenset({"kernel", "gpu_memset", "gpu_memcpy"})
 # vLLM's worker wraps every engine step it profiles in a CPU range named
 # execute_context_C(T)_generation_G(T) (gpu_worker.annotate_profile); the profiler also records
@@ -71,8 +83,9 @@ def profiler_flags(trace_dir: Path, steps: int, delay_steps: int) -> list[str]:
 
 
 def category(kernel_name: str) -> str:
+    never = GEMM_CATEGORIES if INDUCTOR_POINTWISE_OR_REDUCTION.match(kernel_name) else ()
     for name, pattern in CATEGORIES:
-        if pattern.search(kernel_name):
+        if name not in never and pattern.search(kernel_name):
             return name
     return OTHER
 

@@ -16,6 +16,10 @@ are matched in launch order to the geometry's layers (each layer launches its GE
 order; Marlin's and Machete's names and grids do not tell shapes apart), the lm_head last;
 after the forward, whatever is not sampling or a copy engine transfer is the MTP drafter (its
 weight-only GEMMs a class of their own).
+
+The window also splits by CUDA graphs: an op a cudaGraphLaunch ran carries that call's
+correlation id, so busy and idle time fall inside a replay (its ops, the gaps between them) or
+outside (eager ops, the host's gaps).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ CPU_RANGE = "user_annotation"
 # The trace's categories of launches: cudaLaunchKernel, cudaGraphLaunch, cudaMemcpyAsync ...
 # and the driver's cuLaunchKernel (Triton's launcher)
 LAUNCHES = frozenset({"cuda_runtime", "cuda_driver"})
+# A CUDA graph's replay: every kernel and copy of the graph carries this call's correlation id.
+GRAPH_LAUNCHES = frozenset({"cudaGraphLaunch", "cuGraphLaunch"})
 WNA16 = "w4a16_gemm"  # profile.py's category of every weight-only GEMM kernel (int4 and int8)
 LM_HEAD = "lm_head"
 BODY_PREFIX = "body_"
@@ -76,6 +82,7 @@ class GpuOp:
     kind: str  # the trace's cat: kernel, gpu_memcpy, gpu_memset
     start: float  # microseconds
     end: float
+    graph: int | None = None  # the correlation id of the graph replay that ran it; None: eager
 
 
 @dataclass(frozen=True)
@@ -125,12 +132,26 @@ def model_facts(config: dict) -> ModelFacts:
     return ModelFacts(geometry, bits)
 
 
+def _correlation(event: dict):
+    return (event.get("args") or {}).get("correlation")
+
+
 def gpu_ops(events: list[dict]) -> list[GpuOp]:
-    ops = [
-        GpuOp(str(e.get("name", "?")), e["cat"], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+    """The GPU's kernels and copies by start, each with the graph replay that ran it (matched
+    by correlation id to a cudaGraphLaunch), if any."""
+    replays = {
+        _correlation(e)
         for e in events
-        if e.get("ph") == "X" and e.get("cat") in GPU_EVENT_CATEGORIES
-    ]
+        if e.get("cat") in LAUNCHES and e.get("name") in GRAPH_LAUNCHES
+    }
+    replays.discard(None)
+    ops = []
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in GPU_EVENT_CATEGORIES:
+            continue
+        start, correlation = float(e["ts"]), _correlation(e)
+        graph = correlation if correlation in replays else None
+        ops.append(GpuOp(str(e.get("name", "?")), e["cat"], start, start + float(e["dur"]), graph))
     return sorted(ops, key=lambda op: op.start)
 
 
@@ -152,13 +173,13 @@ def _ranges_from_launches(events: list[dict]) -> list[dict]:
     launched_at = {
         e["args"]["correlation"]: float(e["ts"])
         for e in events
-        if e.get("cat") in LAUNCHES and "correlation" in (e.get("args") or {})
+        if e.get("cat") in LAUNCHES and _correlation(e) is not None
     }
     extents: dict[int, list[float]] = {}
     for e in events:
         if e.get("ph") != "X" or e.get("cat") not in GPU_EVENT_CATEGORIES:
             continue
-        launch = launched_at.get((e.get("args") or {}).get("correlation"))
+        launch = launched_at.get(_correlation(e))
         index = bisect.bisect_right(starts, launch) - 1 if launch is not None else -1
         if index < 0 or launch > starts[index] + float(cpu_ranges[index]["dur"]):
             continue  # launched outside every step range: sampling and drafting
@@ -248,26 +269,35 @@ class Gaps:
     long_us: float
     count: int
     long_gaps: tuple[tuple[str, str, float], ...]  # (op before, op after, microseconds)
+    graph_busy_us: float  # of busy_us, what CUDA graph replays ran (first to cover a moment)
+    graph_idle_us: float  # idle between two ops of one graph replay
 
 
 def gaps(step: Step, split_us: float = GAP_SPLIT_US) -> Gaps:
     """Where the GPU ran nothing inside the step's window: between the ops (merged where
-    streams overlap) and from the last op to the next step's first."""
-    busy = 0.0
+    streams overlap) and from the last op to the next step's first; and how much of the busy
+    and idle time lies inside CUDA graph replays (a gap between two ops of one replay), the
+    rest being eager work and the host's gaps around it."""
+    busy = graph_busy = graph_idle = 0.0
     idle = []  # (op before, op after, microseconds)
-    reach, last_name = step.start, ""
+    reach, last = step.start, None
     for op in step.ops:
         if op.start > reach:
-            idle.append((last_name, op.name, op.start - reach))
+            idle.append((last.name if last else "", op.name, op.start - reach))
+            if last and op.graph is not None and op.graph == last.graph:
+                graph_idle += op.start - reach
         end = min(op.end, step.end)
         if end > reach:
-            busy += end - max(op.start, reach)
-            reach, last_name = end, op.name
+            covered = end - max(op.start, reach)
+            busy += covered
+            graph_busy += covered if op.graph is not None else 0.0
+            reach, last = end, op
     if step.end > reach:
-        idle.append((last_name, "(next step)", step.end - reach))
+        idle.append((last.name if last else "", "(next step)", step.end - reach))
     long_gaps = tuple(gap for gap in idle if gap[2] >= split_us)
     short = sum((us for _, _, us in idle if us < split_us), 0.0)
-    return Gaps(busy, short, sum((us for _, _, us in long_gaps), 0.0), len(idle), long_gaps)
+    long = sum((us for _, _, us in long_gaps), 0.0)
+    return Gaps(busy, short, long, len(idle), long_gaps, graph_busy, graph_idle)
 
 
 def _ms(us: float, steps: int) -> float:
@@ -310,6 +340,9 @@ def summarize_steps(
         totals["busy"] += found.busy_us
         totals["short"] += found.short_us
         totals["long"] += found.long_us
+        totals["graph_busy"] += found.graph_busy_us
+        totals["graph_idle"] += found.graph_idle_us
+        totals["replays"] += len({op.graph for op in step.ops} - {None})
         totals["gaps"] += found.count
         totals["ops"] += len(step.ops)
         for before, after, idle in found.long_gaps:
@@ -344,6 +377,13 @@ def summarize_steps(
         "idle_short_gaps_ms": _ms(totals["short"], n),
         "idle_long_gaps_ms": _ms(totals["long"], n),
         "gap_split_us": split_us,
+        # the window split by CUDA graphs: a replay's span is its ops and the gaps between
+        # them; the rest is eager ops and the host's gaps around them
+        "graph_replays_per_step": round(totals["replays"] / n, 2),
+        "graph_busy_ms": _ms(totals["graph_busy"], n),
+        "graph_idle_ms": _ms(totals["graph_idle"], n),
+        "outside_graphs_busy_ms": _ms(totals["busy"] - totals["graph_busy"], n),
+        "outside_graphs_idle_ms": _ms(totals["span"] - totals["busy"] - totals["graph_idle"], n),
         "gaps_per_step": round(totals["gaps"] / n, 2),
         "launches_per_step": round(totals["ops"] / n, 2),
         "classes": {

@@ -50,6 +50,11 @@ def figures(summary: dict, copy_gbps: float | None) -> list[tuple[str, str, floa
         ("idle_short_gaps_ms_per_step", "ms", summary["idle_short_gaps_ms"]),
         ("idle_long_gaps_ms_per_step", "ms", summary["idle_long_gaps_ms"]),
         ("gaps_per_step", "gaps", summary["gaps_per_step"]),
+        ("graph_replays_per_step", "replays", summary["graph_replays_per_step"]),
+        ("graph_busy_ms_per_step", "ms", summary["graph_busy_ms"]),
+        ("graph_idle_ms_per_step", "ms", summary["graph_idle_ms"]),
+        ("outside_graphs_busy_ms_per_step", "ms", summary["outside_graphs_busy_ms"]),
+        ("outside_graphs_idle_ms_per_step", "ms", summary["outside_graphs_idle_ms"]),
         ("launches_per_step", "launches", summary["launches_per_step"]),
     ]
     for name, entry in summary["classes"].items():
@@ -92,6 +97,10 @@ def format_stepmap(summary: dict, copy_gbps: float | None) -> list[str]:
         f"{summary['gaps_per_step']} gaps (below {summary['gap_split_us']:g} us: "
         f"{summary['idle_short_gaps_ms']} ms; the rest {summary['idle_long_gaps_ms']} ms), "
         f"{summary['launches_per_step']} launches",
+        f"CUDA graphs: {summary['graph_replays_per_step']} replays per step, busy "
+        f"{summary['graph_busy_ms']} ms, idle between their kernels {summary['graph_idle_ms']} "
+        f"ms; outside them: eager ops busy {summary['outside_graphs_busy_ms']} ms, idle "
+        f"{summary['outside_graphs_idle_ms']} ms (the host preparing and waiting)",
         "",
     ]
     table = [("class", "launches/step", "ms/step", "share")]
@@ -228,7 +237,8 @@ def result_document(summary: dict, rows: list[ComparisonRow], facts: dict, trace
         "(device-to-device, read + written) measured in the bench process or given.",
         "idle = the step's window less the union of its GPU ops; short gaps are those below "
         f"{summary['gap_split_us']:g} us (kernel to kernel inside a graph), long ones the "
-        "host's share.",
+        "host's share. graph_* = ops a cudaGraphLaunch ran (matched by correlation id) and the "
+        "gaps between two ops of one replay; outside_graphs_* = eager ops and every other gap.",
     ]
     return checked_document(facts, rows, notes=notes, stepmap=summary, trace=str(trace))
 
