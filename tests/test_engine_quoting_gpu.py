@@ -1,22 +1,27 @@
-"""Quoting on a GPU: lossless, and more tokens per step where the context repeats.
+"""Quoting on a GPU: lossless, and more tokens per step where the answer copies its context.
 
 The tiny synthetic Qwen3.5 (prepared, with its MTP layer) is served as single mode runs it —
 MTP with 3 greedy drafts, async scheduling, prefix caching, full and piecewise CUDA graphs —
 three ways: HYPERQWEN_LOOKUP unset; at auto (copies from the context fused into MTP's 3 slots,
 engine/lookup.py); at auto with 15 draft slots (quoting: a long match verifies up to 15 copied
 tokens, every other request MTP's 3, engine/quoting.py). Each server answers the same prompts
-greedily, one request at a time: chat prompts, and a copy prompt (a code block, then its first
-half again) sent twice, the second time from the prefix cache.
+greedily, one request at a time: chat prompts, a code block followed by its first half (text the
+random model does not copy), and a copy prompt sent twice, the second time from the prefix cache.
+
+A random-weight model never copies its context (tests/quoting_copy.py says why), so before
+`prepare` the test plants a cycle of ordinary tokens in the checkpoint's embedding: after each
+cycle token the model's greedy choice is the next one, by a wide margin. The copy prompt (token
+ids) is the cycle and then its first half: the reference continues around the cycle, copying
+its context. No other prompt uses a cycle token, so they meet the model as synthesized.
 
 Checked: every greedy continuation is the same tokens with and without lookup, up to the first
-near tie (speculation changes batch shapes, not the function); and on the copy prompt, where the
+near tie (speculation changes batch shapes, not the function); on the copy prompt, where the
 reference continuation repeats its context, each lookup side verifies more tokens per step than
 MTP alone (1 + accepted / steps, from the server's counters around each request; with 15 slots
 vLLM counts the slots quoting cut as rejected drafts, so accepted tokens per step is the figure,
-not the acceptance rate). The random-weight
-model does not follow the instruction to copy; what its greedy text repeats is its own output,
-which is what a quoting answer looks like to the search. Everything measured goes to
-$HYPERQWEN_TEST_LOGS/quoting-summary.json.
+not the acceptance rate); on every other prompt no lookup side verifies fewer. Everything
+measured (each side's answer ids, tokens per step, and how many answer tokens the search could
+have copied) goes to $HYPERQWEN_TEST_LOGS/quoting-summary.json.
 
 Run on the GPU host: `pytest -m gpu tests/test_engine_quoting_gpu.py` (three tiny servers, one
 after another, about two minutes each to start cold).
@@ -44,12 +49,19 @@ from gpu_server import (
     with_vllm_first,
 )
 from local_server import free_port
+from quoting_copy import (
+    copy_prompt,
+    copyable_tokens,
+    cycle_tokens,
+    plant_cycle,
+    repeats_its_context,
+)
 from test_prepare_common import run_prepare
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
+from hyperqwen.checkpoint.tokenizer import build_fast_tokenizer
 from hyperqwen.engine.features import LOOKUP, MTP_DRAFTS
-from hyperqwen.engine.lookup import LONG_MATCH
 from hyperqwen.launch import PREFILL_GRAPH_TOKENS, compilation_config
 
 pytestmark = pytest.mark.gpu
@@ -67,7 +79,7 @@ CODE = "\n".join(
     f"    return State(value=total, count=state.count + 1)\n"
     for i in range(8)
 )
-COPY_PROMPT = f"{CODE}\n# The same functions again, unchanged:\n{CODE[: len(CODE) // 2]}"
+CODE_PROMPT = f"{CODE}\n# The same functions again, unchanged:\n{CODE[: len(CODE) // 2]}"
 CHAT_PROMPTS = (
     "The history of the printing press begins",
     "Translate to French: the cat sleeps on the warm windowsill.",
@@ -102,7 +114,7 @@ def counters(base: str) -> dict[str, float]:
     return found
 
 
-def answer(base: str, prompt: str) -> dict:
+def answer(base: str, prompt: str | list[int]) -> dict:
     """A greedy continuation with each step's top-2 margin, and the tokens per verify step
     the request ran at (the server's counters before and after it; one request at a time)."""
     before = counters(base)
@@ -126,14 +138,6 @@ def answer(base: str, prompt: str) -> dict:
     }
 
 
-def repeats_its_context(result: dict) -> bool:
-    """Whether the continuation's last tokens occurred earlier in the request's context (prompt
-    and continuation): what the search finds."""
-    ids = result["prompt_ids"] + result["greedy_ids"]
-    tail = ids[-LONG_MATCH:]
-    return any(ids[i : i + LONG_MATCH] == tail for i in range(len(ids) - LONG_MATCH))
-
-
 def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
     tmp_path, tmp_path_factory
 ):
@@ -143,10 +147,14 @@ def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
     base_env.pop(LOOKUP.env, None)
     model = tmp_path / "tiny-prepared"
     shutil.copytree(synthesize(tmp_path / "tiny", PRESETS["tiny"], progress=False).directory, model)
+    tokenizer = build_fast_tokenizer()
+    texts = (CODE_PROMPT, *CHAT_PROMPTS)
+    cycle = cycle_tokens(avoid=[i for text in texts for i in tokenizer.encode(text).ids])
+    plant_cycle(model, cycle)
     code, out, err = run_prepare(str(model), "--quiet")
     assert code == 0, err + out
 
-    prompts = {"copy": COPY_PROMPT, "copy-cached": COPY_PROMPT}
+    prompts = {"copy": copy_prompt(cycle), "copy-cached": copy_prompt(cycle), "code": CODE_PROMPT}
     prompts.update({f"chat-{i}": prompt for i, prompt in enumerate(CHAT_PROMPTS)})
     results = {}
     for side, (speculative, engine_env) in SIDES.items():
@@ -167,7 +175,18 @@ def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
             },
             "tokens_per_step": {side: results[side][name]["tokens_per_step"] for side in results},
             "verify_steps": {side: results[side][name]["verify_steps"] for side in results},
-            "reference_repeats": repeats_its_context(reference[name]),
+            "reference_repeats": repeats_its_context(
+                reference[name]["prompt_ids"], reference[name]["greedy_ids"]
+            ),
+            "copyable_tokens": {
+                side: copyable_tokens(
+                    results[side][name]["prompt_ids"], results[side][name]["greedy_ids"]
+                )
+                for side in results
+            },
+            "reference_min_margin": min(reference[name]["margins"]),
+            "prompt_ids": reference[name]["prompt_ids"],
+            "greedy_ids": {side: results[side][name]["greedy_ids"] for side in results},
         }
         for name in prompts
     }
@@ -176,11 +195,17 @@ def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
     for name, row in summary.items():
         for side, (agreed, at_near_tie) in row["agreeing_prefix"].items():
             assert at_near_tie, f"{name}: greedy output differs at token {agreed} with {side}"
-    for name in ("copy", "copy-cached"):
+    copying = ("copy", "copy-cached")
+    for name in copying:
         assert summary[name]["reference_repeats"], (
             f"{name}: the reference continuation does not repeat its context, so this prompt "
-            "cannot show lookup's gain on this checkpoint (see quoting-summary.json)"
+            "cannot show lookup's gain on this checkpoint: the planted cycle did not hold "
+            "(see greedy_ids and reference_min_margin in quoting-summary.json)"
         )
         steps = summary[name]["tokens_per_step"]
         for side in lookup_sides:
             assert steps[side] > steps["mtp"], f"{name}: {steps}"
+    for name in summary.keys() - set(copying):
+        steps = summary[name]["tokens_per_step"]
+        for side in lookup_sides:
+            assert steps[side] >= steps["mtp"], f"{name}: lookup made it slower: {steps}"
