@@ -342,7 +342,8 @@ VLLM_CASES = list(
 )
 
 
-# KV=kvarn serves with MTP (its layer's pool a KVarN one too) and without speculation
+# KV=kvarn serves with MTP (its layer's pool a KVarN one too: the launcher names KVarN the
+# drafter's backend, tests/test_kvarn_mtp_pages.py) and without speculation
 VLLM_CASES += [
     (KVARN_CHOICE, True, True),
     (KVARN_CHOICE, False, True),

@@ -199,8 +199,16 @@ def test_kvarn_reaches_vllm_as_its_custom_backend_on_auto_pages(vllm_serve):
         assert plan.env[KVARN_FEATURE.env] == "1"
         if values.get("SPEC") == "mtp":
             assert args.speculative_config["num_speculative_tokens"] == KVARN_MAX_DRAFTS
+            # the MTP layer on KVarN too: vLLM picks the drafter's backend apart from
+            # --attention-backend (test_kvarn_mtp_pages.py: its pages through vLLM)
+            assert args.speculative_config["attention_backend"] == CUSTOM
     plan = build_launch(loaded(KV="fp8"), "single", api_key=None)
     assert KVARN_FEATURE.env not in plan.env
+    # vLLM's own dtypes leave the drafter's backend to vLLM's selector
+    for kv, choice in KV_CHOICES.items():
+        if kv != KVARN_CHOICE and "mtp" in choice.speculation:
+            args = vllm_serve(build_launch(loaded(KV=kv, SPEC="mtp"), "single", None).argv)
+            assert "attention_backend" not in args.speculative_config
 
 
 @pytest.mark.parametrize("spec", ["ngram", "lookup"])

@@ -270,6 +270,10 @@ def test_kvarn_with_mtp_decodes_as_its_prefill_reads(tmp_path, tmp_path_factory)
         forced["control"] = complete(url, **teacher_forced_request(swapped))
     text = assert_served_on_kvarn(log)
     assert "Asynchronous scheduling is enabled" in text
+    # the MTP layer on KVarN too: vLLM's selector (platforms/cuda.py logs this line when it
+    # picks) chose no backend, as it did for the drafter before the launcher named KVarN's
+    # (test_kvarn_mtp_pages.py)
+    assert "out of potential backends" not in text, "a layer's attention is not KVarN's"
 
     drafts = spec_decode_total(metrics, "spec_decode_num_draft_tokens")
     accepted = spec_decode_total(metrics, "spec_decode_num_accepted_tokens")

@@ -37,6 +37,14 @@ What vLLM 0.26.0's source says (vllm/...: function), read for these facts:
   1 + 3 queries, and its server test speculates with MTP only: hence SPEC=mtp with at most 3
   drafts, and ngram / lookup (4 drafts by default, an n-gram drafter's path not run in a
   server with it) refused.
+- The MTP drafter's attention backend: vLLM never gives it --attention-backend; it takes
+  --speculative-config's attention_backend, else its own selector's pick
+  (v1/spec_decode/llm_base_proposer.py: SpecDecodeBaseProposer._create_draft_vllm_config), with
+  the target's cache dtype. For vLLM's dtypes the selector's pick takes that dtype (the
+  *_per_token_head ones only Triton has); KVarN's pages only its backend sizes, so KV=kvarn names
+  CUSTOM there too (drafter_backend), else the drafter's layer gets 16-bit pages that vLLM's
+  page unification cannot fit to KVarN's (v1/core/kv_cache_utils.py:
+  unify_kv_cache_spec_page_size; tests/test_kvarn_mtp_pages.py).
 - Prefix caching: Qwen3.5 runs it in "align" mode, which changes the recurrent state's blocks,
   not the attention cache (capacity.py); no backend above refuses it.
 """
@@ -91,6 +99,12 @@ class KvChoice:
     min_capability: tuple[int, int] = (8, 0)
     speculation: tuple[str, ...] = SPECULATING  # the SPEC methods it serves with besides off
     cache_dtype: str = ""  # --kv-cache-dtype; "": the choice's own name
+    # The MTP drafter's attention backend (--speculative-config attention_backend); None:
+    # vLLM's selector. vLLM never gives the drafter --attention-backend
+    # (v1/spec_decode/llm_base_proposer.py: _create_draft_vllm_config), so a cache whose
+    # pages only its own backend sizes must name it here too, or the drafter's layer gets
+    # 16-bit pages that vLLM cannot unify with the choice's.
+    drafter_backend: str | None = None
 
     @property
     def vllm_cache_dtype(self) -> str:
@@ -110,7 +124,10 @@ class KvChoice:
 def _choice(dtype: str) -> KvChoice:
     if dtype == KVARN_CHOICE:
         path = "KVarN (Triton decode and prefill)"
-        return KvChoice(dtype, CUSTOM, (path, path), speculation=("mtp",), cache_dtype="auto")
+        return KvChoice(
+            dtype, CUSTOM, (path, path), speculation=("mtp",), cache_dtype="auto",
+            drafter_backend=CUSTOM,
+        )  # fmt: skip
     if dtype.startswith("turboquant_"):
         path = "TurboQuant (Triton decode, FlashAttention 2 prefill)"
         return KvChoice(dtype, TURBOQUANT, (path, path), speculation=())

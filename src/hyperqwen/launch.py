@@ -114,7 +114,9 @@ def model_path(settings: Settings) -> Path:
     return settings.MODELS_DIR / settings.MODEL
 
 
-def speculative_config(settings: Settings) -> dict | None:
+def speculative_config(settings: Settings, kv: str | None = None) -> dict | None:
+    """vLLM's --speculative-config for SPEC; `kv` (the KV choice) names the MTP drafter's
+    attention backend where the choice needs one (kv_choices.KvChoice.drafter_backend)."""
     if settings.SPEC == "off":
         return None
     config: dict = {
@@ -130,6 +132,9 @@ def speculative_config(settings: Settings) -> dict | None:
         )
     else:
         config["draft_sample_method"] = settings.DRAFT_SAMPLE
+        drafter_backend = KV_CHOICES[kv].drafter_backend if kv else None
+        if drafter_backend:
+            config["attention_backend"] = drafter_backend
     return config
 
 
@@ -230,7 +235,7 @@ def build_launch(
         raise KvRefusal(refusal)
     split = settings.GPU_SPLIT or profile.gpu_split
     tensor_parallel = settings.GPU_COUNT if split == "tp" else 1
-    spec = speculative_config(settings) if mode == "single" else None
+    spec = speculative_config(settings, kv_dtype) if mode == "single" else None
     max_len, max_seqs, fit_notices, fit_warnings = fitted_context(
         settings, mode, profile, machine, tensor_parallel
     )
