@@ -18,9 +18,12 @@ if not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICE
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+
+# The comparison fixtures of the test_bench_ab*.py files, registered here so that they share them.
+from bench_ab_fixtures import comparison, series_dir, vllm_trees  # noqa: F401
 from vllm_trees import copy_vllm_tree
 
-from hyperqwen.patches import series_status
+from hyperqwen.patches.tree import series_status
 from hyperqwen.settings import PINNED_VLLM
 
 
@@ -132,7 +135,8 @@ def vllm_tree_copy(pristine_vllm_dir: Path, tmp_path: Path) -> Path:
 def patched_vllm(pristine_vllm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of the pristine tree with the repository's whole series applied. Read it (import
     it in a subprocess), never write it: several test modules share it."""
-    from hyperqwen.patches import apply_series, load_series
+    from hyperqwen.patches.series import load_series
+    from hyperqwen.patches.tree import apply_series
 
     target = tmp_path_factory.mktemp("series-patched") / "vllm"
     copy_vllm_tree(pristine_vllm_dir, target)
@@ -148,6 +152,22 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     target = tmp_path_factory.mktemp("tiny-qwen") / "checkpoint"
     return synthesize(target, PRESETS["tiny"], config_only=True, progress=False).directory
+
+
+@pytest.fixture(scope="session")
+def api_patches_report(
+    patched_vllm: Path,
+    pristine_vllm_dir: Path,
+    tiny_checkpoint: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict:
+    """What the patched vLLM OpenAI app does, gathered once (minutes) in one subprocess for the
+    three test_api_patches*.py files (tests/api_patches_report.py)."""
+    from api_patches_report import build_report
+
+    return build_report(
+        patched_vllm, pristine_vllm_dir, tiny_checkpoint, tmp_path_factory.mktemp("api-report")
+    )
 
 
 @pytest.fixture(scope="module")

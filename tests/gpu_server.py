@@ -16,12 +16,12 @@ import pytest
 import requests
 
 from hyperqwen.bench import server_process
-from hyperqwen.patches import (
+from hyperqwen.patches.series import load_series
+from hyperqwen.patches.tree import (
     PatchState,
     apply_series,
     check_series,
     default_vllm_dir,
-    load_series,
     series_status,
 )
 

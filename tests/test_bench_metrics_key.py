@@ -181,7 +181,8 @@ def report(
 
 
 def test_the_patch_applies_and_verifies_on_a_pristine_tree(vllm_tree_copy):
-    from hyperqwen.patches import apply_series, load_series
+    from hyperqwen.patches.series import load_series
+    from hyperqwen.patches.tree import apply_series
 
     series = load_series(ROOT / "patches")
     (patch,) = [p for p in series.patches if p.name == PATCH]

@@ -1,6 +1,6 @@
 """A server process's lifetime (bench/server_process.py) with real processes: one that never
 gets healthy and one that exits first fail with their log, and nothing of either is left.
-The healthy path runs in every `bench ab` test (test_bench_ab.py)."""
+The healthy path runs in every `bench ab` test (test_bench_ab_runs.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 The app below reads the whole body and answers 200 with its length; each case hands the
 middleware a scope and a scripted list of body messages and records what the app received and
 what went out. Its place in vLLM's app (inside CORS, following the flag) and the 413 through
-vLLM's exception handler are tests/test_api_patches.py's.
+vLLM's exception handler are tests/test_api_patches.py's and
+tests/test_api_patches_requests.py's.
 """
 
 from __future__ import annotations

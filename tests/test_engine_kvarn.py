@@ -13,7 +13,7 @@ from hyperqwen.engine import seams
 from hyperqwen.engine.features import KVARN
 from hyperqwen.kvarn.backend import KVarNBackend, KVarNImpl
 from hyperqwen.kvarn.layout import TileLayout
-from hyperqwen.patches import series_status
+from hyperqwen.patches.tree import series_status
 
 
 def test_the_seam_sizes_kvarn_pages_only_for_its_backend(monkeypatch):

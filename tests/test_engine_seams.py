@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hyperqwen.engine import features, seams
 from hyperqwen.engine.features import FEATURES, OFF
-from hyperqwen.patches import load_series
+from hyperqwen.patches.series import load_series
 
 ROOT = Path(__file__).resolve().parents[1]
 SEAMS = sorted({seam for feature in FEATURES for seam in feature.seams}, key=lambda s: s.name)

@@ -1,6 +1,6 @@
 """EngineStallSentinel (engine/stall_sentinel.py): its decisions with a fake clock, and its thread
 with the real one. The knob's registration in the patched vllm/envs.py is
-tests/test_api_patches.py's.
+tests/test_api_patches_streams.py's.
 """
 
 from __future__ import annotations

@@ -17,16 +17,9 @@ from pathlib import Path
 import pytest
 from vllm_trees import copy_vllm_tree
 
-from hyperqwen.patches import (
-    PatchSeriesError,
-    PatchState,
-    add_subcommand,
-    apply_series,
-    check_series,
-    load_series,
-    render_markdown,
-    series_status,
-)
+from hyperqwen.patches.cli import add_subcommand, render_markdown
+from hyperqwen.patches.series import PatchSeriesError, load_series
+from hyperqwen.patches.tree import PatchState, apply_series, check_series, series_status
 from hyperqwen.settings import PINNED_VLLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -370,7 +363,7 @@ def test_default_dir_is_this_pythons_vllm_found_without_importing_it():
         [
             sys.executable,
             "-c",
-            "import sys\nfrom hyperqwen.patches import default_vllm_dir\n"
+            "import sys\nfrom hyperqwen.patches.tree import default_vllm_dir\n"
             "print(default_vllm_dir())\nprint('vllm' in sys.modules)\n",
         ],
         capture_output=True,

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from hyperqwen import bench, capacity_cli, docs, doctor, patches, synth
+from hyperqwen import bench, capacity_cli, docs, doctor, synth
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.drafter import cli as drafter_cli
 from hyperqwen.engine.features import serve_refusal as feature_refusal
@@ -17,6 +17,7 @@ from hyperqwen.gpu import REQUIREMENT, NoGpu, list_gpus
 from hyperqwen.kv_choices import capability_refusal
 from hyperqwen.launch import build_launch, effective_config_lines, model_path, redact_argv
 from hyperqwen.parallel import tensor_parallel_refusal
+from hyperqwen.patches import cli as patches_cli
 from hyperqwen.prepare import cli as prepare_cli
 from hyperqwen.settings import MODES, SettingsError, load_settings, resolve_api_key
 from hyperqwen.toolkit import toolkit_env
@@ -204,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     knobs.set_defaults(func=cmd_settings)
 
     capacity_cli.add_subcommand(sub)
-    patches.add_subcommand(sub)
+    patches_cli.add_subcommand(sub)
     synth.add_subcommand(sub)
     prepare_cli.add_subcommand(sub)
     drafter_cli.add_subcommand(sub)

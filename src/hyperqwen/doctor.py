@@ -75,7 +75,7 @@ def check_package(name: str, pinned: str) -> Check:
 
 
 def check_patches() -> Check:
-    from hyperqwen.patches import series_status
+    from hyperqwen.patches.tree import series_status
 
     try:
         applied, detail = series_status()

@@ -43,7 +43,8 @@ from hyperqwen.bench.server_process import (
     weight_gib,
 )
 from hyperqwen.bench.workload import RequestFactory, served_token_ids
-from hyperqwen.patches import PatchSeriesError, PatchState, check_series, load_series, series_status
+from hyperqwen.patches.series import PatchSeriesError, load_series
+from hyperqwen.patches.tree import PatchState, check_series, series_status
 
 
 def check_vllm_tree(side: str, parent: Path) -> str:

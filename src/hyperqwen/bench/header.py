@@ -61,7 +61,8 @@ def git_commit() -> str:
 def patch_fact() -> str:
     """Whether this interpreter's vLLM carries the whole patch series."""
     try:
-        from hyperqwen.patches import PatchSeriesError, series_status
+        from hyperqwen.patches.series import PatchSeriesError
+        from hyperqwen.patches.tree import series_status
     except ImportError as reason:
         return f"not measured ({reason})"
     try:

