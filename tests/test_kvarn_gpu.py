@@ -97,11 +97,12 @@ def test_prefill_of_an_8k_chunk_after_32k_tokens_in_a_pool_past_2_32_bytes():
     Prefill runs decode's tile loops on the same bytes with the same bf16 operands (the
     query times each tile's key scales, the weights times the value scales, the weights of
     the 16-bit tiles); only the running maximum its weights are taken against differs (one
-    online softmax, not decode's partitions), so its rows must equal decode's to within one
-    bf16 rounding (2^-9). A defect of prefill's own (a tile, token or sink misread, a
-    rescale missed, an extra rounding) breaks that; tests/test_kvarn_prefill.py checks the
-    same under the interpreter with bf16 operands, where an extra bf16 rounding of
-    prefill's rotated query (tried by hand) fails it.
+    online softmax, not decode's partitions), so its rows must equal decode's to within two
+    bf16 roundings (2^-8: each kernel rounds its own weights and its own output). A defect
+    of prefill's own (a tile, token or sink misread, a rescale missed, an extra rounding)
+    breaks that; tests/test_kvarn_prefill.py checks the same under the interpreter with
+    bf16 operands, where an extra bf16 rounding of prefill's rotated query (tried by hand)
+    fails it.
 
     Against float64 both must stay under PREFILL_BOUND_32K: decode's error at these
     contexts, not the 1.5e-2 of decode's test at up to 64 tiles, which this test's first
@@ -135,5 +136,5 @@ def test_prefill_of_an_8k_chunk_after_32k_tokens_in_a_pool_past_2_32_bytes():
         prefill_error = relative_error(out[row], want)
         decode_error = relative_error(decoded[i], want)
         apart = relative_error(out[row], decoded[i].double())
-        assert apart < 2**-9, (row, apart, prefill_error, decode_error)
+        assert apart < 2**-8, (row, apart, prefill_error, decode_error)
         assert max(prefill_error, decode_error) < PREFILL_BOUND_32K, row

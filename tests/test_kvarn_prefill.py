@@ -108,9 +108,10 @@ def test_with_16_bit_operands_a_rows_error_is_the_decode_steps():
     same operands (the query times each tile's key scales, the weights times the value
     scales, the weights of the 16-bit tiles): prefill's only difference is the running
     maximum its weights are taken against (one online softmax, not decode's partitions), so
-    a row's error against float64 exceeds the decode step's on the same query and context by
-    one bf16 rounding (2^-9) at most. The 27B's 6 query heads per KV head, 4 tiles back.
-    tests/test_kvarn_gpu.py checks the same at 32k tokens on the GPU."""
+    a row equals the decode step's on the same query and context to within two bf16
+    roundings (2^-8: each kernel rounds its own weights and its own output). The 27B's 6
+    query heads per KV head, 4 tiles back. tests/test_kvarn_gpu.py checks the same at 32k
+    tokens on the GPU."""
     cache = build_cache([4 * T + 5], [5], 6, 1, 256, seed=93)
     prefilled = run(cache)
     steps = cache.decode_steps(list(range(5)))
@@ -120,7 +121,7 @@ def test_with_16_bit_operands_a_rows_error_is_the_decode_steps():
         prefill_error = relative_error(prefilled[row], want)
         decode_error = relative_error(decoded[row], want)
         apart = relative_error(prefilled[row], decoded[row].double())
-        assert apart < 2**-9, (row, apart, prefill_error, decode_error)
+        assert apart < 2**-8, (row, apart, prefill_error, decode_error)
         assert max(prefill_error, decode_error) < BOUND_16_BIT_OPERANDS, row
 
 
