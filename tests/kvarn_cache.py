@@ -54,6 +54,22 @@ class Cache:
         seq_len = int(self.seq_lens[req])
         return [seq_len - n + j + 1 for j in range(n)]
 
+    def decode_steps(self, rows: list[int]) -> dict:
+        """Decode kernel arguments (query included) for each of `rows` as a decode step of
+        its own at its own context over this cache: one request per row, reading its
+        request's block table, side slots and pool."""
+        starts = self.query_start_loc.tolist()
+        reqs = [max(r for r in range(len(starts) - 1) if starts[r] <= row) for row in rows]
+        contexts = [self.contexts(r)[row - starts[r]] for r, row in zip(reqs, rows, strict=True)]
+        device = self.query.device
+        return self.kernel_args() | {
+            "query": self.query[rows].contiguous(),
+            "block_table": self.block_table[reqs].contiguous(),
+            "seq_lens": torch.tensor(contexts, dtype=torch.int32, device=device),
+            "query_start_loc": torch.arange(len(rows) + 1, dtype=torch.int32, device=device),
+            "max_query_len": 1,
+        }
+
     def expected(self, rows: list[int] | None = None) -> torch.Tensor:
         """Float64 [num_tokens, Hq, D] (or [len(rows), Hq, D]: only those query rows, for
         contexts too long to take every one): each query by attention_reference at its own

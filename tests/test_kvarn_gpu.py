@@ -29,6 +29,7 @@ from hyperqwen.kvarn.prefill import prefill_attention  # noqa: E402
 from hyperqwen.kvarn.store import store_tiles  # noqa: E402
 
 HEADS, D, TILES = 4, 256, 64
+PREFILL_BOUND_32K = 5e-2  # the prefill test's docstring says why
 
 
 def test_27b_tiles_in_a_pool_past_2_32_bytes():
@@ -90,7 +91,29 @@ def test_prefill_of_an_8k_chunk_after_32k_tokens_in_a_pool_past_2_32_bytes():
     is evicted (read quantized); the pool's last block (past 2^32 bytes) holds a tile. Every
     output row must be written (poisoned first); the float64 reference is taken at rows
     around the chunks' tile boundaries and ends (each costs a float64 decode of its whole
-    context). Bound: decode's at these shapes (its 16-bit operands)."""
+    context), and each of those rows is also decoded alone at its context by the decode
+    kernel over the same cache.
+
+    Prefill runs decode's tile loops on the same bytes with the same bf16 operands (the
+    query times each tile's key scales, the weights times the value scales, the weights of
+    the 16-bit tiles); only the running maximum its weights are taken against differs (one
+    online softmax, not decode's partitions), so its rows must equal decode's to within two
+    bf16 roundings (2^-8: each kernel rounds its own weights and its own output). A defect
+    of prefill's own (a tile, token or sink misread, a rescale missed, an extra rounding)
+    breaks that; tests/test_kvarn_prefill.py checks the same under the interpreter with
+    bf16 operands, where an extra bf16 rounding of prefill's rotated query (tried by hand)
+    fails it.
+
+    Against float64 both must stay under PREFILL_BOUND_32K: decode's error at these
+    contexts, not the 1.5e-2 of decode's test at up to 64 tiles, which this test's first
+    run exceeded at row 0. The bf16 operands perturb each token's score and value by a
+    relative 2^-9 of its whole code range (codes 0..15 and 0..3 above the group's minimum,
+    not its deviation from the mean), and on this outlier data the tokens that dominate a
+    row's softmax are the extremes of more draws the longer the context, so a row's error
+    grows with the context and varies from query to query. Under the interpreter with bf16
+    operands (tests/triton_bf16_dots.py) decode's and prefill's errors are the same on each
+    query and rise from 4 to 64 to 256 tiles; at 256 tiles the worst of one KV head's 6
+    query heads reaches about the bound, and a row here spans 4 KV heads."""
     layout = TileLayout(head_dim=D)
     blocks = 2**32 // (HEADS * layout.tile_bytes) + 8
     past, chunk = 32768, 8192
@@ -105,6 +128,13 @@ def test_prefill_of_an_8k_chunk_after_32k_tokens_in_a_pool_past_2_32_bytes():
     # chunk's contexts start at 358: rows 25 / 26 and 153 / 154 straddle tile boundaries
     rows = [0, 1, T - 2, T - 1, T, 4000, chunk - 2, chunk - 1]
     rows += [chunk + j for j in (0, 25, 26, 153, 154, 299)]
+    steps = cache.decode_steps(rows)
+    decoded = torch.full_like(steps["query"], float("nan"))
+    decode_attention(steps.pop("query"), **steps, num_splits=32, out=decoded)
     expected = cache.expected(rows)
-    for row, want in zip(rows, expected, strict=True):
-        assert relative_error(out[row], want) < 1.5e-2, row
+    for i, (row, want) in enumerate(zip(rows, expected, strict=True)):
+        prefill_error = relative_error(out[row], want)
+        decode_error = relative_error(decoded[i], want)
+        apart = relative_error(out[row], decoded[i].double())
+        assert apart < 2**-8, (row, apart, prefill_error, decode_error)
+        assert max(prefill_error, decode_error) < PREFILL_BOUND_32K, row

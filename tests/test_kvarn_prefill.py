@@ -20,12 +20,15 @@ from __future__ import annotations
 import pytest
 import torch
 from kvarn_cache import T, build_cache, moved_past_2_32_bytes
+from triton_bf16_dots import bf16_dots  # noqa: F401 (a fixture)
 
 from hyperqwen.bench.kernels import relative_error
+from hyperqwen.kvarn.decode import decode_attention
 from hyperqwen.kvarn.prefill import prefill_attention, work_items
 
 pytestmark = pytest.mark.usefixtures("interpreted")
 BOUND = {torch.bfloat16: 8e-3, torch.float16: 1e-3}  # test_kvarn_decode.py's
+BOUND_16_BIT_OPERANDS = 5e-2  # tests/test_kvarn_gpu.py's PREFILL_BOUND_32K (why: there)
 
 
 def run(cache, **changes):
@@ -79,6 +82,47 @@ def test_prefill_at_27b_heads(evicted):
     cache = build_cache([2 * T + 20, 40], [3 * T // 4, 40], 24, 4, 256, seed=27,
                         evicted_sinks=evicted)  # fmt: skip
     assert_matches_float64(cache, run(cache))
+
+
+def test_each_row_is_what_a_decode_step_at_its_context_returns():
+    """Prefill's rows against the decode kernel's, each query decoded alone at its own
+    context over the same cache (a sink in 16 bits, one evicted): the same bytes through the
+    same tile loops, so the outputs differ only by the order of the fp32 sums (one online
+    softmax against decode's partitions), then bf16. tests/test_kvarn_gpu.py compares the
+    two with 16-bit operands at 32k tokens."""
+    cache = build_cache([2 * T + 30, 2 * T + 9], [60, 20], 4, 2, 64, seed=12,
+                        evicted_sinks=(1,))  # fmt: skip
+    prefilled = run(cache, rows=16)
+    steps = cache.decode_steps(list(range(cache.query.shape[0])))
+    decoded = torch.full_like(steps["query"], float("nan"))
+    decode_attention(steps.pop("query"), **steps, num_splits=2, out=decoded)
+    assert not decoded.isnan().any()
+    for row in range(prefilled.shape[0]):
+        assert torch.allclose(prefilled[row].float(), decoded[row].float(), rtol=2**-7,
+                              atol=1e-3), row  # fmt: skip
+
+
+@pytest.mark.usefixtures("bf16_dots")
+def test_with_16_bit_operands_a_rows_error_is_the_decode_steps():
+    """With the GPU's bf16 dot operands (tests/triton_bf16_dots.py) both kernels round the
+    same operands (the query times each tile's key scales, the weights times the value
+    scales, the weights of the 16-bit tiles): prefill's only difference is the running
+    maximum its weights are taken against (one online softmax, not decode's partitions), so
+    a row equals the decode step's on the same query and context to within two bf16
+    roundings (2^-8: each kernel rounds its own weights and its own output). The 27B's 6
+    query heads per KV head, 4 tiles back. tests/test_kvarn_gpu.py checks the same at 32k
+    tokens on the GPU."""
+    cache = build_cache([4 * T + 5], [5], 6, 1, 256, seed=93)
+    prefilled = run(cache)
+    steps = cache.decode_steps(list(range(5)))
+    decoded = torch.full_like(steps["query"], float("nan"))
+    decode_attention(steps.pop("query"), **steps, num_splits=2, out=decoded)
+    for row, want in enumerate(cache.expected()):
+        prefill_error = relative_error(prefilled[row], want)
+        decode_error = relative_error(decoded[row], want)
+        apart = relative_error(prefilled[row], decoded[row].double())
+        assert apart < 2**-8, (row, apart, prefill_error, decode_error)
+        assert max(prefill_error, decode_error) < BOUND_16_BIT_OPERANDS, row
 
 
 def test_every_query_is_one_programs_and_long_contexts_go_first():
