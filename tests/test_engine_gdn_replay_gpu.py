@@ -5,14 +5,16 @@ The tiny synthetic Qwen3.5 (prepared, with its MTP layer) is served as single mo
 without prefix caching (the feature refuses it) — async scheduling, full and piecewise CUDA
 graphs — at MTP's 3 greedy drafts and with quoting's 15 (lookup at auto), each with
 HYPERQWEN_GDN_REPLAY unset and at 1: four servers. Each answers test_engine_quoting_gpu.py's
-prompts greedily, one request at a time (the copy prompt makes quoting's steps accept many
-tokens, so later steps fold them in).
+prompts greedily, one request at a time. As there, a token cycle is planted in the checkpoint
+(tests/quoting_copy.py), since a random model's answers never copy their context: the cycle
+prompt makes quoting's steps accept many tokens, so later steps fold them in; MTP's random
+draft head is rejected, so its verify steps replay one token.
 
 Checked: each greedy continuation is the same tokens with and without the replay verify, up to
-the first near tie; a verify step accepted more than one token somewhere (else nothing was
-folded); and vLLM's own log of its KV-cache pool shows more concurrent requests with the
-replay page (one state block per request instead of 1 + W). Everything measured goes to
-$HYPERQWEN_TEST_LOGS/gdn-replay-summary.json.
+the first near tie; quoting's verify steps on the cycle prompt accepted more than one token
+(else nothing was folded); and vLLM's own log of its KV-cache pool shows more concurrent
+requests with the replay page (one state block per request instead of 1 + W). Everything
+measured goes to $HYPERQWEN_TEST_LOGS/gdn-replay-summary.json.
 
 Run on the GPU host: `pytest -m gpu tests/test_engine_gdn_replay_gpu.py` (four tiny servers,
 one after another).
@@ -34,9 +36,10 @@ from gpu_server import (
     with_vllm_first,
 )
 from local_server import free_port
+from quoting_copy import copy_prompt, cycle_tokens, plant_cycle
 from test_engine_quoting_gpu import (
     CHAT_PROMPTS,
-    COPY_PROMPT,
+    CODE_PROMPT,
     MTP3,
     NEAR_TIE,
     QUOTING,
@@ -47,6 +50,7 @@ from test_prepare_common import run_prepare
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
+from hyperqwen.checkpoint.tokenizer import build_fast_tokenizer
 from hyperqwen.engine.features import GDN_REPLAY, LOOKUP
 
 pytestmark = pytest.mark.gpu
@@ -73,10 +77,15 @@ def test_replay_verify_keeps_greedy_tokens_and_shrinks_the_state_page(tmp_path, 
         base_env.pop(feature.env, None)
     model = tmp_path / "tiny-prepared"
     shutil.copytree(synthesize(tmp_path / "tiny", PRESETS["tiny"], progress=False).directory, model)
+    tokenizer = build_fast_tokenizer()
+    texts = (CODE_PROMPT, *CHAT_PROMPTS)
+    cycle = cycle_tokens(avoid=[i for text in texts for i in tokenizer.encode(text).ids])
+    plant_cycle(model, cycle)
     code, out, err = run_prepare(str(model), "--quiet")
     assert code == 0, err + out
 
-    prompts = {"copy": COPY_PROMPT, **{f"chat-{i}": p for i, p in enumerate(CHAT_PROMPTS)}}
+    prompts = {"copy": copy_prompt(cycle), "code": CODE_PROMPT}
+    prompts.update({f"chat-{i}": prompt for i, prompt in enumerate(CHAT_PROMPTS)})
     results, concurrency = {}, {}
     for config, (speculative, engine_env) in CONFIGS.items():
         for replay in ("0", "1"):
@@ -111,8 +120,8 @@ def test_replay_verify_keeps_greedy_tokens_and_shrinks_the_state_page(tmp_path, 
         for name, row in summary[config].items():
             agreed, at_near_tie = row["agreeing_prefix"]
             assert at_near_tie, f"{config} {name}: greedy output differs at token {agreed}"
-        steps = [row["tokens_per_step"][1] or 1 for row in summary[config].values()]
-        assert max(steps) > 1, f"{config}: no verify step kept a draft, nothing was folded"
         vllms, ours = concurrency[f"{config}-replay0"], concurrency[f"{config}-replay1"]
         assert vllms is not None and ours is not None, concurrency
         assert ours > vllms, f"{config}: concurrency {vllms}x with vLLM's page, {ours}x with ours"
+    kept = summary["quoting15"]["copy"]["tokens_per_step"][1]
+    assert kept and kept > 1, f"quoting15 copy: no draft kept ({kept} tokens per step), none folded"
