@@ -245,12 +245,31 @@ def vllm_27b(tmp_path_factory):
     return synthesize(directory, G27, config_only=True, progress=False).directory
 
 
+def gdn_state_spec(config, draft_tokens: int):
+    """The GDN layers' state spec as MambaBase.get_kv_cache_spec builds it from vLLM's config
+    after its hybrid alignment, with one block per draft token."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    model_class, _ = ModelRegistry.resolve_model_cls(
+        config.model_config.architecture, model_config=config.model_config
+    )
+    cache = config.cache_config
+    return MambaSpec(
+        shapes=model_class.get_mamba_state_shape_from_config(config),
+        dtypes=model_class.get_mamba_state_dtype_from_config(config),
+        block_size=cache.mamba_block_size,
+        page_size_padded=cache.mamba_page_size_padded,
+        mamba_cache_mode=cache.mamba_cache_mode,
+        num_speculative_blocks=draft_tokens,
+    )
+
+
 def vllm_kv_cache(model_dir, setup: CacheSetup, max_len: int, pool: int):
     """vLLM's own block-size alignment, layer specs, groups and KV-cache config."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
-    from vllm.model_executor.models import ModelRegistry
     from vllm.platforms.cpu import CpuPlatform
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
@@ -258,7 +277,6 @@ def vllm_kv_cache(model_dir, setup: CacheSetup, max_len: int, pool: int):
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
-        MambaSpec,
         TQFullAttentionSpec,
         get_kv_quant_mode,
     )
@@ -309,17 +327,7 @@ def vllm_kv_cache(model_dir, setup: CacheSetup, max_len: int, pool: int):
             dtype=dtype,
             kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
         )
-    model_class, _ = ModelRegistry.resolve_model_cls(
-        config.model_config.architecture, model_config=config.model_config
-    )
-    state = MambaSpec(
-        shapes=model_class.get_mamba_state_shape_from_config(config),
-        dtypes=model_class.get_mamba_state_dtype_from_config(config),
-        block_size=cache.mamba_block_size,
-        page_size_padded=cache.mamba_page_size_padded,
-        mamba_cache_mode=cache.mamba_cache_mode,
-        num_speculative_blocks=setup.draft_tokens,
-    )
+    state = gdn_state_spec(config, setup.draft_tokens)
     specs = {f"attention.{i}": attention for i in range(16 + setup.mtp_layers)}
     specs |= {f"gdn.{i}": state for i in range(48)}
     (kv_cache,) = get_kv_cache_configs(config, [specs], [pool])

@@ -19,6 +19,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from test_capacity import gdn_state_spec
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
@@ -105,9 +106,7 @@ def kv_cache_specs(config, geometry):
     In the runner's order: the drafter's config is made when its model loads, before the
     alignment (making it re-runs the platform's config checks, which on the CPU platform reset
     the shared cache config's block size)."""
-    from vllm.model_executor.models import ModelRegistry
     from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import MambaSpec
 
     drafter = drafter_config(config)
     full = [i for i, kind in enumerate(geometry.layer_types) if kind == "full_attention"]
@@ -124,18 +123,7 @@ def kv_cache_specs(config, geometry):
         name: layer.get_kv_cache_spec(drafter if name in drafter_names else config)
         for name, layer in layers.items()
     }
-    model_class, _ = ModelRegistry.resolve_model_cls(
-        config.model_config.architecture, model_config=config.model_config
-    )
-    cache = config.cache_config
-    state = MambaSpec(
-        shapes=model_class.get_mamba_state_shape_from_config(config),
-        dtypes=model_class.get_mamba_state_dtype_from_config(config),
-        block_size=cache.mamba_block_size,
-        page_size_padded=cache.mamba_page_size_padded,
-        mamba_cache_mode=cache.mamba_cache_mode,
-        num_speculative_blocks=config.speculative_config.num_speculative_tokens,
-    )
+    state = gdn_state_spec(config, config.speculative_config.num_speculative_tokens)
     gdn = [i for i, kind in enumerate(geometry.layer_types) if kind == "linear_attention"]
     specs |= {f"language_model.model.layers.{i}.linear_attn": state for i in gdn}
     return specs, drafter
