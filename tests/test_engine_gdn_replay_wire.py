@@ -171,6 +171,30 @@ def test_a_layer_without_speculation_keeps_vllms_page(vllm_on_cpu):
         assert getattr(replay_class, method)(config) == vllms
 
 
+def test_vllms_prefill_warmup_still_reads_two_state_dtypes(vllm_on_cpu, monkeypatch):
+    """vLLM's GDN prefill warm-up (in its profiling run) unpacks the layer's state dtypes into
+    (conv, recurrent); the replay page's six stopped the first start on the GPU host."""
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
+
+    from hyperqwen.engine import gdn_replay
+
+    class WarmupReachedItsKernels(Exception):
+        pass
+
+    def fused_post_conv_prep(**_):
+        raise WarmupReachedItsKernels
+
+    monkeypatch.setattr(qwen_gdn_linear_attn, "fused_post_conv_prep", fused_post_conv_prep)
+    layer = gdn_layer(PRESETS["tiny"], vllm_config(3))
+    gdn_replay.gdn_layer_built(layer)
+    layer._prefill_kernels_warmed_up = False
+    layer.A_log = layer.dt_bias = torch.zeros(layer.num_v_heads)
+    mixed_qkv = torch.randn(4, 2 * layer.num_k_heads * layer.head_k_dim)
+    with pytest.raises(WarmupReachedItsKernels):
+        layer._warmup_prefill_kernels(mixed_qkv, 0)
+    assert len(layer.get_state_dtype()) == 2 + 4  # the replay page again after the warm-up
+
+
 @pytest.mark.parametrize("mode", ["align", "all"])
 def test_prefix_caching_modes_are_refused_by_the_layer(vllm_on_cpu, mode):
     from hyperqwen.engine import gdn_replay

@@ -85,7 +85,8 @@ def model_state_dtypes(vllm_config: Any, vllms: tuple) -> tuple[torch.dtype, ...
 
 def replay_layer(layer: Any) -> None:
     """Gives a vLLM GDN layer instance the replay page: its state shapes and dtypes with the
-    saved inputs, and a KV-cache spec of one block per request (no speculative blocks)."""
+    saved inputs, and a KV-cache spec of one block per request (no speculative blocks). vLLM's
+    prefill warm-up still sees its own two state dtypes."""
     vllms_shape, vllms_dtype, vllms_spec = (
         layer.get_state_shape,
         layer.get_state_dtype,
@@ -110,10 +111,21 @@ def replay_layer(layer: Any) -> None:
     def get_kv_cache_spec(vllm_config: Any) -> Any:
         return dataclasses.replace(vllms_spec(vllm_config), num_speculative_blocks=0)
 
+    vllms_warmup = layer._warmup_prefill_kernels
+
+    def warmup_prefill_kernels(*args: Any, **kwargs: Any) -> None:
+        # vLLM's prefill warm-up (its profiling run) unpacks (conv, recurrent) state dtypes
+        layer.get_state_dtype = vllms_dtype
+        try:
+            vllms_warmup(*args, **kwargs)
+        finally:
+            layer.get_state_dtype = get_state_dtype
+
     # instance attributes shadow the class's methods for every caller of this layer
     layer.get_state_shape = get_state_shape
     layer.get_state_dtype = get_state_dtype
     layer.get_kv_cache_spec = get_kv_cache_spec
+    layer._warmup_prefill_kernels = warmup_prefill_kernels
 
 
 def replay_model_class(vllms: type) -> type:
