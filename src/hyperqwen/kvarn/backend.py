@@ -34,7 +34,7 @@ What is not handled yet, and why:
   page alignment (platforms/interface.py: _align_hybrid_block_size): serving needs a seam that
   asks the backend (`kv_cache_spec` below) in both places; without it vLLM sizes bf16 pages and
   the pool shape does not fit them.
-- The prefill kernel (prefill.py) has not run on a GPU yet, and its program size is untuned.
+- The prefill kernel (prefill.py) is checked on the H200 but not timed; its program size is untuned.
 - CUDA graphs: the builder declares none (AttentionCGSupport.NEVER), so vLLM runs this
   attention eagerly between piecewise graphs; the tile store's size is decided on the host.
 - Speculative decoding (README, "Speculative decoding"): verify blocks are decodes, read at the
