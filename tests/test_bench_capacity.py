@@ -23,6 +23,7 @@ from hyperqwen.bench.capacity_rows import (
     plan_choices,
     result_document,
     serve_and_read,
+    shared_gpu_notes,
     state_gib_per_slot,
     stock_argv,
 )
@@ -79,6 +80,19 @@ def test_a_log_cut_before_graph_capture_is_incomplete():
     assert sizing.cache_tokens == 301_312 and sizing.graph_gib is None
     assert not sizing.complete
     assert not parse_sizing("").complete
+
+
+def test_a_negative_non_torch_share_is_read_and_named_as_a_shared_gpu():
+    # the H200's KV=kvarn run of 2026-12-03 beside other servers logged this: the line must
+    # still end the run (it is the line the server is stopped on) and say what it means
+    shared = LOG.replace("0.38 GiB for non-torch", "-1.37 GiB for non-torch")
+    assert USAGE_LINE.search(shared)
+    sizing = parse_sizing(shared)
+    assert sizing.complete and sizing.non_torch_gib == -1.37
+    (note,) = shared_gpu_notes("kvarn", "patched", sizing)
+    assert note.startswith("capacity_kvarn (patched): vLLM logged -1.37 GiB") and "idle" in note
+    assert shared_gpu_notes("fp8", "patched", parse_sizing(LOG)) == []
+    assert shared_gpu_notes("fp8", "stock", None) == []
 
 
 def test_gpu_util_requests_the_budget_and_never_more():

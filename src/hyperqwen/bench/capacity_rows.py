@@ -221,6 +221,18 @@ def serve_and_read(command: list[str], env: dict, log: Path, timeout_s: float, s
     )
 
 
+def shared_gpu_notes(kv: str, side: str, sizing: VllmSizing | None) -> list[str]:
+    """A note where vLLM's own accounting shows that another process used the GPU while it
+    profiled: its pool, read off the whole card, is then not this configuration's."""
+    if sizing is None or sizing.non_torch_gib is None or sizing.non_torch_gib >= 0:
+        return []
+    return [
+        f"capacity_{kv} ({side}): vLLM logged {sizing.non_torch_gib:g} GiB of non-torch memory, "
+        "below zero: another process freed GPU memory during its profiling run, so the pool "
+        "it found is not this configuration's; rerun on an otherwise idle GPU"
+    ]
+
+
 def progress(message: str) -> None:
     print(f"bench capacity: {message}", flush=True)
 
@@ -284,6 +296,9 @@ def run_choice(plan: ChoicePlan, args, models: Path, util: float) -> tuple[list,
             progress(str(error))
     elif not plan.has_stock:
         notes.append(f"capacity_{kv}: no stock counterpart (HyperQwen's own cache)")
+    for note in shared_gpu_notes(kv, "patched", patched) + shared_gpu_notes(kv, "stock", stock):
+        progress(note)
+        notes.append(note)
     state = state_gib_per_slot(settings)
     return choice_rows(kv, patched, stock, state), notes
 

@@ -27,9 +27,11 @@ SIZE_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 CONCURRENCY_LINE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 AVAILABLE_LINE = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 # Logged after CUDA-graph capture, only when GPU_UTIL (not KV_MEM) sizes the pool.
+# Non-torch memory is a difference of whole-card readings: below zero when another process
+# freed memory during the profiling run.
 USAGE_LINE = re.compile(
     r"Actual usage is ([\d.]+) GiB for weight, ([\d.]+) GiB for peak activation, "
-    r"([\d.]+) GiB for non-torch memory, and ([\d.]+) GiB for CUDAGraph memory"
+    r"(-?[\d.]+) GiB for non-torch memory, and ([\d.]+) GiB for CUDAGraph memory"
 )
 # vLLM's refusal when max_model_len does not fit the pool it found (kv_cache_utils.py:
 # _check_enough_kv_cache_memory): the length asked for and the longest that fits.
