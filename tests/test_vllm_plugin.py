@@ -150,3 +150,34 @@ def test_each_features_bad_value_is_refused_by_name(monkeypatch, feature):
         register()
     with pytest.raises(FeatureSwitchError, match=feature.knob):
         check_environment()
+
+
+REFUSAL_PROBE = """
+import json, sys
+from hyperqwen.vllm_plugin import unregistered_plugin_refusal
+print(json.dumps([unregistered_plugin_refusal(env) for env in json.loads(sys.argv[1])]))
+"""
+
+
+def plugin_refusals(envs: list[dict], *folders: Path) -> list[str | None]:
+    """unregistered_plugin_refusal in a Python without site-packages, which sees the package
+    only through `folders`: a source folder alone (as on a host that only sets PYTHONPATH), or
+    beside the distribution metadata pip would write."""
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", REFUSAL_PROBE, json.dumps(envs)],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(map(str, folders))},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_serving_a_registered_feature_without_the_entry_point_is_refused(tmp_path, plugin_path):
+    source_only = tmp_path / "source-only"
+    source_only.mkdir()
+    (source_only / "hyperqwen").symlink_to(ROOT / "src" / "hyperqwen")
+    envs = [{KVARN.env: ON}, {KVARN.env: "0"}, {}]
+    kvarn, off, none = plugin_refusals(envs, source_only)
+    assert kvarn.startswith("KV=kvarn needs HyperQwen's vLLM plugin") and "install" in kvarn
+    assert off is None and none is None
+    assert plugin_refusals(envs, plugin_path, source_only) == [None, None, None]

@@ -21,6 +21,7 @@ from hyperqwen.patches import cli as patches_cli
 from hyperqwen.prepare import cli as prepare_cli
 from hyperqwen.settings import MODES, SettingsError, load_settings, resolve_api_key
 from hyperqwen.toolkit import toolkit_env
+from hyperqwen.vllm_plugin import unregistered_plugin_refusal
 
 EXIT_BAD_SETTINGS = 2
 EXIT_NO_GPU = 3
@@ -103,6 +104,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "hyperqwen serve: vLLM is not installed for this Python; run bash install.sh.",
             file=sys.stderr,
         )
+        return EXIT_BAD_SETTINGS
+    if refusal := unregistered_plugin_refusal({**environ, **plan.env}):
+        print(f"hyperqwen serve {args.mode}: refusing to start: {refusal}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
     sys.stdout.flush()
     sys.stderr.flush()

@@ -17,8 +17,10 @@ it `registers`, while it is switched on (KV=kvarn's attention backend under vLLM
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 ENV_PREFIX = "HYPERQWEN_"
+ENTRY_POINT = "hyperqwen.vllm_plugin:register"
 
 
 def register() -> None:
@@ -30,3 +32,28 @@ def register() -> None:
     for feature in FEATURES:
         if feature.registers and switched_on(feature):
             feature.code().register()
+
+
+def unregistered_plugin_refusal(env: Mapping[str, str]) -> str | None:
+    """Why vLLM would fail on the first layer: `env` switches on a feature that this plugin
+    must register, and this Python has no such entry point (hyperqwen imported from a source
+    folder on PYTHONPATH, never installed), so vLLM would never call `register`."""
+    from importlib.metadata import entry_points
+
+    from hyperqwen.engine.features import FEATURES, OFF
+
+    needing = [
+        feature.turned_on_by or f"{feature.knob}={env[feature.env]}"
+        for feature in FEATURES
+        if feature.registers and env.get(feature.env, OFF) not in (OFF, "off")
+    ]
+    if not needing:
+        return None
+    if any(point.value == ENTRY_POINT for point in entry_points(group="vllm.general_plugins")):
+        return None
+    return (
+        f"{', '.join(needing)} needs HyperQwen's vLLM plugin, which vLLM finds through the "
+        "installed package's `vllm.general_plugins` entry point; this Python has none (is "
+        "hyperqwen imported from a source folder on PYTHONPATH?). Install the package: bash "
+        "install.sh, or pip install -e . in the checkout"
+    )

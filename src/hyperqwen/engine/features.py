@@ -439,10 +439,11 @@ KVARN = Feature(
     "sink and filling tiles also in a 16-bit side cache of a few slots per sequence "
     "(`../kvarn/slots.py`), allocated in vLLM's profile run so that its budget counts it; "
     "decode by the fused Triton kernel, "
-    "prefill by a Triton kernel over the same tiles (not run on a GPU yet), "
-    "no CUDA graphs for attention, no speculation; "
-    "CPU-tested (`tests/test_kvarn_backend.py`, `tests/test_engine_kvarn.py`); the greedy GPU "
-    "test (`tests/test_kvarn_serve_gpu.py`) not run",
+    "prefill by a Triton kernel over the same tiles (checked on the H200, not timed), "
+    "no CUDA graphs for attention, SPEC=mtp with at most 3 drafts; "
+    "CPU-tested (`tests/test_kvarn_backend.py`, `tests/test_engine_kvarn.py`) and served on the "
+    "H200, with MTP too (`tests/test_kvarn_serve_gpu.py`; "
+    "bench/measurements/2026-12-03-h200-kvarn-*.json); speed not measured",
 )
 
 
