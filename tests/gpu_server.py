@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+import tomllib
 from collections.abc import Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -24,6 +28,7 @@ from hyperqwen.patches.tree import (
     default_vllm_dir,
     series_status,
 )
+from hyperqwen.vllm_plugin import ENTRY_POINT
 
 ROOT = Path(__file__).resolve().parents[1]
 # The 27B-geometry server needs ~4 min cold; a tiny one ~1.5 min (torch.compile, CUDA graphs).
@@ -79,10 +84,37 @@ def stock_vllm_parent() -> Path:
     return parent
 
 
+def write_plugin_metadata(folder: Path) -> Path:
+    """`folder`, holding hyperqwen's distribution metadata with pyproject.toml's entry points
+    as pip writes it: what vLLM's plugin loader looks the package up by."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    info = folder / f"hyperqwen-{project['version']}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: hyperqwen\n"
+                                   f"Version: {project['version']}\n")  # fmt: skip
+    sections = [
+        f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in entries.items())
+        for group, entries in project["entry-points"].items()
+    ]
+    (info / "entry_points.txt").write_text("\n".join(sections))
+    return folder
+
+
+@functools.cache
+def plugin_metadata_path() -> str | None:
+    """Where this Python imports hyperqwen from a source folder only (the GPU kit's host puts
+    src/ on PYTHONPATH), a folder of its entry-point metadata, so that vLLM loads the plugin
+    (`hyperqwen serve` refuses KV=kvarn without it); None where the package is installed."""
+    if any(point.value == ENTRY_POINT for point in entry_points(group="vllm.general_plugins")):
+        return None
+    return str(write_plugin_metadata(Path(tempfile.mkdtemp(prefix="hyperqwen-plugin-"))))
+
+
 def with_vllm_first(parent: Path) -> dict[str, str]:
-    """This environment with `parent` (holding a vllm/ package) first on PYTHONPATH."""
-    path = os.pathsep.join(filter(None, [str(parent), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path}
+    """This environment with `parent` (holding a vllm/ package) first on PYTHONPATH, and the
+    plugin's entry point where the package is not installed."""
+    folders = [str(parent), plugin_metadata_path(), os.environ.get("PYTHONPATH")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, folders))}
 
 
 @contextlib.contextmanager

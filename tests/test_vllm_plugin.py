@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from cli_runner import ROOT
+from gpu_server import write_plugin_metadata
 
 from hyperqwen.engine.features import (
     FEATURES,
@@ -39,18 +40,7 @@ print(json.dumps({"found": found, "hyperqwen": sorted(m for m in sys.modules if 
 @pytest.fixture(scope="module")
 def plugin_path(tmp_path_factory) -> Path:
     """A folder holding hyperqwen's distribution metadata with pyproject's entry points."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    folder = tmp_path_factory.mktemp("plugin-metadata")
-    info = folder / f"hyperqwen-{project['version']}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: hyperqwen\n"
-                                   f"Version: {project['version']}\n")  # fmt: skip
-    sections = [
-        f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in entries.items())
-        for group, entries in project["entry-points"].items()
-    ]
-    (info / "entry_points.txt").write_text("\n".join(sections))
-    return folder
+    return write_plugin_metadata(tmp_path_factory.mktemp("plugin-metadata"))
 
 
 # after the plugins: what vLLM's registry resolves its CUSTOM attention backend to
