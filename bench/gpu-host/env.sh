@@ -1,0 +1,26 @@
+#!/bin/bash
+# Sourced from the repository root on the GPU kit's host (../shared/gpu-kit): the kit's paths,
+# a patched copy of its vLLM (made once per host), and the package's plugin entry point.
+# shellcheck disable=SC1091
+bash .gpu-kit/recv.sh > /dev/null || { echo "gpu-host: the kit is not unpacked" >&2; return 1; }
+source /tmp/gpu-kit/env.sh
+export R=/tmp/hq  # job logs and outputs; they outlive one device call on a warm host
+mkdir -p "$R"
+export HYPERQWEN_STOCK_VLLM=/tmp/gpu-kit/vllm-stock HYPERQWEN_PATCHED_VLLM=/tmp/gpu-kit/vllm-patched
+if [ ! -f /tmp/gpu-kit/PATCHED ]; then
+  rm -rf "$HYPERQWEN_PATCHED_VLLM"
+  cp -a "$HYPERQWEN_STOCK_VLLM" "$HYPERQWEN_PATCHED_VLLM"
+  if PYTHONPATH="$PWD/src:$PYTHONPATH" python3 -m hyperqwen.cli patches apply \
+    "$HYPERQWEN_PATCHED_VLLM/vllm" > "$R/patch.log" 2>&1; then
+    touch /tmp/gpu-kit/PATCHED
+  else
+    echo "gpu-host: patching failed:" >&2
+    tail "$R/patch.log" >&2
+  fi
+fi
+# vLLM finds the plugin through the installed package's entry point; here src/ is only on the path
+info=$R/site/hyperqwen-0.1.0.dist-info
+mkdir -p "$info"
+printf 'Metadata-Version: 2.1\nName: hyperqwen\nVersion: 0.1.0\n' > "$info/METADATA"
+printf '[vllm.general_plugins]\nhyperqwen = hyperqwen.vllm_plugin:register\n' > "$info/entry_points.txt"
+export PYTHONPATH="$R/site:$PWD/src:$PYTHONPATH"
