@@ -124,3 +124,11 @@ def test_only_the_gpus_cuda_visible_devices_leaves_are_reported() -> None:
     assert [gpu.index for gpu in visible_to_cuda(gpus, "0,7,1")] == [0]  # CUDA stops at 7
     assert visible_to_cuda(gpus, "") == []
     assert visible_to_cuda(gpus, "GPU-5c7b1e2a") == gpus  # UUIDs: not mapped, all kept
+
+
+def test_the_plugin_line_says_whether_vllm_will_load_it():
+    installed = doctor.check_plugin()  # this venv installs the package: its entry point is there
+    assert installed.status == "OK" and "hyperqwen.vllm_plugin:register" in installed.detail
+    source_only = doctor.check_plugin(lambda: ["other.plugin:register"])
+    assert source_only.status == "WARN" and "KV=kvarn" in source_only.detail
+    assert "pip install -e ." in source_only.fix

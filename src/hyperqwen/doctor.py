@@ -21,6 +21,7 @@ from hyperqwen.settings import (
     resolve_api_key,
 )
 from hyperqwen.toolkit import choose_toolkit, missing_headers
+from hyperqwen.vllm_plugin import ENTRY_POINT
 
 Status = Literal["OK", "WARN", "FAIL"]
 PINNED_TORCH = "2.11.0"
@@ -89,6 +90,25 @@ def check_patches() -> Check:
     if applied:
         return Check("OK", "patches", detail)
     return Check("FAIL", "patches", detail, "hyperqwen patches apply")
+
+
+def installed_plugins() -> list[str]:
+    return [point.value for point in metadata.entry_points(group="vllm.general_plugins")]
+
+
+def check_plugin(lister: Callable[[], list[str]] = installed_plugins) -> Check:
+    """Whether vLLM will load HyperQwen's plugin: it finds it only through the installed
+    package's entry point, which a source folder on PYTHONPATH does not have."""
+    if ENTRY_POINT in lister():
+        return Check("OK", "plugin", f"vLLM loads {ENTRY_POINT} (the package's entry point)")
+    needing = ", ".join(f.turned_on_by or f.knob for f in FEATURES if f.registers)
+    return Check(
+        "WARN",
+        "plugin",
+        f"no vllm.general_plugins entry point names {ENTRY_POINT} (hyperqwen imported from a "
+        f"source folder?): vLLM will not load the plugin, and serve refuses {needing}",
+        "bash install.sh, or pip install -e . in the checkout",
+    )
 
 
 def check_gpu(lister: Callable[[], list] = list_gpus) -> list[Check]:
@@ -226,6 +246,7 @@ def run_doctor(environ: dict[str, str], in_container: bool) -> tuple[list[Check]
         check_package("vllm", PINNED_VLLM),
         check_package("torch", PINNED_TORCH),
         check_patches(),
+        check_plugin(),
         *check_gpu(),
         check_toolkit(environ),
     ]
