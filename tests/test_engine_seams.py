@@ -76,6 +76,7 @@ print(json.dumps({
     "drafts": seams.runner_drafted(runner, "MTP's", None),
     "kv_spec": seams.attention_kv_spec(object, 16, 4, 256),
     "split": seams.scheduler_mamba_split(request, 0, 100, 96),
+    "cache": seams.compile_cache_initialized(),
     "imported": sorted(m for m in sys.modules if m.startswith("hyperqwen.engine.")),
 }))
 """
@@ -100,6 +101,7 @@ def test_with_every_feature_off_each_seam_is_vllms_path_and_imports_nothing():
         "drafts": "MTP's",
         "kv_spec": None,
         "split": 96,
+        "cache": None,
         "imported": [
             "hyperqwen.engine.feature_model",
             "hyperqwen.engine.features",

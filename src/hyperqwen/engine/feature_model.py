@@ -72,6 +72,11 @@ ATTENTION_KV_SPEC = Seam(
 SCHEDULER_MAMBA_SPLIT = Seam(
     "scheduler_mamba_split", "scheduler-split.patch", "the scheduler's mamba `align` chunk split"
 )
+COMPILE_CACHE_INITIALIZED = Seam(
+    "compile_cache_initialized",
+    "compile-cache-dirs.patch",
+    "the end of vLLM's Inductor adaptors' `initialize_cache`, compile cache on",
+)
 
 
 def _v1_runner_seam(name: str, where: str) -> Seam:

@@ -30,6 +30,7 @@ from hyperqwen.engine.feature_model import (  # re-exported: features.X is the A
     ATTENTION_KV_SPEC as ATTENTION_KV_SPEC,
     BATCH_MODE as BATCH_MODE,
     BOTH_MODES as BOTH_MODES,
+    COMPILE_CACHE_INITIALIZED as COMPILE_CACHE_INITIALIZED,
     GDN_LAYER_BUILT as GDN_LAYER_BUILT,
     GDN_MIXED_QKV as GDN_MIXED_QKV,
     GDN_MODULE_LOADED as GDN_MODULE_LOADED,
@@ -497,6 +498,37 @@ GDN_REPLAY = Feature(
     "runs; never run on a GPU (CUDA graphs included), not timed",
 )
 
+# TRITON_CACHE's value that shares one Triton cache across configurations (the default)
+SHARED = "shared"
+
+SHARED_TRITON_CACHE = Feature(
+    name="shared_triton_cache",
+    seams=(COMPILE_CACHE_INITIALIZED,),
+    env="HYPERQWEN_TRITON_CACHE",
+    knob="TRITON_CACHE",
+    unset=SHARED,
+    owned_knob=Knob(
+        SHARED,
+        "Where Triton keeps its compiled kernels and autotuning results. shared: one folder, "
+        "VLLM_CACHE_ROOT/triton_cache, for every server configuration, so a server started with "
+        "other flags or knobs skips recompiling and re-autotuning them (the Gated DeltaNet "
+        "warm-up, about 95 s on the H200): paid once per card, not once per configuration. "
+        "Safe because Triton keys each entry by kernel source, options, GPU and Triton version. "
+        "off: vLLM's, a fresh folder inside each configuration's compile cache.",
+        values=(SHARED, "off"),
+    ),
+    # unset is shared, so the default launch sets nothing
+    launch=lambda settings, mode: None if settings.TRITON_CACHE == SHARED else "off",
+    # it moves where kernels are stored, not what any graph or kernel computes
+    changes_compiled_graph=False,
+    status="on by default (shared); once vLLM's Inductor adaptor has set its cache "
+    "directories for this configuration's compile hash, TRITON_CACHE_DIR becomes "
+    "VLLM_CACHE_ROOT/triton_cache, one content-addressed Triton cache for every configuration "
+    "(the server log says so once); vLLM's compile cache off: not called; CPU-tested with "
+    "vLLM's two Inductor adaptors; the warm-up saved on a changed configuration not measured "
+    "on a GPU yet",
+)
+
 # In this order: Settings adds the owned knobs, the launcher sets the variables and warns.
 FEATURES: tuple[Feature, ...] = (
     GDN_REPLAY,
@@ -511,6 +543,7 @@ FEATURES: tuple[Feature, ...] = (
     LOOKUP,
     PDL,
     KVARN,
+    SHARED_TRITON_CACHE,
 )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from hyperqwen.engine.features import (
     ATTENTION_KV_SPEC,
+    COMPILE_CACHE_INITIALIZED,
     FEATURES,
     GDN_LAYER_BUILT,
     GDN_MIXED_QKV,
@@ -201,3 +202,10 @@ def scheduler_mamba_split(request: Any, start: int, wanted: int, split: int) -> 
     for hook in hooks(SCHEDULER_MAMBA_SPLIT):
         split = hook(request, start, wanted, split)
     return split
+
+
+def compile_cache_initialized() -> None:
+    """vLLM's Inductor adaptor has set the cache directories of this configuration's compile
+    (its compile cache on): a feature may move them."""
+    for hook in hooks(COMPILE_CACHE_INITIALIZED):
+        hook()
