@@ -512,7 +512,8 @@ SHARED_TRITON_CACHE = Feature(
         "Where Triton keeps its compiled kernels and autotuning results. shared: one folder, "
         "VLLM_CACHE_ROOT/triton_cache, for every server configuration, so a server started with "
         "other flags or knobs skips recompiling and re-autotuning them (the Gated DeltaNet "
-        "warm-up, about 95 s on the H200): paid once per card, not once per configuration. "
+        "warm-up, bench/measurements/2026-12-03-h200-gdn-replay-warmup.json): paid once per "
+        "card, not once per configuration. "
         "Safe because Triton keys each entry by kernel source, options, GPU and Triton version. "
         "off: vLLM's, a fresh folder inside each configuration's compile cache.",
         values=(SHARED, "off"),

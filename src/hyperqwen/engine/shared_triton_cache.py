@@ -5,8 +5,9 @@ folder of the configuration's hash: its InductorAdaptor sets TRITON_CACHE_DIR th
 its default standalone adaptor torch Inductor does, below the TORCHINDUCTOR_CACHE_DIR vLLM's AOT
 compile sets per hash. A changed flag or engine switch changes the hash, so each new
 configuration recompiles and re-autotunes every Triton kernel, the GDN prefill warm-up's
-included (95-100 s on the H200). Triton's cache is content-addressed (kernel source, options,
-target, Triton version) and vLLM stores autotuning results in it (TRITON_CACHE_AUTOTUNING=1), so
+included (bench/measurements/2026-12-03-h200-gdn-replay-warmup.json). Triton's cache is
+content-addressed (kernel source, options, target, Triton version) and vLLM stores autotuning
+results in it (TRITON_CACHE_AUTOTUNING=1), so
 one folder serves them all: at the compile_cache_initialized seam, after vLLM has set its
 folders and before anything compiles, TRITON_CACHE_DIR becomes VLLM_CACHE_ROOT/triton_cache.
 With vLLM's compile cache off the seam is not called, and Triton keeps its default folder.
