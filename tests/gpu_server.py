@@ -13,7 +13,6 @@ import sys
 import tempfile
 import tomllib
 from collections.abc import Iterator
-from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from hyperqwen.patches.tree import (
     default_vllm_dir,
     series_status,
 )
-from hyperqwen.vllm_plugin import ENTRY_POINT
+from hyperqwen.vllm_plugin import entry_point_installed
 
 ROOT = Path(__file__).resolve().parents[1]
 # The 27B-geometry server needs ~4 min cold; a tiny one ~1.5 min (torch.compile, CUDA graphs).
@@ -105,7 +104,7 @@ def plugin_metadata_path() -> str | None:
     """Where this Python imports hyperqwen from a source folder only (the GPU kit's host puts
     src/ on PYTHONPATH), a folder of its entry-point metadata, so that vLLM loads the plugin
     (`hyperqwen serve` refuses KV=kvarn without it); None where the package is installed."""
-    if any(point.value == ENTRY_POINT for point in entry_points(group="vllm.general_plugins")):
+    if entry_point_installed():
         return None
     return str(write_plugin_metadata(Path(tempfile.mkdtemp(prefix="hyperqwen-plugin-"))))
 

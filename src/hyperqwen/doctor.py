@@ -21,7 +21,7 @@ from hyperqwen.settings import (
     resolve_api_key,
 )
 from hyperqwen.toolkit import choose_toolkit, missing_headers
-from hyperqwen.vllm_plugin import ENTRY_POINT
+from hyperqwen.vllm_plugin import ENTRY_POINT, entry_point_installed
 
 Status = Literal["OK", "WARN", "FAIL"]
 PINNED_TORCH = "2.11.0"
@@ -92,14 +92,10 @@ def check_patches() -> Check:
     return Check("FAIL", "patches", detail, "hyperqwen patches apply")
 
 
-def installed_plugins() -> list[str]:
-    return [point.value for point in metadata.entry_points(group="vllm.general_plugins")]
-
-
-def check_plugin(lister: Callable[[], list[str]] = installed_plugins) -> Check:
+def check_plugin(installed: Callable[[], bool] = entry_point_installed) -> Check:
     """Whether vLLM will load HyperQwen's plugin: it finds it only through the installed
     package's entry point, which a source folder on PYTHONPATH does not have."""
-    if ENTRY_POINT in lister():
+    if installed():
         return Check("OK", "plugin", f"vLLM loads {ENTRY_POINT} (the package's entry point)")
     needing = ", ".join(f.turned_on_by or f.knob for f in FEATURES if f.registers)
     return Check(

@@ -34,12 +34,17 @@ def register() -> None:
             feature.code().register()
 
 
+def entry_point_installed() -> bool:
+    """Whether vLLM's plugin loader will find `register` (the installed package's entry point)."""
+    from importlib.metadata import entry_points
+
+    return any(point.value == ENTRY_POINT for point in entry_points(group="vllm.general_plugins"))
+
+
 def unregistered_plugin_refusal(env: Mapping[str, str]) -> str | None:
     """Why vLLM would fail on the first layer: `env` switches on a feature that this plugin
     must register, and this Python has no such entry point (hyperqwen imported from a source
     folder on PYTHONPATH, never installed), so vLLM would never call `register`."""
-    from importlib.metadata import entry_points
-
     from hyperqwen.engine.features import FEATURES, OFF
 
     needing = [
@@ -49,7 +54,7 @@ def unregistered_plugin_refusal(env: Mapping[str, str]) -> str | None:
     ]
     if not needing:
         return None
-    if any(point.value == ENTRY_POINT for point in entry_points(group="vllm.general_plugins")):
+    if entry_point_installed():
         return None
     return (
         f"{', '.join(needing)} needs HyperQwen's vLLM plugin, which vLLM finds through the "
