@@ -24,6 +24,7 @@ from hyperqwen.bench.capacity_rows import (
     result_document,
     serve_and_read,
     shared_gpu_notes,
+    sized_side,
     state_gib_per_slot,
     stock_argv,
 )
@@ -80,6 +81,18 @@ def test_a_log_cut_before_graph_capture_is_incomplete():
     assert sizing.cache_tokens == 301_312 and sizing.graph_gib is None
     assert not sizing.complete
     assert not parse_sizing("").complete
+
+
+def test_the_launchers_expected_size_is_not_read_as_vllms():
+    # `hyperqwen serve` prints its estimate before vLLM starts; the H200's KV=fp8 run of
+    # 2026-12-03 published that estimate (584,320) where vLLM had logged 176,000
+    note = (
+        "note: CTX=huge: this card holds 176,000 tokens at 1 slot (...). vLLM should log "
+        "'GPU KV cache size: 584,320 tokens' and 3.32x concurrency.\n"
+    )
+    sizing = parse_sizing(note + LOG)
+    assert (sizing.cache_tokens, sizing.concurrency) == (301_312, 1.15)
+    assert parse_sizing(note).cache_tokens is None
 
 
 def test_a_negative_non_torch_share_is_read_and_named_as_a_shared_gpu():
@@ -188,21 +201,48 @@ def test_an_unknown_kv_choice_is_refused_naming_the_choices(capsys):
     assert "fp4" in error and "int4_per_token_head" in error
 
 
+# vLLM 0.26's refusal, as its engine core logs it (kv_cache_utils.py), numbers invented
+REFUSAL = (
+    "(EngineCore pid=4711) ERROR 12-03 08:10:41 [core.py:1100] ValueError: To serve at "
+    "least one request with the model's max seq len (262144), (6.1 GiB KV cache is needed, "
+    "which is larger than the available KV cache memory (5.2 GiB). Based on the available "
+    "memory, the estimated maximum model length is 223360. Try increasing "
+    "`gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or "
+    "decreasing `max_model_len` when initializing the engine."
+)
+
+
 def test_a_length_vllm_refuses_names_the_knob_and_what_fits(tmp_path):
-    # vLLM 0.26's refusal, as its engine core logs it (kv_cache_utils.py), numbers invented
-    refusal = (
-        "(EngineCore pid=4711) ERROR 12-03 08:10:41 [core.py:1100] ValueError: To serve at "
-        "least one request with the model's max seq len (262144), (6.1 GiB KV cache is needed, "
-        "which is larger than the available KV cache memory (5.2 GiB). Based on the available "
-        "memory, the estimated maximum model length is 223360. Try increasing "
-        "`gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or "
-        "decreasing `max_model_len` when initializing the engine."
-    )
-    command = ["python3", "-c", f"print({refusal!r})"]
+    command = ["python3", "-c", f"print({REFUSAL!r})"]
     with pytest.raises(CapacityRunError, match=r"holds at most 223,360 .* --max-len 223360"):
         serve_and_read(command, {}, tmp_path / "refused.log", 30, "KV=fp8 patched")
     knobs = patched_knobs("fp8", tmp_path, 0.17, 1, "", max_len=223360)
     assert patched_settings(knobs, tmp_path).MAX_LEN == 223360
+
+
+def test_a_refused_length_is_served_again_at_the_longest_vllm_names(tmp_path):
+    lengths = []
+
+    def at(max_len):  # a "server" that refuses any length but the one vLLM named
+        lengths.append(max_len)
+        text = LOG.replace("262,144", "223,360") if max_len == 223360 else REFUSAL
+        return ["python3", "-c", f"print({text!r})"], {}
+
+    notes = []
+    sizing = sized_side(at, None, tmp_path / "fp8-stock", 30, "KV=fp8 stock", notes)
+    assert lengths == [None, 223360]
+    assert (sizing.cache_tokens, sizing.max_len, sizing.concurrency) == (301_312, 223_360, 1.15)
+    assert "refused max_model_len 262144" in notes[0] and notes[1].endswith("max_model_len 223360")
+    assert (tmp_path / "fp8-stock.log").is_file() and (tmp_path / "fp8-stock-refit.log").is_file()
+
+
+def test_a_second_refusal_gives_up_with_both_in_the_notes(tmp_path):
+    def at(max_len):
+        return ["python3", "-c", f"print({REFUSAL!r})"], {}
+
+    notes = []
+    assert sized_side(at, 100_000, tmp_path / "fp8-patched", 30, "KV=fp8 patched", notes) is None
+    assert sum("refused max_model_len" in note for note in notes) == 2
 
 
 def test_a_server_that_exits_early_leaves_its_log(tmp_path):

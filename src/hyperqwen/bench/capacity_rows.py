@@ -6,7 +6,8 @@ For each KV choice (kv_choices.py) that serves with SPEC=mtp, the prepared 27B g
 through `hyperqwen serve single` with CTX=huge and MAX_SEQS=1, GPU_UTIL scaled so vLLM requests
 the budget of this (larger) card: weights + peak activation + non-torch memory + CUDA graphs +
 KV cache and GDN state = the budget (vLLM 0.26 counts its CUDA-graph estimate in). The server
-stops once vLLM has logged its CUDA-graph memory (after "GPU KV cache size"). A choice that
+stops once vLLM has logged its CUDA-graph memory (after "GPU KV cache size"). A side whose
+length vLLM refuses is served once more at the longest length vLLM names. A choice that
 cannot serve with MTP becomes a refused row, the reason kv_choices gives.
 
 Stock (--stock-vllm): that vLLM 0.26 serves the unprepared base (`synth --preset 27b
@@ -85,6 +86,14 @@ PART_ROWS = (
 
 class CapacityRunError(Exception):
     """A server did not log its sizing; the message names the knob or flag and the log."""
+
+
+class TooLongError(CapacityRunError):
+    """vLLM refused max_model_len: its pool holds at most `longest` tokens for one request."""
+
+    def __init__(self, message: str, longest: int):
+        super().__init__(message)
+        self.longest = longest
 
 
 @dataclass(frozen=True)
@@ -210,15 +219,46 @@ def serve_and_read(command: list[str], env: dict, log: Path, timeout_s: float, s
         return sizing
     text = log.read_text(errors="replace")
     if too_long := TOO_LONG_LINE.search(text):
-        raise CapacityRunError(
+        raise TooLongError(
             f"{side}: vLLM refused max_model_len {too_long[1]}: the pool it found holds at most "
             f"{int(too_long[2]):,} tokens (the launcher's reserve estimate, capacity.py, was too "
-            f"small); rerun with --max-len {too_long[2]} or less; log {log}"
+            f"small); rerun with --max-len {too_long[2]} or less; log {log}",
+            int(too_long[2]),
         )
     raise CapacityRunError(
         f"{side}: vLLM did not log its KV cache size and CUDA-graph memory within "
         f"--timeout-s {timeout_s:g} (exited or refused first?); log {log}:\n{text[-1500:]}"
     )
+
+
+def sized_side(at, max_len, log_stem: Path, timeout_s: float, side: str, notes: list[str]):
+    """One side's sizing, served by at(max_len) -> (command, env). Where vLLM refuses the
+    length (the launcher's estimate was too generous), serve once more at the longest vLLM
+    says fits, so the row holds vLLM's own figures; None (the error in notes) where it fails."""
+    for attempt in range(2):
+        command, env = at(max_len)
+        log = log_stem.with_name(f"{log_stem.name}{'-refit' if attempt else ''}.log")
+        try:
+            sizing = serve_and_read(command, env, log, timeout_s, side)
+        except TooLongError as error:
+            notes.append(str(error))
+            progress(str(error))
+            if attempt:
+                return None
+            max_len = error.longest
+            notes.append(f"{side}: served again at vLLM's longest, max_model_len {max_len}")
+            progress(notes[-1])
+            continue
+        except CapacityRunError as error:
+            notes.append(str(error).split("\n")[0])
+            progress(str(error))
+            return None
+        progress(
+            f"{side}: {sizing.cache_tokens:,} tokens, {sizing.concurrency}x at "
+            f"max_model_len {sizing.max_len:,}"
+        )
+        return sizing
+    return None
 
 
 def shared_gpu_notes(kv: str, side: str, sizing: VllmSizing | None) -> list[str]:
@@ -259,41 +299,29 @@ def run_choice(plan: ChoicePlan, args, models: Path, util: float) -> tuple[list,
         return choice_rows(kv, None, None, None), [f"capacity_{kv}: refused: {plan.refusal}"]
     logs = args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    knobs = patched_knobs(kv, models, util, free_port(), args.vllm_args, args.max_len)
-    settings = patched_settings(knobs, args.work)
+    settings = patched_settings(
+        patched_knobs(kv, models, util, free_port(), args.vllm_args, args.max_len), args.work
+    )
     command = [sys.executable, "-m", "hyperqwen.cli", "serve", "single"]
+
+    def patched_at(max_len: int | None):
+        knobs = patched_knobs(kv, models, util, free_port(), args.vllm_args, max_len)
+        return command, vllm_first(args.patched_vllm, knobs)
+
     progress(f"KV={kv}: patched `hyperqwen serve single` (GPU_UTIL {util}) ...")
-    patched = stock = None
-    try:
-        patched = serve_and_read(
-            command,
-            vllm_first(args.patched_vllm, knobs),
-            logs / f"{kv}-patched.log",
-            args.timeout_s,
-            f"KV={kv} patched",
-        )
-        progress(
-            f"KV={kv}: patched: {patched.cache_tokens:,} tokens, {patched.concurrency}x "
-            f"at MAX_LEN {patched.max_len:,}"
-        )
-    except CapacityRunError as error:
-        notes.append(str(error).split("\n")[0])
-        progress(str(error))
+    patched = sized_side(
+        patched_at, args.max_len, logs / f"{kv}-patched", args.timeout_s, f"KV={kv} patched", notes
+    )
+    stock = None
     if args.stock_vllm and plan.has_stock and patched is not None:
-        argv = stock_argv(settings, models / STOCK_MODEL, patched.max_len, free_port())
+        model, stock_env = models / STOCK_MODEL, vllm_first(args.stock_vllm, {})
+
+        def stock_at(max_len: int | None):
+            return stock_argv(settings, model, max_len or patched.max_len, free_port()), stock_env
+
         progress(f"KV={kv}: stock vLLM from {args.stock_vllm} ...")
-        try:
-            stock = serve_and_read(
-                argv,
-                vllm_first(args.stock_vllm, {}),
-                logs / f"{kv}-stock.log",
-                args.timeout_s,
-                f"KV={kv} stock (--stock-vllm)",
-            )
-            progress(f"KV={kv}: stock: {stock.cache_tokens:,} tokens, {stock.concurrency}x")
-        except CapacityRunError as error:
-            notes.append(str(error).split("\n")[0])
-            progress(str(error))
+        side = f"KV={kv} stock (--stock-vllm)"
+        stock = sized_side(stock_at, None, logs / f"{kv}-stock", args.timeout_s, side, notes)
     elif not plan.has_stock:
         notes.append(f"capacity_{kv}: no stock counterpart (HyperQwen's own cache)")
     for note in shared_gpu_notes(kv, "patched", patched) + shared_gpu_notes(kv, "stock", stock):

@@ -22,9 +22,10 @@ from hyperqwen.capacity import CUDA_UNREPORTED_BYTES
 SRC = Path(__file__).resolve().parents[2]
 POLL_S = 2
 # vLLM 0.26's lines (kv_cache_utils.py: get_kv_cache_configs; gpu_worker.py:
-# determine_available_memory, compile_or_warm_up_model)
-SIZE_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
-CONCURRENCY_LINE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+# determine_available_memory, compile_or_warm_up_model). The "] " of vLLM's logger prefix tells
+# its line from the launcher's startup note, which quotes the size it expects vLLM to log.
+SIZE_LINE = re.compile(r"\] GPU KV cache size: ([\d,]+) tokens")
+CONCURRENCY_LINE = re.compile(r"\] Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 AVAILABLE_LINE = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 # Logged after CUDA-graph capture, only when GPU_UTIL (not KV_MEM) sizes the pool.
 # Non-torch memory is a difference of whole-card readings: below zero when another process
