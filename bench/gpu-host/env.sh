@@ -18,9 +18,11 @@ if [ ! -f /tmp/gpu-kit/PATCHED ]; then
     tail "$R/patch.log" >&2
   fi
 fi
-# vLLM finds the plugin through the installed package's entry point; here src/ is only on the path
-info=$R/site/hyperqwen-0.1.0.dist-info
-mkdir -p "$info"
-printf 'Metadata-Version: 2.1\nName: hyperqwen\nVersion: 0.1.0\n' > "$info/METADATA"
-printf '[vllm.general_plugins]\nhyperqwen = hyperqwen.vllm_plugin:register\n' > "$info/entry_points.txt"
+# vLLM finds the plugin through the installed package's entry point; here src/ is only on the
+# path, so the GPU tests' writer (tests/gpu_server.py) gives it pyproject.toml's entry points
 export PYTHONPATH="$R/site:$PWD/src:$PYTHONPATH"
+if [ ! -d "$R/site" ]; then
+  PYTHONPATH="$PWD/tests:$PYTHONPATH" python3 -c 'import sys; from pathlib import Path
+from gpu_server import write_plugin_metadata; write_plugin_metadata(Path(sys.argv[1]))' "$R/site" ||
+    { echo "gpu-host: could not write the plugin's entry-point metadata" >&2; return 1; }
+fi
