@@ -161,8 +161,9 @@ def test_the_reserve_estimate_never_promises_more_than_vllm_finds(prepared_27b, 
     log = served_until_sized(env, log_file)
     available = float(logged(AVAILABLE_LINE, log, log_file)) * GiB
     settings = load_settings(env, env_file=tmp_path / "none.env").settings
-    # Served with dummy weights, the folder holds the draft head alone: the probe would count
-    # only that (H200, 2026-12-02: 0.39 GiB), vLLM loads the whole prepared 27B.
+    # Served with dummy weights, the probe counts the tensors config.json declares; vLLM's
+    # "Model loading took" is a little more (its own buffers): the reserve is checked against
+    # the weights vLLM loaded.
     machine = replace(
         probe_machine(settings, prepared_27b / "q27p", [gpu]),
         weight_bytes=PREPARED_27B_WEIGHT_BYTES,

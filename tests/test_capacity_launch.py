@@ -339,3 +339,17 @@ def test_serve_refuses_a_max_len_the_cache_cannot_hold(tmp_path):
         result.stderr
     )
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize("extra", ["--load-format dummy", "--load-format=dummy --enforce-eager"])
+def test_a_dummy_load_counts_the_declared_tensors_not_the_empty_folder(tiny_checkpoint, extra):
+    # the benches' config-only folders hold no shards: counting the folder would promise the
+    # card's whole memory to the KV cache (the H200's capacity run of 2026-12-03)
+    from hyperqwen.capacity_probe import declared_weight_bytes
+
+    assert loaded_weight_bytes(tiny_checkpoint, Settings()) == 0
+    machine = probe_machine(Settings(EXTRA_ARGS=extra), tiny_checkpoint, [])
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    assert machine.weight_bytes == declared_weight_bytes(config, PRESETS["tiny"], Settings()) > 0
+    assert machine.weight_source.endswith("declares, for --load-format dummy")
+    assert probe_machine(Settings(), tiny_checkpoint, []).weight_bytes == 0

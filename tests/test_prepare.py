@@ -430,3 +430,20 @@ def test_synth_prepared_config_is_the_config_prepare_writes(prepared, tmp_path):
     assert written == json.loads((prepared / "config.json").read_text())
     plain = synthesize(tmp_path / "plain", GEOMETRY, config_only=True, progress=False).directory
     assert json.loads((plain / "config.json").read_text()) != written
+
+
+@pytest.mark.parametrize("spec", ["mtp", "off"])
+@pytest.mark.parametrize("which", ["base", "prepared"])
+def test_a_dummy_load_is_sized_as_the_shards_it_stands_in_for(which, spec, request):
+    # `--load-format dummy` reads no shard: the launcher counts what config.json declares
+    # (capacity_probe.py), which must be what a real folder of that config holds
+    from hyperqwen.capacity_probe import declared_weight_bytes, loaded_weight_bytes
+    from hyperqwen.settings import Settings
+
+    model = request.getfixturevalue(which)
+    settings = Settings(SPEC=spec)
+    config = json.loads((model / "config.json").read_text())
+    declared = declared_weight_bytes(config, GEOMETRY, settings)
+    features = loaded_weight_bytes(model, settings, shards=False)
+    assert declared > 0 and (features > 0) == (which == "prepared" and spec == "mtp")
+    assert declared + features == loaded_weight_bytes(model, settings)

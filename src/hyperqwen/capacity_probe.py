@@ -4,21 +4,33 @@
 Weights are counted from the safetensors headers, less the tensors vLLM will not load with
 these settings: the vision tower with VISION=0 (--language-model-only) and the MTP layer unless
 SPEC=mtp; the files an engine feature's prepare step writes count where its step says the
-server loads them (the draft head: prepare/marker.FEATURE_STEPS).
+server loads them (the draft head: prepare/marker.FEATURE_STEPS). Served with `--load-format
+dummy` (EXTRA_ARGS), vLLM reads no shard and fills the tensors config.json declares: those are
+counted instead, from the checkpoint layout and the quantization groups of the config (the
+benches' config-only folders hold no shards at all).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import shlex
 from pathlib import Path
 
 from hyperqwen.capacity import ASSUMED_CARD_BYTES, PREPARED_27B_WEIGHT_BYTES, GiB, Machine
 from hyperqwen.checkpoint.geometry import MODEL_TYPE, PRESETS, Geometry, GeometryError
-from hyperqwen.checkpoint.layout import MTP_PREFIX, VISION_PREFIX
+from hyperqwen.checkpoint.layout import MTP_PREFIX, VISION_PREFIX, checkpoint_layout
 from hyperqwen.checkpoint.shards import INDEX_NAME, ShardFileError, read_header
 from hyperqwen.gpu import Gpu
 from hyperqwen.prepare.marker import FEATURE_STEPS
 from hyperqwen.settings import Settings
+from hyperqwen.vllm_flags import flag_value
+
+# A packed linear's groups, bf16 group scales and int64 (out, in) shape, and the body's bits
+# (checkpoint/w4a16.py: GROUP_SIZE, SCALE_DTYPE, stored_shapes): not imported, which would load
+# torch into every launch.
+GROUP_SIZE, SCALE_BYTES, SHAPE_BYTES, BF16_BYTES, BODY_BITS = 128, 2, 2 * 8, 2, 4
 
 
 def probe_machine(settings: Settings, model_dir: Path, gpus: list[Gpu]) -> Machine | str:
@@ -40,22 +52,59 @@ def probe_machine(settings: Settings, model_dir: Path, gpus: list[Gpu]) -> Machi
         text = config.get("text_config")
         if config.get("model_type") != MODEL_TYPE or not isinstance(text, dict):
             return f"{config_file} is not a Qwen3.5 checkpoint"
+        dummy = dummy_load(settings)
         try:
             geometry = Geometry.from_text_config(text)
-            weights = loaded_weight_bytes(model_dir, settings)
+            weights = loaded_weight_bytes(model_dir, settings, shards=not dummy)
         except (GeometryError, ShardFileError) as error:
             return f"{config_file}: {error}"
         source = f"the weights in {model_dir}"
+        if dummy:
+            weights += declared_weight_bytes(config, geometry, settings)
+            source = f"the tensors {config_file} declares, for --load-format dummy"
     return Machine(card_bytes, card, geometry, weights, source, assumed)
 
 
-def loaded_weight_bytes(model_dir: Path, settings: Settings) -> int:
+def dummy_load(settings: Settings) -> bool:
+    return flag_value(shlex.split(settings.EXTRA_ARGS), "--load-format") == "dummy"
+
+
+def declared_weight_bytes(config: dict, geometry: Geometry, settings: Settings) -> int:
+    """Bytes of the text model's tensors as config.json declares them: each linear at the bits
+    of the quantization group whose `re:` target names it (prepare's int8 heads), else the
+    W4A16 body where the checkpoint layout quantizes it, else bf16; the MTP layer only with
+    SPEC=mtp. The vision tower is not in the layout (VISION=1 counts short)."""
+    quantization = config.get("quantization_config") or {}
+    patterns = [
+        (re.compile(target[3:]), group["weights"]["num_bits"])
+        for group in (quantization.get("config_groups") or {}).values()
+        for target in group.get("targets", [])
+        if target.startswith("re:")
+    ]
+    total = 0
+    for spec in checkpoint_layout(geometry):
+        if spec.name.startswith(MTP_PREFIX + ".") and settings.SPEC != "mtp":
+            continue
+        elements = math.prod(spec.shape)
+        bits = next((b for pattern, b in patterns if pattern.match(spec.module)), None)
+        if bits is None and spec.quantized:
+            bits = BODY_BITS
+        if bits is None or not spec.name.endswith(".weight"):
+            total += elements * BF16_BYTES
+        else:
+            total += elements * bits // 8 + elements // GROUP_SIZE * SCALE_BYTES + SHAPE_BYTES
+    return total
+
+
+def loaded_weight_bytes(model_dir: Path, settings: Settings, shards: bool = True) -> int:
     """Bytes of the tensors vLLM loads from the folder's safetensors with these settings: the
-    shards its index lists (every *.safetensors without one) and the engine features' model
-    files the server loads with them."""
+    shards its index lists (every *.safetensors without one; none where `shards` is False) and
+    the engine features' model files the server loads with them."""
     index = model_dir / INDEX_NAME
     feature_files = {name for step in FEATURE_STEPS.values() for name in step.MODEL_FILES}
-    if index.is_file():
+    if not shards:
+        names = set()
+    elif index.is_file():
         names = set(json.loads(index.read_text())["weight_map"].values())
     else:
         names = {path.name for path in model_dir.glob("*.safetensors")} - feature_files
