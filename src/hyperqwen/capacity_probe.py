@@ -18,7 +18,13 @@ import re
 import shlex
 from pathlib import Path
 
-from hyperqwen.capacity import ASSUMED_CARD_BYTES, PREPARED_27B_WEIGHT_BYTES, GiB, Machine
+from hyperqwen.capacity import (
+    ASSUMED_CARD_BYTES,
+    MODEL_DTYPE_BYTES,
+    PREPARED_27B_WEIGHT_BYTES,
+    GiB,
+    Machine,
+)
 from hyperqwen.checkpoint.geometry import MODEL_TYPE, PRESETS, Geometry, GeometryError
 from hyperqwen.checkpoint.layout import MTP_PREFIX, VISION_PREFIX, checkpoint_layout
 from hyperqwen.checkpoint.shards import INDEX_NAME, ShardFileError, read_header
@@ -30,7 +36,7 @@ from hyperqwen.vllm_flags import flag_value
 # A packed linear's groups, bf16 group scales and int64 (out, in) shape, and the body's bits
 # (checkpoint/w4a16.py: GROUP_SIZE, SCALE_DTYPE, stored_shapes): not imported, which would load
 # torch into every launch.
-GROUP_SIZE, SCALE_BYTES, SHAPE_BYTES, BF16_BYTES, BODY_BITS = 128, 2, 2 * 8, 2, 4
+GROUP_SIZE, SCALE_BYTES, SHAPE_BYTES, BODY_BITS = 128, 2, 2 * 8, 4
 
 
 def probe_machine(settings: Settings, model_dir: Path, gpus: list[Gpu]) -> Machine | str:
@@ -90,7 +96,7 @@ def declared_weight_bytes(config: dict, geometry: Geometry, settings: Settings) 
         if bits is None and spec.quantized:
             bits = BODY_BITS
         if bits is None or not spec.name.endswith(".weight"):
-            total += elements * BF16_BYTES
+            total += elements * MODEL_DTYPE_BYTES
         else:
             total += elements * bits // 8 + elements // GROUP_SIZE * SCALE_BYTES + SHAPE_BYTES
     return total

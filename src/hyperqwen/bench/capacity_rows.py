@@ -258,7 +258,6 @@ def sized_side(at, max_len, log_stem: Path, timeout_s: float, side: str, notes: 
             f"max_model_len {sizing.max_len:,}"
         )
         return sizing
-    return None
 
 
 def shared_gpu_notes(kv: str, side: str, sizing: VllmSizing | None) -> list[str]:
