@@ -7,7 +7,8 @@ SPEC=mtp; the files an engine feature's prepare step writes count where its step
 server loads them (the draft head: prepare/marker.FEATURE_STEPS). Served with `--load-format
 dummy` (EXTRA_ARGS), vLLM reads no shard and fills the tensors config.json declares: those are
 counted instead, from the checkpoint layout and the quantization groups of the config (the
-benches' config-only folders hold no shards at all).
+benches' config-only folders hold no shards at all). Either count gets the share more that vLLM
+was seen to keep after loading (capacity.LOAD_OVERHEAD_SHARE).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from pathlib import Path
 
 from hyperqwen.capacity import (
     ASSUMED_CARD_BYTES,
+    LOAD_OVERHEAD_SHARE,
     MODEL_DTYPE_BYTES,
     PREPARED_27B_WEIGHT_BYTES,
     GiB,
     Machine,
+    with_load_overhead,
 )
 from hyperqwen.checkpoint.geometry import MODEL_TYPE, PRESETS, Geometry, GeometryError
 from hyperqwen.checkpoint.layout import MTP_PREFIX, VISION_PREFIX, checkpoint_layout
@@ -68,6 +71,8 @@ def probe_machine(settings: Settings, model_dir: Path, gpus: list[Gpu]) -> Machi
         if dummy:
             weights += declared_weight_bytes(config, geometry, settings)
             source = f"the tensors {config_file} declares, for --load-format dummy"
+        weights = with_load_overhead(weights)
+        source += f", and the {LOAD_OVERHEAD_SHARE:.1%} more vLLM keeps after loading"
     return Machine(card_bytes, card, geometry, weights, source, assumed)
 
 
