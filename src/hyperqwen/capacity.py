@@ -68,8 +68,11 @@ CUDA_UNREPORTED_BYTES = 640 * MiB
 # vLLM keeps more than the checkpoint's tensors once loaded: "Model loading took 15.31 GiB" for
 # the prepared 27B whose config declares 14.93 GiB, 17.62 GiB for its base's 17.26 (H200, dummy
 # weights: bench/measurements/2026-12-03-h200-capacity-logs.json and
-# 2026-12-03-h200-capacity-int8-refused.json). What the rest is has not been found; the counted
-# weights get this share on top.
+# 2026-12-03-h200-capacity-int8-refused.json). Read from vLLM's code and a meta-device build on the
+# CPU, not yet checked on a GPU: a bf16 mrope cos/sin cache of 4 x max_position x rotary_dim
+# (mrope.py, 0.125 GiB here) and the allocator's 2 MiB block rounding of each large tensor, which
+# vLLM loads unsplit (gpu_worker.py: max_split_size_mb=20, ~0.24 GiB). Counted as this share of the
+# weights, which covers both checkpoints.
 LOAD_OVERHEAD_SHARE = 0.026
 # Memory vLLM's profile finds besides weights and the cache (gpu_worker.py:
 # determine_available_memory; it logs "Actual usage is ... GiB for peak activation, ... non-torch
