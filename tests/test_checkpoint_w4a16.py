@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from hyperqwen.checkpoint import w4a16
+from hyperqwen.checkpoint import w4a16, w4a16_sizes
 
 ALL_ZERO_NIBBLES = torch.tensor(0x88888888, dtype=torch.int64).to(torch.int32)  # 0 -> 8 (offset)
 
@@ -21,6 +21,16 @@ def test_packed_tensors_have_the_public_base_layout():
     expected = w4a16.stored_shapes(256, 512)
     for suffix, tensor in stored.items():
         assert (tuple(tensor.shape), tensor.dtype) == expected[suffix]
+
+
+def test_the_torch_free_sizes_are_the_packed_tensors_bytes():
+    # what the launcher counts without torch (capacity_probe) is what pack writes
+    stored = w4a16.pack(torch.randn(256, 512, dtype=torch.bfloat16) * 0.02)
+    group, bits = w4a16_sizes.GROUP_SIZE, w4a16_sizes.NUM_BITS
+    assert (group, bits) == (w4a16.GROUP_SIZE, w4a16.NUM_BITS)
+    assert stored["weight_packed"].nbytes == 256 * 512 * bits // 8
+    assert stored["weight_scale"].nbytes == 256 * 512 // group * w4a16_sizes.SCALE_BYTES
+    assert stored["weight_shape"].nbytes == w4a16_sizes.SHAPE_BYTES
 
 
 def test_nibbles_are_offset_by_eight_and_packed_low_first():

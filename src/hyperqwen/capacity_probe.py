@@ -31,15 +31,11 @@ from hyperqwen.capacity import (
 from hyperqwen.checkpoint.geometry import MODEL_TYPE, PRESETS, Geometry, GeometryError
 from hyperqwen.checkpoint.layout import MTP_PREFIX, VISION_PREFIX, checkpoint_layout
 from hyperqwen.checkpoint.shards import INDEX_NAME, ShardFileError, read_header
+from hyperqwen.checkpoint.w4a16_sizes import GROUP_SIZE, NUM_BITS, SCALE_BYTES, SHAPE_BYTES
 from hyperqwen.gpu import Gpu
 from hyperqwen.prepare.marker import FEATURE_STEPS
 from hyperqwen.settings import Settings
 from hyperqwen.vllm_flags import flag_value
-
-# A packed linear's groups, bf16 group scales and int64 (out, in) shape, and the body's bits
-# (checkpoint/w4a16.py: GROUP_SIZE, SCALE_DTYPE, stored_shapes): not imported, which would load
-# torch into every launch.
-GROUP_SIZE, SCALE_BYTES, SHAPE_BYTES, BODY_BITS = 128, 2, 2 * 8, 4
 
 
 def probe_machine(settings: Settings, model_dir: Path, gpus: list[Gpu]) -> Machine | str:
@@ -99,7 +95,7 @@ def declared_weight_bytes(config: dict, geometry: Geometry, settings: Settings) 
         elements = math.prod(spec.shape)
         bits = next((b for pattern, b in patterns if pattern.match(spec.module)), None)
         if bits is None and spec.quantized:
-            bits = BODY_BITS
+            bits = NUM_BITS
         if bits is None or not spec.name.endswith(".weight"):
             total += elements * MODEL_DTYPE_BYTES
         else:

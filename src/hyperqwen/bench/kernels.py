@@ -32,8 +32,8 @@ from hyperqwen.bench.timing import (
     graph_time_us,
 )
 from hyperqwen.checkpoint.geometry import PRESETS, Geometry
+from hyperqwen.checkpoint.w4a16_sizes import GROUP_SIZE
 
-GROUP_SIZE = 128
 DEFAULT_MS = (1, 2, 4, 5, 8, 16, 32, 64)
 VLLM_BACKENDS = ("machete", "marlin", "exllama", "triton")
 # humming JIT-compiles its GEMMs with nvcc on first use (not timed yet): asked for by name only;

@@ -34,10 +34,10 @@ from compressed_tensors.quantization import (
 )
 from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
 
+from hyperqwen.checkpoint.w4a16_sizes import GROUP_SIZE, NUM_BITS
+
 FORMAT = CompressionFormat.pack_quantized.value
 PRESET = "W4A16"
-GROUP_SIZE = 128
-NUM_BITS = 4
 # Bit widths of the groups prepare adds; vLLM's WNA16 linear kernels (Machete, Marlin) and its
 # compressed-tensors embedding gather both take 4 and 8.
 SUPPORTED_BITS = (4, 8)
