@@ -179,6 +179,7 @@ def test_rows_of_a_measured_choice_pass_the_results_check(tmp_path):
     names = [row.name for row in rows]
     assert names == ["capacity_fp8"] + [f"capacity_fp8_{suffix}" for suffix, _ in PART_ROWS] + [
         "capacity_fp8_concurrency",
+        "capacity_fp8_max_len",
         "capacity_fp8_state_computed",
     ]
     head = rows[0]
@@ -191,7 +192,7 @@ def test_rows_of_a_measured_choice_pass_the_results_check(tmp_path):
     )
     document = result_document(args, H200, 0.1716, [*rows, *refused, *kvarn], ["a note"])
     checked = validate_result(json.loads(json.dumps(document)), "capacity.json")
-    assert len(checked) == len(document["rows"]) == 8 + 1 + 8
+    assert len(checked) == len(document["rows"]) == 9 + 1 + 9
 
 
 def test_an_unknown_kv_choice_is_refused_naming_the_choices(capsys):

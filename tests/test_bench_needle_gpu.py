@@ -53,7 +53,8 @@ def test_every_kv_choice_serves_the_needles_and_their_logprobs(tmp_path_factory)
         sys.executable, "-m", "hyperqwen.cli", "bench", "needle", str(checkpoint),
         "--patched-vllm", str(parent), "--configs", ",".join(CONFIGS), "--start-together",
         "--depths", ",".join(map(str, DEPTHS)), "--positions", "0.5",
-        "--knobs", "SPEC=off TOOLS=0 REASONING_PARSER=none", "--workdir", str(logs / "work"),
+        "--knobs", "SPEC=off TOOLS=0 REASONING_PARSER=none KV_MEM=2000000000",  # together
+        "--workdir", str(logs / "work"),
         f"--vllm-args={FLAGS}", "--out", str(out),
     ]  # fmt: skip
     env = with_vllm_first(parent)

@@ -226,7 +226,8 @@ def test_started_servers_one_after_another_and_parts_merge(
         "bench", "quoting", str(model), "--stock-vllm", str(pristine_vllm_dir.parent),
         "--patched-vllm", str(patched_vllm.parent), "--env-file", str(tmp_path / "empty.env"),
         "--server-command", server + " {args}", "--requests", "1", "--startup-timeout", "120",
-        "--workdir", str(tmp_path / "work"), "--vllm-args=--max-model-len 8192",
+        "--workdir", str(tmp_path / "work"),
+        "--vllm-args=--max-model-len 8192 --kv-cache-memory-bytes 1000000000",  # for together
     ]  # fmt: skip
     parts = [tmp_path / "vllm.json", tmp_path / "hyperqwen.json"]
     assert run_in_process(*common, "--configs", "vllm-off,ngram-k4", "--out", str(parts[0])) == 0
@@ -297,6 +298,30 @@ def test_a_bad_knob_value_stops_the_run_before_any_server(tmp_path, capsys) -> N
     assert run_in_process("bench", "quoting", *argv, bad) == 2
     assert "DRAFT_TOKENS" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()  # vllm-off, first in line, never started
+
+
+def test_servers_started_together_must_each_have_a_fixed_kv_pool(
+    tmp_path, pristine_vllm_dir, patched_vllm, capsys
+) -> None:
+    """vLLM sizes its pool from the card's free memory: a neighbour loading meanwhile would be
+    counted as its own, so each server started beside another needs KV_MEM (the profile) or
+    --kv-cache-memory-bytes (stock); the one without it is named and nothing starts."""
+    model = tmp_path / "smollm2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "empty.env").write_text("")
+    argv = [
+        "bench", "quoting", str(model), "--stock-vllm", str(pristine_vllm_dir.parent),
+        "--patched-vllm", str(patched_vllm.parent), "--env-file", str(tmp_path / "empty.env"),
+        "--configs", "vllm-off,lookup", "--start-together", "--workdir", str(tmp_path / "w"),
+        "--lookup-knobs", "SPEC=lookup DRAFT_TOKENS=15 KV_MEM=1000000000",
+        "--server-command", f"{{python}} {TEST_SERVER} --side {{side}} {{args}}",
+    ]  # fmt: skip
+    assert run_in_process(*argv) == 2
+    error = capsys.readouterr().err
+    assert "--start-together: vllm-off would size its KV cache" in error
+    assert "KV_MEM=BYTES" in error and "--kv-cache-memory-bytes BYTES" in error
+    assert not list((tmp_path / "w").glob("*-server.log"))  # nothing started
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ from hyperqwen.bench.results import comparison_row, load_result, result_document
 ROOT = Path(__file__).resolve().parents[1]
 TEST_SERVER = ROOT / "tests" / "openai_test_server.py"
 OUTPUT = 21  # 20 decode tokens: whole steps of 1, 4 and 5 tokens
+PINNED = "--load-format dummy --kv-cache-memory-bytes 1000000000"  # servers started together
 # Long enough that a stand-in in this process streams its steps apart: its thread and the
 # client's take turns on the GIL every 5 ms (sys.getswitchinterval), and shorter steps would
 # reach the client in one read, a decode time of zero.
@@ -365,16 +366,15 @@ def test_started_together_from_the_stock_tree_with_the_same_flags(
         "bench", "quoting-ceiling", str(model), "--configs", "k0,k3", "--stock-vllm",
         str(pristine_vllm_dir.parent), "--server-command", server + " {args}",
         "--start-together", "--workdir", str(tmp_path / "work"), "--startup-timeout", "120",
-        "--output-tokens", str(OUTPUT), "--vllm-args=--load-format dummy", "--out", str(steps),
+        "--output-tokens", str(OUTPUT), f"--vllm-args={PINNED}", "--out", str(steps),
     ]  # fmt: skip
     assert run_in_process(*argv) == 0
     document = json.loads(steps.read_text())
-    assert document["plan"]["vllm_args"] == f"{SAME_FLAGS} --load-format dummy"
-    assert "--vllm-args=--load-format dummy" in shlex.split(document["command"])
+    assert document["plan"]["vllm_args"] == f"{SAME_FLAGS} {PINNED}"
+    assert f"--vllm-args={PINNED}" in shlex.split(document["command"])
     for name in ("k0", "k3"):
         command = document["configs"][name]["command"]
-        assert command[command.index(SAME_FLAGS) :][-3:] == [SAME_FLAGS, "--load-format",
-                                                              "dummy"]  # fmt: skip
+        assert command[command.index(SAME_FLAGS) :] == [SAME_FLAGS, *PINNED.split()]
         assert ("--speculative-config" in command) == (name == "k3")
         assert all(p["refused"] is None for p in document["configs"][name]["passes"])
     assert not math.isnan(step_figures(document["configs"]["k3"]).step_ms)

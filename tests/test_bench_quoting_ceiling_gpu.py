@@ -28,7 +28,8 @@ pytestmark = pytest.mark.gpu
 CONFIGS = ("k0", "k3", "k15", "mtp-k3")
 FLAGS = (
     "--load-format dummy --language-model-only --enforce-eager --max-model-len 4096 "
-    "--max-num-seqs 8 --gpu-memory-utilization 0.15 --gdn-prefill-backend triton"
+    "--max-num-seqs 8 --gpu-memory-utilization 0.15 --kv-cache-memory-bytes 2000000000 "
+    "--gdn-prefill-backend triton"
 )
 
 

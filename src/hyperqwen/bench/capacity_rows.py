@@ -17,7 +17,8 @@ counterpart: its stock side is null.
 
 Writes one result file in `bench ab`'s row schema: capacity_<kv> (tokens: vLLM's "GPU KV cache
 size"), and per choice the parts vLLM logged (GiB): _weights, _activation_peak, _non_torch,
-_cuda_graphs, _kv_pool; _concurrency (requests of max_len the pool holds), and
+_cuda_graphs, _kv_pool; _concurrency (requests of max_len the pool holds), _max_len (tokens:
+the max_model_len that side served at, the launcher's fit or vLLM's longest), and
 _state_computed (the GDN state one slot takes, from capacity.py's layout, not logged).
 """
 
@@ -197,6 +198,11 @@ def choice_rows(
             "x",
             field(stock, "concurrency"),
             field(patched, "concurrency"),
+        )
+    )
+    rows.append(
+        comparison_row(
+            f"capacity_{kv}_max_len", "tokens", field(stock, "max_len"), field(patched, "max_len")
         )
     )
     stock_state = state_gib if stock is not None else None
