@@ -1,13 +1,17 @@
 """capacity.py: the card budget's arithmetic, by hand, for real card sizes, and against vLLM.
 
-The last tests build vLLM 0.26's own KV-cache configuration for the 27B geometry (its real
-block-size alignment, grouping, block count and logged capacity) and compare.
+One test holds the launcher's pool to what vLLM logged on the H200 (docs/results' capacity
+rows). The last tests build vLLM 0.26's own KV-cache configuration for the 27B geometry (its
+real block-size alignment, grouping, block count and logged capacity) and compare.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import re
+from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -39,6 +43,7 @@ from hyperqwen.engine.features import KVARN as KVARN_FEATURE
 from hyperqwen.kv_choices import KV_CACHE_DTYPES, KVARN_CHOICE
 from hyperqwen.settings import StateDtype
 
+ROOT = Path(__file__).resolve().parents[1]
 G27 = PRESETS["27b"]
 MTP = CacheSetup("fp8", "float32", draft_tokens=3, mtp_layers=1, prefix_caching=True)
 # memory.total as nvidia-smi lists it for a card of each class: RTX 3060 12GB, RTX 4080,
@@ -180,6 +185,34 @@ def test_card_sizes(gb, kv, mtp):
 def test_fp8_mtp_tokens_at_one_slot(gb, holds):
     pool, _ = card_pool_bytes(card(gb), 0.9, HUGE_BATCHED_TOKENS)
     assert Capacity(pool_layout(G27, MTP), pool).max_len(1) == holds
+
+
+# `hyperqwen bench capacity` results: vLLM's own pool at a 24 GiB budget on the H200
+MEASURED_CAPACITY = sorted((ROOT / "docs" / "results").glob("*-h200-27b-capacity-*.json"))
+# what the launcher may leave unused of vLLM's pool (its reserve is an estimate from logs)
+POOL_SLACK_BYTES = GiB // 2
+
+
+@pytest.mark.parametrize("result", MEASURED_CAPACITY, ids=lambda path: path.stem)
+def test_the_launcher_never_promises_more_pool_than_vllm_measured(result):
+    """The budget's pool at the run's GPU_UTIL on the H200, MAX_SEQS 1 (KVarN's side cache
+    taken off, as vLLM's profile does), against the pool vLLM logged: never larger (a length
+    vLLM would refuse), and at most POOL_SLACK_BYTES smaller."""
+    document = json.loads(result.read_text())
+    util = float(re.search(r"GPU_UTIL ([0-9.]+)", document["gpu"]).group(1))
+    logged = {row["name"]: row["patched"] for row in document["rows"]}
+    measured = [
+        name.removeprefix("capacity_").removesuffix("_kv_pool")
+        for name, value in logged.items()
+        if name.endswith("_kv_pool") and value is not None
+    ]
+    assert measured, f"{result.name}: no KV choice with a logged pool"
+    for kv in measured:
+        pool, _ = card_pool_bytes(card(141), util, HUGE_BATCHED_TOKENS)
+        if kv == KVARN_CHOICE:
+            pool -= kvarn_side_bytes(G27, setup_for(kv, True), 1, HUGE_BATCHED_TOKENS)
+        vllm_pool = logged[f"capacity_{kv}_kv_pool"] * GiB
+        assert vllm_pool - POOL_SLACK_BYTES <= pool <= vllm_pool, (kv, gib(pool), gib(vllm_pool))
 
 
 def test_smaller_kv_dtypes_hold_more_tokens():
