@@ -313,8 +313,9 @@ def add_answer_options(
         action="store_true",
         help="start every server of the run at once, each with its own VLLM_CACHE_ROOT under "
         "WORKDIR/cache, and measure them one at a time once all are healthy"
-        f"{order}: one start's minutes for all (give each room: --vllm-args with "
-        "--gpu-memory-utilization and --kv-cache-memory-bytes); default: one after another",
+        f"{order}: one start's minutes for all (each needs a fixed KV pool, KV_MEM among the "
+        "profile's knobs or --kv-cache-memory-bytes in --vllm-args, and room: "
+        "--gpu-memory-utilization); default: one after another",
     )
 
 
