@@ -21,7 +21,11 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serving(app, log_level: str = "warning", start_timeout_s: float = 60) -> Iterator[int]:
     """Serve `app` on 127.0.0.1 and yield its port; stop the server on exit."""
-    sock = socket.socket()
+    # proto IPPROTO_TCP, which accepted sockets copy: asyncio turns Nagle's algorithm off only
+    # on sockets that say so (base_events._set_nodelay). With it on, each answer after a
+    # connection's first waited for the client's delayed ACK (~40 ms) and then arrived in one
+    # piece: a stream's decode time read as zero. vLLM's uvloop turns Nagle off on any socket.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     # No lifespan: the test apps need no startup hooks, and vLLM's only schedules engine stats
     # logging, with no engine here. The stdlib loop, not uvicorn's default uvloop: uvloop's

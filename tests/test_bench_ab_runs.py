@@ -389,6 +389,23 @@ def test_a_stock_half_saved_before_the_sharegpt_option_still_serves(comparison, 
     assert run_in_process("bench", *single, "--phase", "patched", "--sharegpt") == 2
 
 
+def test_a_run_sharing_a_turn_lock_needs_a_fixed_kv_pool(comparison, tmp_path, capsys):
+    """Servers of runs sharing a lock start together: without KV_MEM (or
+    --kv-cache-memory-bytes) vLLM would count the others' memory as its own while it sizes
+    the pool, so the run is refused before its server starts."""
+    single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
+    single += ["--synthetic-acceptance", RATES, "--state", str(tmp_path / "stock.json")]
+    assert run_in_process("bench", *single, "--phase", "stock") == 0
+    capsys.readouterr()
+    work = tmp_path / "variant"
+    variant = [*single, "--phase", "patched", "--workdir", str(work)]
+    assert run_in_process("bench", *variant, "--turn-lock", str(tmp_path / "turn")) == 2
+    error = capsys.readouterr().err
+    assert "--turn-lock: the patched server would size its KV cache" in error
+    assert "KV_MEM=BYTES" in error and "--kv-cache-memory-bytes BYTES" in error
+    assert not (work / "patched-server.log").exists()  # refused before it started
+
+
 def test_runs_sharing_a_turn_lock_start_together_and_measure_one_at_a_time(
     comparison, tmp_path, capsys
 ) -> None:
@@ -408,7 +425,7 @@ def test_runs_sharing_a_turn_lock_start_together_and_measure_one_at_a_time(
         command = [sys.executable, "-m", "hyperqwen.cli", "bench", *single, "--phase", "patched"]
         command += ["--workdir", str(work), "--out", str(work / "result.json")]
         command += ["--turn-lock", str(lock)]
-        env = {**os.environ, **knobs, "FAKE_START_GATE": str(gate)}
+        env = {**os.environ, **knobs, "KV_MEM": "1G", "FAKE_START_GATE": str(gate)}
         process = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -440,6 +457,6 @@ def test_runs_sharing_a_turn_lock_start_together_and_measure_one_at_a_time(
     first_stopping = stand_in_records(logs["default"], "stopping")[0]["at"]
     assert last_of_first < first_stopping < min(stream["arrived"] for stream in streams["novocab"])
     novocab, _ = load_result(runs["novocab"][1] / "result.json")
-    assert "DRAFT_VOCAB=off hyperqwen bench ab" in novocab["command"]
+    assert "DRAFT_VOCAB=off KV_MEM=1G hyperqwen bench ab" in novocab["command"]
     default, _ = load_result(runs["default"][1] / "result.json")
     assert "DRAFT_VOCAB" not in default["command"]

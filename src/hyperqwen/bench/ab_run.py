@@ -74,6 +74,26 @@ def check_vllm_tree(side: str, parent: Path) -> str:
     return f"none of the {len(checks)} patches of the series applied"
 
 
+KV_CACHE_MEMORY_FLAG = "--kv-cache-memory-bytes"  # vLLM's; the profile's KV_MEM sets it
+
+
+def pins_kv_pool(command: Sequence[str]) -> bool:
+    """Whether a server command fixes vLLM's KV-cache size. One that does not sizes it from
+    the card's free memory after its profiling run, so a neighbour loading or capturing
+    meanwhile counts as its own non-torch memory: its pool comes out wrong or below zero
+    (bench/measurements/2026-12-04-h200-needle-start-together-unpinned.json)."""
+    return any(arg.split("=")[0] == KV_CACHE_MEMORY_FLAG for arg in command)
+
+
+def pin_needed(what: str) -> str:
+    """The fix for servers that start beside others without a fixed pool."""
+    return (
+        f"{what} would size its KV cache while other servers load, and count their memory as "
+        f"its own; fix its pool's size: KV_MEM=BYTES among the profile's knobs or "
+        f"{KV_CACHE_MEMORY_FLAG} BYTES in the vLLM flags"
+    )
+
+
 class GpuTurns:
     """Several `bench ab` runs sharing one GPU through a lock file: their servers start
     together, then the runs measure one at a time. A run measures (and stops its server) only
@@ -143,6 +163,11 @@ def run_side(side: str, plan: ABPlan, sharegpt_prompts: Sequence[str] | None) ->
     print(f"== {side}: {shlex.join(command)}\n   (vllm/ from {parent}; log {log})", flush=True)
     rows: list[Row] = []
     turns = GpuTurns(Path(plan.turn_lock)) if plan.turn_lock else None
+    if turns and not pins_kv_pool(command):
+        raise ABError(
+            pin_needed(f"--turn-lock: the {side} server")
+            + " (--vllm-args, or --stock-args for the stock side)"
+        )
     with contextlib.ExitStack() as after_stop:  # left after the server stopped
         if turns:
             after_stop.enter_context(turns.starting())

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from hyperqwen.bench.ab_argv import server_command
 from hyperqwen.bench.ab_plan import ABError
-from hyperqwen.bench.ab_run import check_vllm_tree
+from hyperqwen.bench.ab_run import check_vllm_tree, pin_needed, pins_kv_pool
 from hyperqwen.bench.client import BenchClient, ServerCounters
 from hyperqwen.bench.header import git_commit, gpu_facts, server_version
 from hyperqwen.bench.options import DATE_FORMAT
@@ -40,7 +40,6 @@ from hyperqwen.bench.server_process import (
 MEASUREMENTS_SCHEMA = 1
 MEASUREMENTS_KIND = "bench quoting measurements"
 WARM_UP = "warm-up"
-KV_CACHE_MEMORY_FLAG = "--kv-cache-memory-bytes"  # vLLM's; KV_MEM sets it in the profile
 
 
 @dataclass(frozen=True)
@@ -221,21 +220,13 @@ def measure_started(
 
 
 def check_pinned_pools(launches: Sequence[Launch]) -> None:
-    """ABError unless every server started beside another has its KV cache size fixed: vLLM
-    sizes the cache from the card's free memory after its profiling run, so a neighbour
-    loading or capturing meanwhile counts as this server's own non-torch memory, and its
-    pool comes out wrong or below zero (seen on the H200: servers refused to start)."""
-    unpinned = [
-        one.config.name
-        for one in launches
-        if not any(arg.split("=")[0] == KV_CACHE_MEMORY_FLAG for arg in one.command)
-    ]
+    """ABError unless every server started beside another fixes its KV-cache size
+    (ab_run.pins_kv_pool)."""
+    unpinned = [one.config.name for one in launches if not pins_kv_pool(one.command)]
     if len(launches) > 1 and unpinned:
         raise ABError(
-            f"--start-together: {', '.join(unpinned)} would size its KV cache while the other "
-            "servers load, and count their memory as its own; fix each pool's size: KV_MEM=BYTES "
-            f"among the profile's knobs or {KV_CACHE_MEMORY_FLAG} BYTES in --vllm-args "
-            "(or start the servers one after another)"
+            pin_needed(f"--start-together: {', '.join(unpinned)}")
+            + " (--vllm-args), or start the servers one after another"
         )
 
 
