@@ -328,8 +328,10 @@ def add_ab_subcommand(actions) -> None:
         "--turn-lock",
         metavar="FILE",
         help="share one GPU with other `bench ab` runs given the same FILE: every run starts "
-        "its server at once (give each its own --workdir and VLLM_CACHE_ROOT, and GPU_UTIL/KV_MEM "
-        "or --gpu-memory-utilization/--kv-cache-memory-bytes so the servers fit together), then "
+        "its server at once (give each its own --workdir and VLLM_CACHE_ROOT, room with "
+        "GPU_UTIL or --gpu-memory-utilization, and a fixed KV pool with KV_MEM or "
+        "--kv-cache-memory-bytes, refused without: vLLM would count the others' memory as its "
+        "own), then "
         "they measure one at a time, each only while it holds FILE's lock; saves the minutes "
         "of one server start per extra run",
     )
