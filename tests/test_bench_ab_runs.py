@@ -460,3 +460,65 @@ def test_runs_sharing_a_turn_lock_start_together_and_measure_one_at_a_time(
     assert "DRAFT_VOCAB=off KV_MEM=1G hyperqwen bench ab" in novocab["command"]
     default, _ = load_result(runs["default"][1] / "result.json")
     assert "DRAFT_VOCAB" not in default["command"]
+
+
+def test_the_stock_half_can_start_beside_a_patched_run_under_one_turn_lock(
+    comparison, tmp_path
+) -> None:
+    """--phase stock and --phase patched started together with no saved stock half: the patched
+    run measures when its turn comes (first, here), then waits for the stock run to save its
+    half and writes the comparison; the stock run measures after it, with its pool fixed too."""
+    single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
+    single += ["--synthetic-acceptance", RATES, "--state", str(tmp_path / "stock.json")]
+    single += ["--turn-lock", str(tmp_path / "turn")]
+    runs = {}
+    for side in SIDES:
+        work, gate = tmp_path / side, tmp_path / f"{side}.gate"
+        command = [sys.executable, "-m", "hyperqwen.cli", "bench", *single, "--phase", side]
+        command += ["--workdir", str(work), "--out", str(work / "result.json")]
+        command += ["--stock-args=--kv-cache-memory-bytes 1G"]
+        env = {**os.environ, "KV_MEM": "1G", "FAKE_START_GATE": str(gate)}
+        process = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        runs[side] = (process, work, gate)
+    wait_for(lambda: len(GpuTurns(tmp_path / "turn").others_starting()) == 2, "two servers")
+    assert GpuTurns(tmp_path / "turn").stock_runs()  # the stock run says it is measuring
+    patched, _, patched_gate = runs["patched"]
+    patched_gate.touch()  # the patched server is healthy first and takes the turn
+    early = []
+    for line in patched.stdout:
+        early.append(line)
+        if "other server(s) still starting" in line:
+            break
+    runs["stock"][2].touch()
+    outputs = {side: process.communicate(timeout=300)[0] for side, (process, *_) in runs.items()}
+    outputs["patched"] = "".join(early) + outputs["patched"]
+    for side, (process, *_) in runs.items():
+        assert process.returncode == 0, outputs[side]
+    assert "no stock half in" in outputs["patched"]
+    assert "waiting for the stock run to save its half" in outputs["patched"]
+    logs = {side: work / f"{side}-server.log" for side, (_, work, _) in runs.items()}
+    streams = {side: stand_in_records(log, "completion") for side, log in logs.items()}
+    patched_stopping = stand_in_records(logs["patched"], "stopping")[0]["at"]
+    assert patched_stopping < min(stream["arrived"] for stream in streams["stock"])
+    document, rows = load_result(tmp_path / "patched" / "result.json")
+    assert {row.name for row in rows} >= {"c1_decode", "startup_to_healthy"}
+    assert document["stock"]["command"][-2:] == ["--kv-cache-memory-bytes", "1G"]
+    assert not GpuTurns(tmp_path / "turn").stock_runs()  # its marker went with its half saved
+    assert not list(tmp_path.glob(".stock.json.*.partial"))
+
+
+def test_a_patched_run_under_a_turn_lock_with_no_stock_half_nor_stock_run_is_refused(
+    comparison, tmp_path, capsys, monkeypatch
+) -> None:
+    """No saved half and no --phase stock run under the lock within the grace: refused before
+    its server starts, naming what to run."""
+    monkeypatch.setattr("hyperqwen.bench.ab.STOCK_RUN_GRACE_S", 0.0)
+    single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
+    single += ["--synthetic-acceptance", RATES, "--state", str(tmp_path / "stock.json")]
+    variant = [*single, "--phase", "patched", "--turn-lock", str(tmp_path / "turn")]
+    monkeypatch.setenv("KV_MEM", "1G")
+    assert run_in_process("bench", *variant) == 2
+    assert "no such file; run --phase stock first" in capsys.readouterr().err
+    assert not (tmp_path / "work" / "patched-server.log").exists()

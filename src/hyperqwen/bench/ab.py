@@ -23,6 +23,8 @@ import json
 import shlex
 import sys
 import textwrap
+import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from hyperqwen.bench.ab_argv import (
@@ -42,7 +44,7 @@ from hyperqwen.bench.ab_plan import (
     ABPlan,
     check_same_model,
 )
-from hyperqwen.bench.ab_run import run_side
+from hyperqwen.bench.ab_run import GpuTurns, run_side
 from hyperqwen.bench.ab_state import load_state, new_state, save_state, with_side
 from hyperqwen.bench.client import BenchError
 from hyperqwen.bench.options import (
@@ -60,7 +62,7 @@ from hyperqwen.bench.results import (
     format_comparison,
     write_ratio_plot,
 )
-from hyperqwen.bench.server_process import ServerStartError
+from hyperqwen.bench.server_process import HEALTH_POLL_S, ServerStartError
 from hyperqwen.bench.workload import SALT_TOKENS, DatasetMissing, load_sharegpt_prompts
 from hyperqwen.engine.features import FEATURES
 from hyperqwen.settings import MODES
@@ -123,16 +125,54 @@ def compare_sides(plan: ABPlan) -> tuple[dict, list[ComparisonRow]] | None:
     plan = settled(plan)
     print(f"note: {baseline_note(preview_commands(plan))}", flush=True)
     if plan.phase == "patched":
-        state = load_state(plan.state, plan.recorded())
+        state = saved_stock_half(plan)
     else:
-        state = with_side(new_state(plan.recorded()), run_side("stock", plan, sharegpt_prompts))
-        save_state(plan.state, state)
+        with GpuTurns(Path(plan.turn_lock)).measuring_stock() if plan.turn_lock else nullcontext():
+            stock = run_side("stock", plan, sharegpt_prompts)
+            state = with_side(new_state(plan.recorded()), stock)
+            save_state(plan.state, state)
         print(f"saved the stock half in {plan.state}", flush=True)
         if plan.phase == "stock":
             return None
-    state = with_side(state, run_side("patched", plan, sharegpt_prompts))
+    patched = run_side("patched", plan, sharegpt_prompts)
+    state = with_side(state or stock_half_once_saved(plan), patched)
     save_state(plan.state, state)
     return build_result(state)
+
+
+# How long a patched run under --turn-lock with no saved stock half looks for a --phase stock
+# run started beside it (the two processes' imports and checks race) before it refuses.
+STOCK_RUN_GRACE_S = 60.0
+
+
+def saved_stock_half(plan: ABPlan) -> dict | None:
+    """The saved stock half, checked against this run's options; None where a --phase stock run
+    under the same --turn-lock is measuring it (started together): stock_half_once_saved then
+    takes it after this run has measured. A --state file that exists is taken as it is."""
+    turns = GpuTurns(Path(plan.turn_lock)) if plan.turn_lock else None
+    deadline = time.monotonic() + STOCK_RUN_GRACE_S
+    while turns and not plan.state.is_file():
+        if turns.stock_runs():
+            print(
+                f"note: no stock half in {plan.state} yet; a --phase stock run under the same "
+                "--turn-lock is measuring it: this run measures its own half, then waits for it",
+                flush=True,
+            )
+            return None
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(HEALTH_POLL_S)
+    return load_state(plan.state, plan.recorded())
+
+
+def stock_half_once_saved(plan: ABPlan) -> dict:
+    """The stock half of the --phase stock run measuring beside this one, once it has ended."""
+    turns = GpuTurns(Path(plan.turn_lock))
+    if turns.stock_runs():
+        print(f"   waiting for the stock run to save its half in {plan.state}", flush=True)
+    while turns.stock_runs():
+        time.sleep(HEALTH_POLL_S)
+    return load_state(plan.state, plan.recorded())
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
@@ -218,6 +258,10 @@ Examples:
     w=ab/${v:-default}; env GPU_UTIL=0.4 KV_MEM=24G VLLM_CACHE_ROOT=$w/cache $v \\
       hyperqwen bench ab ... --phase patched --state ab/stock.json --workdir $w --out $w.json \\
       --turn-lock ab/turn & done; wait
+  hyperqwen bench ab ... --phase stock --state ab/stock.json --workdir ab/stock \\
+      --turn-lock ab/turn --stock-args='--gpu-memory-utilization 0.4 --kv-cache-memory-bytes 24G' &
+      (before that loop: the stock half starts beside the variants; a patched run that finds
+      no saved half measures its own, then waits for the stock run to save its half)
   hyperqwen bench smollm2 models/smollm2 --dtype bfloat16
   REASONING_PARSER= TOOLS=0 hyperqwen bench ab models/smollm2 --mode batch --cohorts 1 \\
       --prefill none --vllm-args='--max-model-len 4096' \\
@@ -333,7 +377,9 @@ def add_ab_subcommand(actions) -> None:
         "--kv-cache-memory-bytes, refused without: vLLM would count the others' memory as its "
         "own), then "
         "they measure one at a time, each only while it holds FILE's lock; saves the minutes "
-        "of one server start per extra run",
+        "of one server start per extra run. A --phase stock run may be one of them (its pool "
+        "fixed with --stock-args): a --phase patched run whose --state does not exist yet "
+        "measures, then waits for that run's half",
     )
     ab.set_defaults(func=cmd_ab)
     add_results_subcommands(actions)

@@ -119,8 +119,27 @@ class GpuTurns:
 
     def others_starting(self) -> list[Path]:
         """Markers of live runs whose servers are not healthy yet (a killed run's is skipped)."""
+        return self._live_markers("starting")
+
+    @contextlib.contextmanager
+    def measuring_stock(self) -> Iterator[None]:
+        """Mark this run as a --phase stock run until its half is saved (or it failed), so
+        patched runs started beside it wait for that half instead of refusing a missing one."""
+        marker = self.lock.with_name(f"{self.lock.name}.stock.{os.getpid()}")
+        self.lock.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        try:
+            yield
+        finally:
+            marker.unlink(missing_ok=True)
+
+    def stock_runs(self) -> list[Path]:
+        """Markers of live runs measuring the stock half under this lock."""
+        return self._live_markers("stock")
+
+    def _live_markers(self, kind: str) -> list[Path]:
         live = []
-        for marker in self.lock.parent.glob(f"{self.lock.name}.starting.*"):
+        for marker in self.lock.parent.glob(f"{self.lock.name}.{kind}.*"):
             with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
                 os.kill(int(marker.name.rsplit(".", 1)[1]), 0)
                 live.append(marker)

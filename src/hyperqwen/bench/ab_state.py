@@ -4,6 +4,7 @@ patched, which must run with the same PLAN_OPTIONS."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -45,5 +46,9 @@ def load_state(path: Path, plan: dict) -> dict:
 
 
 def save_state(path: Path, state: dict) -> None:
+    """Written whole or not at all: patched runs started beside the stock run read it as soon
+    as it appears, and several of them may save theirs into one file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+    os.replace(partial, path)
