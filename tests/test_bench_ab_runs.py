@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from bench_ab_fixtures import ROOT
 from bench_ab_plans import (
     NO_STOCK_SPEC_NOTE,
     RATES,
@@ -522,3 +523,65 @@ def test_a_patched_run_under_a_turn_lock_with_no_stock_half_nor_stock_run_is_ref
     assert run_in_process("bench", *variant) == 2
     assert "no such file; run --phase stock first" in capsys.readouterr().err
     assert not (tmp_path / "work" / "patched-server.log").exists()
+
+
+def test_the_gpu_host_recipe_starts_stock_and_variants_together(comparison, tmp_path) -> None:
+    """bench/gpu-host/ab_together.sh as the GPU host runs it (its env.sh replaced by one naming
+    this test's trees): the stock half and two variants started together under one turn lock,
+    each variant's result against that stock half, the variants named, the logs kept."""
+    host = tmp_path / "host"
+    (host / "bench" / "gpu-host").mkdir(parents=True)
+    recipe = ROOT / "bench" / "gpu-host" / "ab_together.sh"
+    (host / "bench" / "gpu-host" / "ab_together.sh").write_bytes(recipe.read_bytes())
+    model, stock_tree, patched_tree = comparison[1], comparison[3], comparison[5]
+    (host / "bench" / "gpu-host" / "env.sh").write_text(
+        f"export R={shlex.quote(str(tmp_path / 'R'))}"
+        f" HYPERQWEN_STOCK_VLLM={shlex.quote(stock_tree)}"
+        f" HYPERQWEN_PATCHED_VLLM={shlex.quote(patched_tree)}\n"
+    )
+    # what the recipe does not set itself: the stand-in servers, the env file, the workload
+    taken = {"--stock-vllm", "--patched-vllm", "--workdir"}
+    options, rest = [], iter(comparison[2:])
+    for word in rest:
+        if word in taken:
+            next(rest)
+        elif not word.startswith("--vllm-args="):
+            options.append(word)
+    options += ["--mode", "single", "--cohorts", "1", "--prefill", "none"]
+    options += ["--synthetic-acceptance", RATES]
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "AB_MODEL": model,
+        "AB_STOCK_MODEL": model,
+        "AB_KV_MEM": "1G",
+    }
+    command = [
+        "bash",
+        "bench/gpu-host/ab_together.sh",
+        "t",
+        shlex.join(options),
+        "",
+        "DRAFT_VOCAB=off",
+    ]
+    done = subprocess.run(command, cwd=host, env=env, capture_output=True, text=True, timeout=600)
+    out = tmp_path / "R" / "t"
+    logs = "\n".join(f"== {log.name}\n{log.read_text()}" for log in sorted(out.glob("*.log")))
+    assert done.returncode == 0, done.stdout + done.stderr + logs
+    assert (out / "variants.txt").read_text().splitlines() == [
+        "v1: the profile defaults",
+        "v2: DRAFT_VOCAB=off",
+    ]
+    assert "saved the stock half" in (out / "stock.log").read_text()
+    stock_command = None
+    for index, knob in ((1, None), (2, "DRAFT_VOCAB=off")):
+        document, rows = load_result(out / f"v{index}.json")
+        assert "c1_decode" in {row.name for row in rows}
+        assert document["stock"]["command"][-4:] == [
+            *("--gpu-memory-utilization", "0.30", "--kv-cache-memory-bytes", "1G")
+        ]
+        stock_command = stock_command or document["stock"]["command"]
+        assert document["stock"]["command"] == stock_command  # one stock half for both
+        assert (knob in document["command"]) if knob else "DRAFT_VOCAB" not in document["command"]
+        assert "--additional-config" in document["patched"]["command"]
+    assert {"stock-stock-server.log", "v1-patched-server.log"} <= {p.name for p in out.iterdir()}

@@ -1,0 +1,55 @@
+#!/bin/bash
+# bench/gpu-host/ab_together.sh NAME 'AB_OPTIONS' [VARIANT ...]: `hyperqwen bench ab` on the 27B
+# geometry (dummy weights; the prepared model against its base) with the stock half and one
+# patched run per VARIANT (the profile's knobs as NAME=VALUE words, '' for its defaults) started
+# together under one --turn-lock, so one cold start is paid for all; they measure one at a time.
+# Each pool is fixed (AB_KV_MEM, default 16G) and each server gets AB_GPU_UTIL (default 0.9
+# shared out). AB_OPTIONS are the comparison's options (mode, cohorts, rounds, acceptance ...),
+# the same for every run. Results and logs in $R/NAME/ (vN.json is the Nth variant's result,
+# variants.txt names them). Detached, from the repository root on the kit's host:
+#   bash bench/gpu-host/bg.sh NAME bash bench/gpu-host/ab_together.sh NAME 'OPTIONS' '' 'KNOB=1'
+# shellcheck disable=SC1091
+source bench/gpu-host/env.sh || exit 1
+name=$1
+options=$2
+shift 2
+out=$R/$name
+work=/tmp/ab-together-$name
+rm -rf "$work"
+mkdir -p "$out" "$work"
+rm -f "$out/variants.txt"
+util=${AB_GPU_UTIL:-$(python3 -c "print(f'{0.9 / ($# + 1):.2f}')")}
+kv=${AB_KV_MEM:-16G}
+model=${AB_MODEL:-/tmp/q27-prepared} # AB_MODEL and AB_STOCK_MODEL: other model folders
+base=${AB_STOCK_MODEL:-/tmp/q27}
+if [ -z "${AB_MODEL:-}" ]; then
+  python3 -m hyperqwen.cli synth "$base" --preset 27b --config-only > /dev/null || exit 1
+  python3 -m hyperqwen.cli synth "$model" --preset 27b --config-only --prepared \
+    --draft-head > /dev/null || exit 1
+fi
+triton_prefill='{"gdn_prefill_backend":"triton"}' # the GDN prefill 3090/4090 cards run
+words=()
+eval "words=($options)" # the options as a shell would split them, quotes kept
+common=("$model" --stock-model "$base" --stock-vllm "$HYPERQWEN_STOCK_VLLM"
+  --patched-vllm "$HYPERQWEN_PATCHED_VLLM" --state "$work/stock.json" --turn-lock "$work/turn"
+  "--vllm-args=--load-format dummy --language-model-only --additional-config '$triton_prefill'"
+  "--stock-args=--gpu-memory-utilization $util --kv-cache-memory-bytes $kv" "${words[@]}")
+VLLM_CACHE_ROOT=$work/stock/cache python3 -m hyperqwen.cli bench ab "${common[@]}" \
+  --phase stock --workdir "$work/stock" > "$out/stock.log" 2>&1 &
+index=0
+for variant in "$@"; do
+  index=$((index + 1))
+  echo "v$index: ${variant:-the profile defaults}" >> "$out/variants.txt"
+  read -ra knobs <<< "$variant"
+  env GPU_UTIL="$util" KV_MEM="$kv" VLLM_CACHE_ROOT="$work/v$index/cache" "${knobs[@]}" \
+    python3 -m hyperqwen.cli bench ab "${common[@]}" --phase patched --workdir "$work/v$index" \
+    --out "$out/v$index.json" > "$out/v$index.log" 2>&1 &
+done
+status=0
+for job in $(jobs -p); do wait "$job" || status=1; done
+for run in "$work"/*/; do
+  for log in "$run"*.log; do
+    [ -f "$log" ] && cp "$log" "$out/$(basename "$run")-$(basename "$log")"
+  done
+done
+exit $status
