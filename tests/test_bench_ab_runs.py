@@ -5,16 +5,12 @@ wheel."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from bench_ab_fixtures import ROOT
 from bench_ab_plans import (
     NO_STOCK_SPEC_NOTE,
     RATES,
@@ -23,6 +19,7 @@ from bench_ab_plans import (
     planned,
     sides_argv,
 )
+from bench_ab_stand_in import stand_in_records
 from cli_runner import run_in_process
 
 from hyperqwen.bench.ab_argv import (
@@ -31,7 +28,6 @@ from hyperqwen.bench.ab_argv import (
 )
 from hyperqwen.bench.ab_compare import equivalent_command, model_fact, side_figures
 from hyperqwen.bench.ab_plan import SIDES, SideResult
-from hyperqwen.bench.ab_run import GpuTurns
 from hyperqwen.bench.results import (
     ComparisonRow,
     load_result,
@@ -51,17 +47,6 @@ DELIVERY_TOLERANCE = 0.25
 SERVER_START = ("started", "healthy")
 
 
-def stand_in_records(log: Path, event: str) -> list[dict]:
-    """What the stand-in server logged of `event`, in order: its times are CLOCK_MONOTONIC,
-    one clock for every process (openai_test_server.record)."""
-    prefix = '{"event": "' + event + '"'
-    return [
-        json.loads(line.removeprefix("STAND-IN "))
-        for line in log.read_text().splitlines()
-        if line.removeprefix("STAND-IN ").startswith(prefix)
-    ]
-
-
 def sent_decode_tok_s(completion: dict) -> float:
     """Tokens after the first per second of one stream, as the stand-in sent them."""
     return (completion["tokens"] - 1) / (completion["done_sent"] - completion["first_sent"])
@@ -72,14 +57,6 @@ def timed_run(*argv: str) -> float:
     start = time.monotonic()
     assert run_in_process("bench", *argv) == 0
     return time.monotonic() - start
-
-
-def wait_for(condition: Callable[[], bool], what: str, limit_s: float = 300) -> None:
-    """Until `condition` holds; the limit only ends a test whose condition never comes."""
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} after {limit_s} s"
-        time.sleep(0.05)
 
 
 def test_phases_apart_measure_stock_then_patched_and_merge(comparison, tmp_path, capsys) -> None:
@@ -388,200 +365,3 @@ def test_a_stock_half_saved_before_the_sharegpt_option_still_serves(comparison, 
     state.write_text(json.dumps(saved))
     assert run_in_process("bench", *single, "--phase", "patched") == 0
     assert run_in_process("bench", *single, "--phase", "patched", "--sharegpt") == 2
-
-
-def test_a_run_sharing_a_turn_lock_needs_a_fixed_kv_pool(comparison, tmp_path, capsys):
-    """Servers of runs sharing a lock start together: without KV_MEM (or
-    --kv-cache-memory-bytes) vLLM would count the others' memory as its own while it sizes
-    the pool, so the run is refused before its server starts."""
-    single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
-    single += ["--synthetic-acceptance", RATES, "--state", str(tmp_path / "stock.json")]
-    assert run_in_process("bench", *single, "--phase", "stock") == 0
-    capsys.readouterr()
-    work = tmp_path / "variant"
-    variant = [*single, "--phase", "patched", "--workdir", str(work)]
-    assert run_in_process("bench", *variant, "--turn-lock", str(tmp_path / "turn")) == 2
-    error = capsys.readouterr().err
-    assert "--turn-lock: the patched server would size its KV cache" in error
-    assert "KV_MEM=BYTES" in error and "--kv-cache-memory-bytes BYTES" in error
-    assert not (work / "patched-server.log").exists()  # refused before it started
-
-
-def test_runs_sharing_a_turn_lock_start_together_and_measure_one_at_a_time(
-    comparison, tmp_path, capsys
-) -> None:
-    """Two patched variants against one saved stock half: both servers start at once; neither
-    run measures before both servers are healthy, and the second only after the first has
-    measured and stopped its server. The test opens each server's start gate, so the order
-    does not hang on how fast a loaded machine starts either; the servers' own logs say when
-    they answered what."""
-    single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
-    single += ["--synthetic-acceptance", RATES, "--state", str(tmp_path / "stock.json")]
-    assert run_in_process("bench", *single, "--phase", "stock") == 0
-    capsys.readouterr()
-    lock = tmp_path / "turn"
-    runs = {}
-    for name, knobs in (("default", {}), ("novocab", {"DRAFT_VOCAB": "off"})):
-        work, gate = tmp_path / name, tmp_path / f"{name}.gate"
-        command = [sys.executable, "-m", "hyperqwen.cli", "bench", *single, "--phase", "patched"]
-        command += ["--workdir", str(work), "--out", str(work / "result.json")]
-        command += ["--turn-lock", str(lock)]
-        env = {**os.environ, **knobs, "KV_MEM": "1G", "FAKE_START_GATE": str(gate)}
-        process = subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        runs[name] = (process, work, gate)
-    # Both runs have marked their servers as starting, however late either process began ...
-    wait_for(lambda: len(GpuTurns(lock).others_starting()) == 2, "two starting servers")
-    # ... one server becomes healthy: its run takes the lock and waits for the other's start.
-    first, _, first_gate = runs["default"]
-    first_gate.touch()
-    early = []
-    for line in first.stdout:
-        early.append(line)
-        if "other server(s) still starting" in line:
-            break
-    assert early and early[-1].strip() == "1 other server(s) still starting", "".join(early)
-    runs["novocab"][2].touch()
-    outputs = {name: process.communicate(timeout=300)[0] for name, (process, *_) in runs.items()}
-    outputs["default"] = "".join(early) + outputs["default"]
-    for name, (process, *_) in runs.items():
-        assert process.returncode == 0, outputs[name]
-        assert "waiting for" in outputs[name] and "in line" in outputs[name]
-    logs = {name: work / "patched-server.log" for name, (_, work, _) in runs.items()}
-    streams = {name: stand_in_records(log, "completion") for name, log in logs.items()}
-    second_healthy = stand_in_records(logs["novocab"], "healthy")[0]["at"]
-    # the first run measured only once the other server was healthy, ...
-    assert min(stream["arrived"] for stream in streams["default"]) > second_healthy
-    # ... and the second only after the first had measured and was stopping its server
-    last_of_first = max(stream["done_sent"] for stream in streams["default"])
-    first_stopping = stand_in_records(logs["default"], "stopping")[0]["at"]
-    assert last_of_first < first_stopping < min(stream["arrived"] for stream in streams["novocab"])
-    novocab, _ = load_result(runs["novocab"][1] / "result.json")
-    assert "DRAFT_VOCAB=off KV_MEM=1G hyperqwen bench ab" in novocab["command"]
-    default, _ = load_result(runs["default"][1] / "result.json")
-    assert "DRAFT_VOCAB" not in default["command"]
-
-
-def test_the_stock_half_can_start_beside_a_patched_run_under_one_turn_lock(
-    comparison, tmp_path
-) -> None:
-    """--phase stock and --phase patched started together with no saved stock half: the patched
-    run measures when its turn comes (first, here), then waits for the stock run to save its
-    half and writes the comparison; the stock run measures after it, with its pool fixed too."""
-    single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
-    single += ["--synthetic-acceptance", RATES, "--state", str(tmp_path / "stock.json")]
-    single += ["--turn-lock", str(tmp_path / "turn")]
-    runs = {}
-    for side in SIDES:
-        work, gate = tmp_path / side, tmp_path / f"{side}.gate"
-        command = [sys.executable, "-m", "hyperqwen.cli", "bench", *single, "--phase", side]
-        command += ["--workdir", str(work), "--out", str(work / "result.json")]
-        command += ["--stock-args=--kv-cache-memory-bytes 1G"]
-        env = {**os.environ, "KV_MEM": "1G", "FAKE_START_GATE": str(gate)}
-        process = subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        runs[side] = (process, work, gate)
-    wait_for(lambda: len(GpuTurns(tmp_path / "turn").others_starting()) == 2, "two servers")
-    assert GpuTurns(tmp_path / "turn").stock_runs()  # the stock run says it is measuring
-    patched, _, patched_gate = runs["patched"]
-    patched_gate.touch()  # the patched server is healthy first and takes the turn
-    early = []
-    for line in patched.stdout:
-        early.append(line)
-        if "other server(s) still starting" in line:
-            break
-    runs["stock"][2].touch()
-    outputs = {side: process.communicate(timeout=300)[0] for side, (process, *_) in runs.items()}
-    outputs["patched"] = "".join(early) + outputs["patched"]
-    for side, (process, *_) in runs.items():
-        assert process.returncode == 0, outputs[side]
-    assert "no stock half in" in outputs["patched"]
-    assert "waiting for the stock run to save its half" in outputs["patched"]
-    logs = {side: work / f"{side}-server.log" for side, (_, work, _) in runs.items()}
-    streams = {side: stand_in_records(log, "completion") for side, log in logs.items()}
-    patched_stopping = stand_in_records(logs["patched"], "stopping")[0]["at"]
-    assert patched_stopping < min(stream["arrived"] for stream in streams["stock"])
-    document, rows = load_result(tmp_path / "patched" / "result.json")
-    assert {row.name for row in rows} >= {"c1_decode", "startup_to_healthy"}
-    assert document["stock"]["command"][-2:] == ["--kv-cache-memory-bytes", "1G"]
-    assert not GpuTurns(tmp_path / "turn").stock_runs()  # its marker went with its half saved
-    assert not list(tmp_path.glob(".stock.json.*.partial"))
-
-
-def test_a_patched_run_under_a_turn_lock_with_no_stock_half_nor_stock_run_is_refused(
-    comparison, tmp_path, capsys, monkeypatch
-) -> None:
-    """No saved half and no --phase stock run under the lock within the grace: refused before
-    its server starts, naming what to run."""
-    monkeypatch.setattr("hyperqwen.bench.ab.STOCK_RUN_GRACE_S", 0.0)
-    single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
-    single += ["--synthetic-acceptance", RATES, "--state", str(tmp_path / "stock.json")]
-    variant = [*single, "--phase", "patched", "--turn-lock", str(tmp_path / "turn")]
-    monkeypatch.setenv("KV_MEM", "1G")
-    assert run_in_process("bench", *variant) == 2
-    assert "no such file; run --phase stock first" in capsys.readouterr().err
-    assert not (tmp_path / "work" / "patched-server.log").exists()
-
-
-def test_the_gpu_host_recipe_starts_stock_and_variants_together(comparison, tmp_path) -> None:
-    """bench/gpu-host/ab_together.sh as the GPU host runs it (its env.sh replaced by one naming
-    this test's trees): the stock half and two variants started together under one turn lock,
-    each variant's result against that stock half, the variants named, the logs kept."""
-    host = tmp_path / "host"
-    (host / "bench" / "gpu-host").mkdir(parents=True)
-    recipe = ROOT / "bench" / "gpu-host" / "ab_together.sh"
-    (host / "bench" / "gpu-host" / "ab_together.sh").write_bytes(recipe.read_bytes())
-    model, stock_tree, patched_tree = comparison[1], comparison[3], comparison[5]
-    (host / "bench" / "gpu-host" / "env.sh").write_text(
-        f"export R={shlex.quote(str(tmp_path / 'R'))}"
-        f" HYPERQWEN_STOCK_VLLM={shlex.quote(stock_tree)}"
-        f" HYPERQWEN_PATCHED_VLLM={shlex.quote(patched_tree)}\n"
-    )
-    # what the recipe does not set itself: the stand-in servers, the env file, the workload
-    taken = {"--stock-vllm", "--patched-vllm", "--workdir"}
-    options, rest = [], iter(comparison[2:])
-    for word in rest:
-        if word in taken:
-            next(rest)
-        elif not word.startswith("--vllm-args="):
-            options.append(word)
-    options += ["--mode", "single", "--cohorts", "1", "--prefill", "none"]
-    options += ["--synthetic-acceptance", RATES]
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "AB_MODEL": model,
-        "AB_STOCK_MODEL": model,
-        "AB_KV_MEM": "1G",
-    }
-    command = [
-        "bash",
-        "bench/gpu-host/ab_together.sh",
-        "t",
-        shlex.join(options),
-        "",
-        "DRAFT_VOCAB=off",
-    ]
-    done = subprocess.run(command, cwd=host, env=env, capture_output=True, text=True, timeout=600)
-    out = tmp_path / "R" / "t"
-    logs = "\n".join(f"== {log.name}\n{log.read_text()}" for log in sorted(out.glob("*.log")))
-    assert done.returncode == 0, done.stdout + done.stderr + logs
-    assert (out / "variants.txt").read_text().splitlines() == [
-        "v1: the profile defaults",
-        "v2: DRAFT_VOCAB=off",
-    ]
-    assert "saved the stock half" in (out / "stock.log").read_text()
-    stock_command = None
-    for index, knob in ((1, None), (2, "DRAFT_VOCAB=off")):
-        document, rows = load_result(out / f"v{index}.json")
-        assert "c1_decode" in {row.name for row in rows}
-        assert document["stock"]["command"][-4:] == [
-            *("--gpu-memory-utilization", "0.30", "--kv-cache-memory-bytes", "1G")
-        ]
-        stock_command = stock_command or document["stock"]["command"]
-        assert document["stock"]["command"] == stock_command  # one stock half for both
-        assert (knob in document["command"]) if knob else "DRAFT_VOCAB" not in document["command"]
-        assert "--additional-config" in document["patched"]["command"]
-    assert {"stock-stock-server.log", "v1-patched-server.log"} <= {p.name for p in out.iterdir()}
