@@ -1,6 +1,6 @@
 """`hyperqwen bench ab`, `publish` and `docs`: result schema, ratios, the generated docs and
 the headline. The servers' argv are tests/test_bench_ab_argv.py's; whole comparisons with real
-server processes tests/test_bench_ab_runs.py's."""
+server processes tests/test_bench_ab_runs.py's and test_bench_ab_turns.py's."""
 
 from __future__ import annotations
 
