@@ -26,7 +26,7 @@ from hyperqwen.capacity import (
     replay_buffer_bytes,
 )
 from hyperqwen.checkpoint.geometry import PRESETS
-from hyperqwen.kernels.gdn_replay import ReplayBuffer, gdn_replay_verify
+from hyperqwen.kernels.gdn_replay import ReplayBuffer, gdn_replay_fold, gdn_replay_verify
 
 NULL = None  # a batch row on vLLM's null block (a padded or skipped request)
 
@@ -40,14 +40,15 @@ def spans(rows, batch):
 class Run:
     """Both worlds' pools for `requests` requests of one geometry, drafts up to width - 1."""
 
-    def __init__(self, geometry, requests: int, width: int, seed: int):
+    def __init__(self, geometry, requests: int, width: int, seed: int, spare: int = 2):
         self.heads, self.v_heads, self.dim = geometry
         self.width = width
         self.generator = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
         v_heads, dim = self.v_heads, self.dim
-        # ours: a slot per request in no particular order, spare slots never used
-        slots = 1 + requests + 2
+        # ours: a slot per request in no particular order, spare slots unused but by moves
+        slots = 1 + requests + spare
+        self.kept: set[int] = set()  # slots a move left or a boundary copy filled
         self.slot = (torch.randperm(slots - 1, generator=self.generator)[:requests] + 1).tolist()
         self.state = torch.full((slots, v_heads, dim, dim), POISON)
         self.saved = ReplayBuffer.allocate(
@@ -173,9 +174,61 @@ class Run:
             assert 1 <= count <= tokens
             self.replay[r] = self.accepted[r] = count
 
+    def fold_into_spare(self, r: int, count: int | None = None) -> None:
+        """Prefix caching's `align` copies under the replay verify (gdn_replay_fold with a
+        destination slot), into a spare slot. count None, the move to a new block: request r's
+        state with its pending tokens folded in, where r then runs (vLLM's world copies the
+        state at its count to its first slot and counts 1). A count, the boundary copy for the
+        cache: the state after that many tokens of r's last verify, r staying where it was with
+        its tokens pending. The spare slot must hold the reference's state (vLLM's kernel's
+        too), every other slot, the source's included, and the saved inputs stay as they were."""
+        source = self.slot[r]
+        spare = next(
+            slot
+            for slot in range(1, self.state.shape[0])
+            if slot not in self.slot and slot not in self.kept
+        )
+        folded = self.replay[r] if count is None else count
+        assert 0 <= folded <= self.replay[r] or (folded == 0 and self.replay[r] == 0)
+        if folded:
+            column = int(self.v_slots[r, folded - 1])
+            expected, vllms = self.ref_state[column], self.v_state[column]
+        else:
+            expected = vllms = self.state[source].clone()
+        before = self.state.clone()
+        saved_before = [part.clone() for part in (self.saved.k, self.saved.v, self.saved.a)]
+        state = self.state.to(DEVICE)
+        slots = (torch.tensor([slot], dtype=torch.int32, device=DEVICE) for slot in (source, spare))
+        source_slots, spare_slots = slots
+        counts = torch.tensor([folded], dtype=torch.int32, device=DEVICE)
+        gdn_replay_fold(
+            self.A_log, self.dt_bias, state, source_slots, counts, self.saved,
+            dest_slots=spare_slots,
+        )  # fmt: skip
+        self.state = state.cpu()
+        assert torch.allclose(self.state[spare].double(), expected.double(), rtol=1e-4, atol=1e-5)
+        assert torch.allclose(self.state[spare], vllms.float(), rtol=1e-5, atol=1e-6)
+        others = torch.ones(self.state.shape[0], dtype=torch.bool)
+        others[spare] = False
+        # the poisoned slots too: NaN where it was
+        unchanged = torch.allclose(self.state[others], before[others], 0, 0, equal_nan=True)
+        assert unchanged, "a slot but the spare changed"
+        for part, was in zip((self.saved.k, self.saved.v, self.saved.a), saved_before, strict=True):
+            assert torch.allclose(part, was, 0, 0, equal_nan=True), "a fold saved inputs"
+        self.kept.add(spare)
+        if count is None:
+            self.kept.discard(spare)
+            self.kept.add(source)
+            self.slot[r], self.replay[r] = spare, 0
+            first, last = int(self.v_slots[r, 0]), int(self.v_slots[r, self.accepted[r] - 1])
+            self.v_state[first] = self.v_state[last].clone()
+            self.ref_state[first] = self.ref_state[last].clone()
+            self.accepted[r] = 1
+
     def assert_unused_slots_poisoned(self):
         used = torch.zeros(self.state.shape[0], dtype=torch.bool)
         used[self.slot] = True
+        used[list(self.kept)] = True
         assert torch.isnan(self.state[~used]).all(), "an unused state slot was written"
         for part in (self.saved.k, self.saved.v, self.saved.a, self.saved.b):
             assert torch.isnan(part.cpu()[~used].float()).all(), "an unused replay slot was written"
@@ -206,6 +259,25 @@ def test_multi_step_run_matches_vllms_semantics_small_heads_fifteen_drafts() -> 
     ]
     for rows, kept in steps:
         run.step(rows, kept)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_align_moves_and_boundary_copies_fold_into_another_slot() -> None:
+    """Under prefix caching's `align` mode a request's state moves to a new block between two
+    verifies, and the state at a block boundary inside a verify's accepted tokens is copied
+    into a cache block: with the replay verify both are folds into another slot. The run goes
+    on from the moved states and must still follow vLLM's semantics."""
+    run = Run((2, 4, 32), requests=3, width=16, seed=5, spare=8)
+    run.step([(0, 16), (1, 5), (2, 1)], {0: 9, 1: 5})
+    run.fold_into_spare(0, count=4)  # a boundary after 4 of request 0's 9 kept tokens
+    run.fold_into_spare(0)  # its 9 pending tokens folded into its new block
+    run.fold_into_spare(2)  # a verify of one token: the first token folded
+    run.step([(0, 16), (1, 16), (2, 0)], {0: 16})  # request 2 with no tokens: nothing pending
+    run.fold_into_spare(2)  # a move with nothing to fold: the state copied as it is
+    run.fold_into_spare(0, count=16)  # the boundary at the end of all 16 kept tokens
+    run.fold_into_spare(1)
+    run.step([(0, 1), (1, 16), (2, 3)], {1: 2})
+    run.step([(0, 1), (1, 1), (2, 1)])
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -44,8 +44,10 @@ blocks and buffer 334 MiB; without, 16 blocks (2,574 MiB) against 1 and the buff
 Status: agrees with a float64 reference of vLLM's semantics and with vLLM's own kernel run with
 per-token state slots, over multi-step runs with random acceptance (tests/test_kernel_gdn
 _replay.py, Triton's CPU interpreter only), and through the layer's verify seam on a page laid
-out as vLLM binds it (tests/test_engine_gdn_replay_seam.py). Not compiled or run on a GPU, not
-timed (engine/quoting.md, "GDN replay", says what is wired and what is left).
+out as vLLM binds it (tests/test_engine_gdn_replay_seam.py); gdn_replay_fold into another
+slot, prefix caching's `align` moves and boundary copies, against vLLM's per-token states amid
+a run (not wired into vLLM's align path yet). Not compiled or run on a GPU, not timed
+(engine/quoting.md, "GDN replay", says what is wired and what is left).
 """
 
 from __future__ import annotations
@@ -144,6 +146,7 @@ def _gdn_replay_kernel(
     state,
     cu_seqlens,
     state_slots,
+    dest_slots,
     replay_counts,
     saved_k,
     saved_v,
@@ -182,6 +185,8 @@ def _gdn_replay_kernel(
     o_t = tl.arange(0, TOKENS)
     head_state = i_hv * V * K + o_v[:, None] * K + o_k[None, :]
     committed = state + slot * state_stride + head_state
+    # where the folded state goes: the slot itself, but for a move (gdn_replay_fold)
+    dest = tl.load(dest_slots + i_n).to(tl.int64)
     h = tl.load(committed).to(tl.float32)
     decay_rate = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     bias = tl.load(dt_bias + i_hv).to(tl.float32)
@@ -203,7 +208,8 @@ def _gdn_replay_kernel(
             if t < replayed:
                 key, value = _row(k_t, o_t, t), _row(v_t, o_t, t)
                 h = _delta_rule(h, key, value, _entry(decay, o_t, t), _entry(beta, o_t, t))
-        tl.store(committed, h.to(state.dtype.element_ty))
+    if replayed > 0 or dest != slot:
+        tl.store(state + dest * state_stride + head_state, h.to(state.dtype.element_ty))
 
     for start in range(0, seq_len, TOKENS):
         tokens = bos + start + o_t
@@ -291,6 +297,7 @@ def gdn_replay_verify(
     block_v: int | None = None,
     num_warps: int = 1,  # not timed: one warp, as the decode kernels of this shape
     out: torch.Tensor | None = None,
+    dest_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The outputs [1, T, HV, V] of a verify step; `state` (vLLM's pool [slots, HV, V, K]) and
     `saved` updated in place as the module docstring says. q, k [1, T, H, K], v [1, T, HV, V],
@@ -298,7 +305,9 @@ def gdn_replay_verify(
     (its spec_query_start_loc: a request's count may be 0); state_slots [N] (its block table's
     first column, the committed block); replay_counts [N]. A request's token count must not
     exceed saved.tokens: its later tokens are verified but not saved. out: where the outputs
-    go (else a new tensor); a skipped request's rows are left as they are."""
+    go (else a new tensor); a skipped request's rows are left as they are. dest_slots: where
+    each request's folded state is written (gdn_replay_fold's moves; default state_slots), for
+    requests of no tokens only: a request with tokens must fold and verify in one slot."""
     problems = unsupported(q, k, v, state) + saved.problems(q, v, state)
     if problems:
         raise ValueError("gdn_replay_verify: needs " + "; ".join(problems))
@@ -327,6 +336,7 @@ def gdn_replay_verify(
         state,
         cu_seqlens,
         state_slots,
+        state_slots if dest_slots is None else dest_slots,
         replay_counts,
         saved.k,
         saved.v,
@@ -378,26 +388,37 @@ def gdn_replay_fold(
     replay_counts: torch.Tensor,
     saved: ReplayBuffer,
     *,
+    dest_slots: torch.Tensor | None = None,
     softplus_beta: float = 1.0,
     softplus_threshold: float = 20.0,
 ) -> None:
     """Folds the first replay_counts[n] saved tokens of slot state_slots[n] into its state,
     and nothing else: for a request that runs vLLM's prefill or decode kernels this step after
-    a verify (engine/gdn_replay.py `unreplayed`). The verify kernel over requests of no tokens
-    (it saves none either); a request with a count of 0 is not read."""
+    a verify (engine/gdn_replay.py `unreplayed`). With dest_slots, the folded state goes to
+    slot dest_slots[n] instead (a count of 0: the state as it is), and state_slots[n]'s state
+    and saved inputs are left as they were: the move of a request's state to another block,
+    and the state at a block boundary copied for the prefix cache, under prefix caching's
+    `align` mode (engine/quoting.md, item 4). The verify kernel over requests of no tokens
+    (it saves none either); a request on slot 0 (vLLM's null block), or with a count of 0 and
+    no other destination, is not read."""
     requests = state_slots.numel()
     if requests == 0:
         return
     heads, k_dim = saved.k.shape[2], saved.k.shape[3]
     v_heads, v_dim = saved.v.shape[2], saved.v.shape[3]
     device, dtype = state.device, saved.k.dtype
+    dest_slots = state_slots if dest_slots is None else dest_slots
+    if dest_slots.shape != state_slots.shape:
+        raise ValueError("gdn_replay_fold: needs one destination slot per source slot")
     # one placeholder token: the kernel's argument checks want a step's shapes; none is read
     q = torch.zeros((1, 1, heads, k_dim), dtype=dtype, device=device)
     v = torch.zeros((1, 1, v_heads, v_dim), dtype=dtype, device=device)
     gates = torch.zeros((1, v_heads), dtype=dtype, device=device)
+    reads = (replay_counts > 0) | (dest_slots != state_slots)
     gdn_replay_verify(
         A_log, gates, gates, dt_bias, q, q, v, state,
         torch.zeros(requests + 1, dtype=torch.int32, device=device),
-        torch.where(replay_counts > 0, state_slots, 0).to(torch.int32),
+        torch.where(reads, state_slots, 0).to(torch.int32),
         replay_counts, saved, softplus_beta=softplus_beta, softplus_threshold=softplus_threshold,
+        dest_slots=dest_slots.to(torch.int32),
     )  # fmt: skip
