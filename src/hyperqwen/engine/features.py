@@ -464,6 +464,7 @@ GDN_REPLAY = Feature(
         "src/hyperqwen/engine/gdn_replay_backend.py",
         "src/hyperqwen/engine/gdn_replay_state.py",
         "src/hyperqwen/engine/gdn_replay_models.py",
+        "src/hyperqwen/engine/gdn_replay_align.py",
     ),
     knob="GDN_REPLAY",
     owned_knob=Knob(
@@ -496,8 +497,10 @@ GDN_REPLAY = Feature(
     "per request with the last verify's k, v, a, b in its page (vLLM's per-draft blocks "
     "gone), the metadata builder (registered as vLLM's GDN backend) counts each slot's tokens "
     "to fold in, and the layer's verify runs `../kernels/gdn_replay.py`; refused with prefix "
-    "caching; CPU-tested against vLLM's classes and its per-token-state kernel over multi-step "
-    "runs; on the H200 (CUDA graphs included) its greedy answers equal replay off's "
+    "caching (its `align` copies as folds, `gdn_replay_align.py`, are CPU-tested against "
+    "vLLM's kernel, not wired: `quoting.md`, item 4); CPU-tested against vLLM's classes "
+    "and its per-token-state kernel over multi-step runs; on the H200 (CUDA graphs "
+    "included) its greedy answers equal replay off's "
     "(bench/measurements/2026-12-03-h200-gdn-replay-passed.json); not timed",
 )
 
