@@ -214,6 +214,7 @@ def test_the_gpu_host_recipe_starts_stock_and_variants_together(comparison, tmp_
         "AB_MODEL": model,
         "AB_STOCK_MODEL": model,
         "AB_KV_MEM": "1G",
+        "AB_STOCK_ARGS": "--max-num-seqs 4",
     }
     command = [
         "bash",
@@ -236,8 +237,9 @@ def test_the_gpu_host_recipe_starts_stock_and_variants_together(comparison, tmp_
     for index, knob in ((1, None), (2, "DRAFT_VOCAB=off")):
         document, rows = load_result(out / f"v{index}.json")
         assert "c1_decode" in {row.name for row in rows}
-        assert document["stock"]["command"][-4:] == [
-            *("--gpu-memory-utilization", "0.30", "--kv-cache-memory-bytes", "1G")
+        assert document["stock"]["command"][-6:] == [
+            *("--gpu-memory-utilization", "0.30", "--kv-cache-memory-bytes", "1G"),
+            *("--max-num-seqs", "4"),
         ]
         stock_command = stock_command or document["stock"]["command"]
         assert document["stock"]["command"] == stock_command  # one stock half for both

@@ -4,8 +4,9 @@
 # patched run per VARIANT (the profile's knobs as NAME=VALUE words, '' for its defaults) started
 # together under one --turn-lock, so one cold start is paid for all; they measure one at a time.
 # Each pool is fixed (AB_KV_MEM, default 16G) and each server gets AB_GPU_UTIL (default 0.9
-# shared out). AB_OPTIONS are the comparison's options (mode, cohorts, rounds, acceptance ...),
-# the same for every run. Results and logs in $R/NAME/ (vN.json is the Nth variant's result,
+# shared out); AB_STOCK_ARGS adds vLLM flags to the stock side (e.g. --kv-cache-dtype fp8).
+# AB_OPTIONS are the comparison's options (mode, cohorts, rounds, acceptance ...), the same
+# for every run. Results and logs in $R/NAME/ (vN.json is the Nth variant's result,
 # variants.txt names them). Detached, from the repository root on the kit's host:
 #   bash bench/gpu-host/bg.sh NAME bash bench/gpu-host/ab_together.sh NAME 'OPTIONS' '' 'KNOB=1'
 # shellcheck disable=SC1091
@@ -33,7 +34,8 @@ eval "words=($options)" # the options as a shell would split them, quotes kept
 common=("$model" --stock-model "$base" --stock-vllm "$HYPERQWEN_STOCK_VLLM"
   --patched-vllm "$HYPERQWEN_PATCHED_VLLM" --state "$work/stock.json" --turn-lock "$work/turn"
   "--vllm-args=--load-format dummy --language-model-only --additional-config '$triton_prefill'"
-  "--stock-args=--gpu-memory-utilization $util --kv-cache-memory-bytes $kv" "${words[@]}")
+  "--stock-args=--gpu-memory-utilization $util --kv-cache-memory-bytes $kv ${AB_STOCK_ARGS:-}"
+  "${words[@]}")
 VLLM_CACHE_ROOT=$work/stock/cache python3 -m hyperqwen.cli bench ab "${common[@]}" \
   --phase stock --workdir "$work/stock" > "$out/stock.log" 2>&1 &
 index=0
