@@ -189,7 +189,7 @@ class Run:
             if slot not in self.slot and slot not in self.kept
         )
         folded = self.replay[r] if count is None else count
-        assert 0 <= folded <= self.replay[r] or (folded == 0 and self.replay[r] == 0)
+        assert 0 <= folded <= self.replay[r]
         if folded:
             column = int(self.v_slots[r, folded - 1])
             expected, vllms = self.ref_state[column], self.v_state[column]
@@ -198,8 +198,8 @@ class Run:
         before = self.state.clone()
         saved_before = [part.clone() for part in (self.saved.k, self.saved.v, self.saved.a)]
         state = self.state.to(DEVICE)
-        slots = (torch.tensor([slot], dtype=torch.int32, device=DEVICE) for slot in (source, spare))
-        source_slots, spare_slots = slots
+        source_slots = torch.tensor([source], dtype=torch.int32, device=DEVICE)
+        spare_slots = torch.tensor([spare], dtype=torch.int32, device=DEVICE)
         counts = torch.tensor([folded], dtype=torch.int32, device=DEVICE)
         gdn_replay_fold(
             self.A_log, self.dt_bias, state, source_slots, counts, self.saved,
@@ -215,9 +215,9 @@ class Run:
         assert unchanged, "a slot but the spare changed"
         for part, was in zip((self.saved.k, self.saved.v, self.saved.a), saved_before, strict=True):
             assert torch.allclose(part, was, 0, 0, equal_nan=True), "a fold saved inputs"
-        self.kept.add(spare)
-        if count is None:
-            self.kept.discard(spare)
+        if count is not None:  # the boundary copy: the spare holds a cache block's state
+            self.kept.add(spare)
+        else:  # the move: r runs at the spare; its old slot keeps what it held
             self.kept.add(source)
             self.slot[r], self.replay[r] = spare, 0
             first, last = int(self.v_slots[r, 0]), int(self.v_slots[r, self.accepted[r] - 1])

@@ -102,17 +102,11 @@ class GpuTurns:
 
     def __init__(self, lock: Path):
         self.lock = lock
-        self.marker = lock.with_name(f"{lock.name}.starting.{os.getpid()}")
+        self.marker = self._own_marker("starting")
 
-    @contextlib.contextmanager
-    def starting(self) -> Iterator[None]:
+    def starting(self) -> contextlib.AbstractContextManager[None]:
         """Mark this run's server as starting until it is healthy (started()) or failed."""
-        self.lock.parent.mkdir(parents=True, exist_ok=True)
-        self.marker.touch()
-        try:
-            yield
-        finally:
-            self.started()
+        return self._marked(self.marker)
 
     def started(self) -> None:
         self.marker.unlink(missing_ok=True)
@@ -121,21 +115,27 @@ class GpuTurns:
         """Markers of live runs whose servers are not healthy yet (a killed run's is skipped)."""
         return self._live_markers("starting")
 
-    @contextlib.contextmanager
-    def measuring_stock(self) -> Iterator[None]:
+    def measuring_stock(self) -> contextlib.AbstractContextManager[None]:
         """Mark this run as a --phase stock run until its half is saved (or it failed), so
         patched runs started beside it wait for that half instead of refusing a missing one."""
-        marker = self.lock.with_name(f"{self.lock.name}.stock.{os.getpid()}")
+        return self._marked(self._own_marker("stock"))
+
+    def stock_runs(self) -> list[Path]:
+        """Markers of live runs measuring the stock half under this lock."""
+        return self._live_markers("stock")
+
+    def _own_marker(self, kind: str) -> Path:
+        """This process's marker of `kind` beside the lock (_live_markers reads its pid)."""
+        return self.lock.with_name(f"{self.lock.name}.{kind}.{os.getpid()}")
+
+    @contextlib.contextmanager
+    def _marked(self, marker: Path) -> Iterator[None]:
         self.lock.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
         try:
             yield
         finally:
             marker.unlink(missing_ok=True)
-
-    def stock_runs(self) -> list[Path]:
-        """Markers of live runs measuring the stock half under this lock."""
-        return self._live_markers("stock")
 
     def _live_markers(self, kind: str) -> list[Path]:
         live = []
