@@ -24,6 +24,7 @@ from cli_runner import run_in_process
 from hyperqwen.bench.ab_plan import SIDES
 from hyperqwen.bench.ab_run import GpuTurns
 from hyperqwen.bench.results import load_result
+from hyperqwen.vllm_flags import flag_value
 
 
 def wait_for(condition: Callable[[], bool], what: str, limit_s: float = 300) -> None:
@@ -165,7 +166,7 @@ def test_the_stock_half_can_start_beside_a_patched_run_under_one_turn_lock(
     assert patched_stopping < min(stream["arrived"] for stream in streams["stock"])
     document, rows = load_result(tmp_path / "patched" / "result.json")
     assert {row.name for row in rows} >= {"c1_decode", "startup_to_healthy"}
-    assert document["stock"]["command"][-2:] == ["--kv-cache-memory-bytes", "1G"]
+    assert document["stock"]["command"][-4:-2] == ["--kv-cache-memory-bytes", "1G"]
     assert not GpuTurns(tmp_path / "turn").stock_runs()  # its marker went with its half saved
     assert not list(tmp_path.glob(".stock.json.*.partial"))
 
@@ -214,7 +215,6 @@ def test_the_gpu_host_recipe_starts_stock_and_variants_together(comparison, tmp_
         "AB_MODEL": model,
         "AB_STOCK_MODEL": model,
         "AB_KV_MEM": "1G",
-        "AB_STOCK_ARGS": "--max-num-seqs 4",
     }
     command = [
         "bash",
@@ -237,10 +237,13 @@ def test_the_gpu_host_recipe_starts_stock_and_variants_together(comparison, tmp_
     for index, knob in ((1, None), (2, "DRAFT_VOCAB=off")):
         document, rows = load_result(out / f"v{index}.json")
         assert "c1_decode" in {row.name for row in rows}
+        # the pool fixed, stock serves the profile's streams (vLLM's default would not start)
+        streams = flag_value(document["patched"]["command"], "--max-num-seqs")
         assert document["stock"]["command"][-6:] == [
             *("--gpu-memory-utilization", "0.30", "--kv-cache-memory-bytes", "1G"),
-            *("--max-num-seqs", "4"),
+            *("--max-num-seqs", streams),
         ]
+        assert any(f"profile's {streams} streams" in note for note in document["notes"])
         stock_command = stock_command or document["stock"]["command"]
         assert document["stock"]["command"] == stock_command  # one stock half for both
         assert (knob in document["command"]) if knob else "DRAFT_VOCAB" not in document["command"]

@@ -16,17 +16,20 @@ options=$2
 shift 2
 out=$R/$name
 work=/tmp/ab-together-$name
-rm -rf "$work"
+# A rerun keeps each server's compile cache (minutes of a cold start) and nothing else.
+find "$work" -mindepth 1 -maxdepth 2 -type f -delete 2> /dev/null
+rm -rf "$work/turn"*
 mkdir -p "$out" "$work"
 rm -f "$out/variants.txt"
 util=${AB_GPU_UTIL:-$(python3 -c "print(f'{0.9 / ($# + 1):.2f}')")}
 kv=${AB_KV_MEM:-16G}
 model=${AB_MODEL:-/tmp/q27-prepared} # AB_MODEL and AB_STOCK_MODEL: other model folders
 base=${AB_STOCK_MODEL:-/tmp/q27}
-if [ -z "${AB_MODEL:-}" ]; then
-  python3 -m hyperqwen.cli synth "$base" --preset 27b --config-only > /dev/null || exit 1
-  python3 -m hyperqwen.cli synth "$model" --preset 27b --config-only --prepared \
-    --draft-head > /dev/null || exit 1
+if [ -z "${AB_MODEL:-}" ]; then # made once per host: a later run on it reuses them
+  [ -f "$base/config.json" ] ||
+    python3 -m hyperqwen.cli synth "$base" --preset 27b --config-only > /dev/null || exit 1
+  [ -f "$model/config.json" ] || python3 -m hyperqwen.cli synth "$model" --preset 27b \
+    --config-only --prepared --draft-head > /dev/null || exit 1
 fi
 triton_prefill='{"gdn_prefill_backend":"triton"}' # the GDN prefill 3090/4090 cards run
 words=()

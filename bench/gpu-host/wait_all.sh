@@ -19,6 +19,6 @@ done
 echo "pending:${pending:- none}"
 for rc in "$R"/*.rc; do [ -f "$rc" ] && echo "$(basename "$rc" .rc) rc=$(cat "$rc")"; done
 for log in "$R"/*.log; do echo "=== $log"; tail -n "${TAILN:-15}" "$log"; done
-(cd "$R" && find . -type f -size -"${MAXKB:-3000}"k | grep -v '/cache/\|/site/\|\.safetensors$\|tokenizer' |
+(cd "$R" && find . -type f -size -"${MAXKB:-3000}"k | grep -v '/cache/\|/site/\|^./tree-\|\.safetensors$\|tokenizer' |
   tar -czf "$OUT/hq.tgz" -T -)
 nvidia-smi --query-gpu=memory.used --format=csv,noheader

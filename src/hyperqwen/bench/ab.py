@@ -320,7 +320,9 @@ def add_ab_subcommand(actions) -> None:
         default="",
         metavar="'FLAGS'",
         help="vLLM flags for the stock side only, appended after --vllm-args; a "
-        "--speculative-config here wins over --stock-spec's (vLLM keeps the last flag)",
+        "--speculative-config here wins over --stock-spec's (vLLM keeps the last flag); with "
+        "--kv-cache-memory-bytes here and no --max-num-seqs, the stock side serves the "
+        "profile's --max-num-seqs (vLLM's default does not start on a fixed pool)",
     )
     ab.add_argument(
         "--stock-spec",

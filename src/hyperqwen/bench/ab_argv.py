@@ -33,6 +33,15 @@ from hyperqwen.vllm_flags import (
 
 PREVIEW_PORT = 8000  # any valid port: the argv is only inspected, never run
 MAX_NUM_SEQS = "--max-num-seqs"
+KV_CACHE_MEMORY_FLAG = "--kv-cache-memory-bytes"  # vLLM's; the profile's KV_MEM sets it
+
+
+def pins_kv_pool(command: Sequence[str]) -> bool:
+    """Whether a server command fixes vLLM's KV-cache size. One that does not sizes it from
+    the card's free memory after its profiling run, so a neighbour loading or capturing
+    meanwhile counts as its own non-torch memory: its pool comes out wrong or below zero
+    (bench/measurements/2026-12-04-h200-needle-start-together-unpinned.json)."""
+    return any(arg.split("=")[0] == KV_CACHE_MEMORY_FLAG for arg in command)
 
 
 def stock_serve_argv(model: Path, port: int) -> list[str]:
@@ -223,7 +232,32 @@ def base_argv(side: str, plan: ABPlan, port: int) -> list[str]:
     spec = stock_speculation(plan) if plan.stock_spec == "same" else []
     vllm_args, stock_args = shlex.split(plan.vllm_args), shlex.split(plan.stock_args)
     stock_model = Path(plan.stock_model) if plan.stock_model else model
-    return [*stock_serve_argv(stock_model, port), *spec, *vllm_args, *stock_args]
+    argv = [*stock_serve_argv(stock_model, port), *spec, *vllm_args, *stock_args]
+    return argv + profile_streams(plan, argv)
+
+
+def profile_streams(plan: ABPlan, stock: list[str]) -> list[str]:
+    """The profile's --max-num-seqs for a stock side with a fixed KV pool and none of its own.
+
+    vLLM's default (1024 streams on an H200) wants a Mamba state block per stream out of the
+    pool, more than a pool sized for the profile holds, and the server does not start
+    ("exceeds available Mamba cache blocks"); the same streams are also the same job.
+    """
+    if not pins_kv_pool(stock) or flag_value(stock, MAX_NUM_SEQS) is not None:
+        return []
+    streams = flag_value(base_argv("patched", plan, PREVIEW_PORT), MAX_NUM_SEQS)
+    return [MAX_NUM_SEQS, streams] if streams is not None else []
+
+
+def streams_note(stock_args: str, commands: dict[str, list[str]]) -> list[str]:
+    """A line when the stock side serves the profile's --max-num-seqs (profile_streams)."""
+    streams = flag_value(commands["stock"], MAX_NUM_SEQS)
+    if streams is None or flag_value(shlex.split(stock_args), MAX_NUM_SEQS) is not None:
+        return []
+    return [
+        f"The stock side serves the profile's {streams} streams (--max-num-seqs {streams}): "
+        "with its KV pool fixed, vLLM's default stream count would not start."
+    ]
 
 
 def preview_commands(plan: ABPlan) -> dict[str, list[str]]:

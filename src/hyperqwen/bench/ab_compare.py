@@ -7,7 +7,7 @@ import json
 import shlex
 from pathlib import Path
 
-from hyperqwen.bench.ab_argv import baseline_note, queue_notes
+from hyperqwen.bench.ab_argv import baseline_note, queue_notes, streams_note
 from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND, SideResult
 from hyperqwen.bench.header import git_commit, gpu_facts
 from hyperqwen.bench.profile import profile_rows
@@ -143,6 +143,10 @@ def build_result(state: dict) -> tuple[dict, list[ComparisonRow]]:
     }
     details = {"plan": plan, "stock": state["stock"], "patched": state["patched"]}
     commands = {"stock": stock.command, "patched": patched.command}
-    details["notes"] = [baseline_note(commands), *queue_notes(plan["cohorts"], commands)]
+    details["notes"] = [
+        baseline_note(commands),
+        *queue_notes(plan["cohorts"], commands),
+        *streams_note(plan["stock_args"], commands),
+    ]
     document = result_document(facts, rows, **details)
     return document, rows

@@ -14,7 +14,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from hyperqwen.bench.ab_argv import (
+    KV_CACHE_MEMORY_FLAG,
     environment_knobs,
+    pins_kv_pool,
     serve_argv,
     server_command,
     side_environment,
@@ -72,17 +74,6 @@ def check_vllm_tree(side: str, parent: Path) -> str:
             "copy, e.g. unpacked from the vllm==0.26.0 wheel"
         )
     return f"none of the {len(checks)} patches of the series applied"
-
-
-KV_CACHE_MEMORY_FLAG = "--kv-cache-memory-bytes"  # vLLM's; the profile's KV_MEM sets it
-
-
-def pins_kv_pool(command: Sequence[str]) -> bool:
-    """Whether a server command fixes vLLM's KV-cache size. One that does not sizes it from
-    the card's free memory after its profiling run, so a neighbour loading or capturing
-    meanwhile counts as its own non-torch memory: its pool comes out wrong or below zero
-    (bench/measurements/2026-12-04-h200-needle-start-together-unpinned.json)."""
-    return any(arg.split("=")[0] == KV_CACHE_MEMORY_FLAG for arg in command)
 
 
 def pin_needed(what: str) -> str:
