@@ -361,7 +361,8 @@ def test_linear_backend_values_are_vllms_but_ours():
         ("single", {"LOOKUP": "0", "SPEC": "lookup"}, "1"),  # SPEC=lookup is the search itself
         ("batch", {"LOOKUP": "auto"}, None),
         ("single", {"SPEC": "ngram"}, None),  # vLLM's own n-gram search
-        ("single", {}, None),
+        ("single", {}, "auto"),  # quoting on by default where MTP drafts greedily
+        ("single", {"LOOKUP": "0"}, None),
         ("batch", {"SPEC": "lookup"}, None),  # batch never drafts
     ],
 )

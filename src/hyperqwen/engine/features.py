@@ -355,7 +355,7 @@ LOOKUP = Feature(
     ),
     knob="LOOKUP",
     owned_knob=Knob(
-        OFF,
+        "auto",
         "Quoting: with SPEC=mtp and DRAFT_SAMPLE=greedy, also copy drafts from the request's "
         "own context (the tokens that followed the longest, latest earlier occurrence of its "
         "last 2-12 tokens) into MTP's draft slots, where the match is 6 tokens or more or MTP's "
@@ -363,13 +363,16 @@ LOOKUP = Feature(
         "silently off elsewhere; 1: the same, with a warning where it cannot apply; 0: off. "
         "DRAFT_TOKENS above 3 lets a long match fill that many slots while other requests "
         "verify MTP's 3 (src/hyperqwen/engine/quoting.md; costs GDN state memory). Lossless "
-        "on the GPU; its cost to chat speed is not measured yet: off by default until it is.",
+        "on the GPU; on by default (auto) since chat on the 27B geometry was as fast with it as "
+        "without (docs/results/2026-12-04-h200-27b-single-lookup-auto.json, -off.json).",
         values=("auto", OFF, ON),
         modes=SINGLE_MODE,
     ),
     launch=_lookup_launch,
     ignored=_lookup_ignored,
-    status="off (on with SPEC=lookup, or LOOKUP=auto/1 with SPEC=mtp); CPU-tested; on its first "
+    status="on by default in single mode (LOOKUP=auto with SPEC=mtp and greedy drafts; also "
+    "SPEC=lookup); C1 chat on the 27B geometry (H200) as fast as with LOOKUP=0, tokens per step "
+    "equal (docs/results/2026-12-04-h200-27b-single-lookup-auto.json, -off.json); on its first "
     "home, vLLM's async `ngram_gpu` proposer, SPEC=lookup drafted at 0.47x stock CPU n-gram's "
     "tokens/s on copy prompts (H200, SmolLM2-135M, 2026-12-01), so it moved to the CPU proposer "
     "(measured there with 3 requests per C1 row, too few to decide: single-user/README.md); "
