@@ -191,8 +191,9 @@ def test_the_gpu_host_recipe_starts_stock_and_variants_together(comparison, tmp_
     each variant's result against that stock half, the variants named, the logs kept."""
     host = tmp_path / "host"
     (host / "bench" / "gpu-host").mkdir(parents=True)
-    recipe = ROOT / "bench" / "gpu-host" / "ab_together.sh"
-    (host / "bench" / "gpu-host" / "ab_together.sh").write_bytes(recipe.read_bytes())
+    for script in ("ab_together.sh", "host_state.sh"):
+        recipe = ROOT / "bench" / "gpu-host" / script
+        (host / "bench" / "gpu-host" / script).write_bytes(recipe.read_bytes())
     model, stock_tree, patched_tree = comparison[1], comparison[3], comparison[5]
     (host / "bench" / "gpu-host" / "env.sh").write_text(
         f"export R={shlex.quote(str(tmp_path / 'R'))}"
@@ -249,3 +250,5 @@ def test_the_gpu_host_recipe_starts_stock_and_variants_together(comparison, tmp_
         assert (knob in document["command"]) if knob else "DRAFT_VOCAB" not in document["command"]
         assert "--additional-config" in document["patched"]["command"]
     assert {"stock-stock-server.log", "v1-patched-server.log"} <= {p.name for p in out.iterdir()}
+    for moment in ("start", "end"):  # what else the host ran, beside the measurement
+        assert "load average" in (out / f"host-state-{moment}.txt").read_text()

@@ -39,6 +39,7 @@ common=("$model" --stock-model "$base" --stock-vllm "$HYPERQWEN_STOCK_VLLM"
   "--vllm-args=--load-format dummy --language-model-only --additional-config '$triton_prefill'"
   "--stock-args=--gpu-memory-utilization $util --kv-cache-memory-bytes $kv ${AB_STOCK_ARGS:-}"
   "${words[@]}")
+bash bench/gpu-host/host_state.sh "$out/host-state-start.txt"
 VLLM_CACHE_ROOT=$work/stock/cache python3 -m hyperqwen.cli bench ab "${common[@]}" \
   --phase stock --workdir "$work/stock" > "$out/stock.log" 2>&1 &
 index=0
@@ -52,6 +53,7 @@ for variant in "$@"; do
 done
 status=0
 for job in $(jobs -p); do wait "$job" || status=1; done
+bash bench/gpu-host/host_state.sh "$out/host-state-end.txt"
 for run in "$work"/*/; do
   for log in "$run"*.log; do
     [ -f "$log" ] && cp "$log" "$out/$(basename "$run")-$(basename "$log")"
