@@ -41,6 +41,8 @@ from hyperqwen.engine.feature_model import (  # re-exported: features.X is the A
     OFF as OFF,
     ON as ON,
     PROPOSER_LOADED as PROPOSER_LOADED,
+    RUNNER_ALIGN_COPIED as RUNNER_ALIGN_COPIED,
+    RUNNER_ALIGN_COPIES as RUNNER_ALIGN_COPIES,
     RUNNER_COPIES_SCHEDULER_OUTPUT as RUNNER_COPIES_SCHEDULER_OUTPUT,
     RUNNER_COUNTS_ON_GPU as RUNNER_COUNTS_ON_GPU,
     RUNNER_CUT_DRAFTS as RUNNER_CUT_DRAFTS,
@@ -456,7 +458,7 @@ def _gdn_replay_launch(settings: Any, mode: str) -> str | None:
 
 GDN_REPLAY = Feature(
     name="gdn_replay",
-    seams=(GDN_LAYER_BUILT, GDN_STEP_BEGINS, GDN_VERIFY),
+    seams=(GDN_LAYER_BUILT, GDN_STEP_BEGINS, GDN_VERIFY, RUNNER_ALIGN_COPIES, RUNNER_ALIGN_COPIED),
     registers=True,
     env="HYPERQWEN_GDN_REPLAY",
     own_files=(
@@ -488,8 +490,8 @@ GDN_REPLAY = Feature(
     refusal=lambda settings, mode: (
         "GDN_REPLAY=1 needs PREFIX_CACHE=0: under prefix caching vLLM moves a request's GDN "
         "state between blocks and caches block-boundary states from the per-draft states the "
-        "replay verify does not keep (src/hyperqwen/engine/quoting.md's plan, item 4, not "
-        "built yet)"
+        "replay verify does not keep (src/hyperqwen/engine/quoting.md's plan, item 4: wired, "
+        "CPU-tested, not yet lifted)"
         if _gdn_replay_launch(settings, mode) and settings.PREFIX_CACHE == ON
         else None
     ),
