@@ -27,8 +27,12 @@ MAX_DRAFTS = 3
 
 
 def vllms_postprocess_kernel():
-    """vLLM's kernel, run by Triton itself: without a GPU vllm.triton_utils hands out
-    placeholders instead."""
+    return vllms_mamba_utils().postprocess_mamba_fused_kernel
+
+
+def vllms_mamba_utils() -> types.ModuleType:
+    """vLLM's v1/worker/mamba_utils.py, its kernels run by Triton itself: without a GPU
+    vllm.triton_utils hands out placeholders instead."""
     import vllm.v1.worker.mamba_utils as module
 
     source = Path(module.__file__).read_text()
@@ -40,7 +44,7 @@ def vllms_postprocess_kernel():
     )
     exec(compile(source.replace(vllms_import, "import triton\nimport triton.language as tl"),
                  module.__file__, "exec"), on_triton.__dict__)  # fmt: skip
-    return on_triton.postprocess_mamba_fused_kernel
+    return on_triton
 
 
 def random_step(rng: random.Random, requests: int) -> dict[str, list[int]]:

@@ -7,9 +7,10 @@ tiny preset's geometry: the spec's shapes, page size, blocks per request and mem
 request against capacity.py's arithmetic. The builder: vLLM's GDN builder under ours, over
 test_engine_gdn_replay.py's seven steps, with and without FULL-graph padding; the record must
 not move in a CUDA-graph capture nor in a dummy run on the null block. Also: the layer refuses
-prefix caching's cache modes and architectures without the replay page, the launcher refuses
-GDN_REPLAY with PREFIX_CACHE=1 before vLLM starts, the plugin's registrations land in vLLM's
-registries, and the seam refuses metadata without a plan. The seam over a run of steps against
+prefix caching's "all" mode and architectures without the replay page, the model's `align`
+copy functions are the conv state's, the launcher switches it on with or without prefix
+caching, the plugin's registrations land in vLLM's registries, and the seam refuses metadata
+without a plan. The seam over a run of steps against
 vLLM's per-token path: test_engine_gdn_replay_seam.py.
 """
 
@@ -195,14 +196,40 @@ def test_vllms_prefill_warmup_still_reads_two_state_dtypes(vllm_on_cpu, monkeypa
     assert len(layer.get_state_dtype()) == 2 + 4  # the replay page again after the warm-up
 
 
-@pytest.mark.parametrize("mode", ["align", "all"])
-def test_prefix_caching_modes_are_refused_by_the_layer(vllm_on_cpu, mode):
+def test_the_layer_takes_align_and_refuses_caching_every_block(vllm_on_cpu):
+    """Prefix caching's `align` mode copies two states the replay folds instead
+    (test_engine_gdn_replay_align_seam.py); "all" caches every block's from per-token states."""
     from hyperqwen.engine import gdn_replay
 
     config = vllm_config(3)
-    config.cache_config.mamba_cache_mode = mode
-    with pytest.raises(ValueError, match=f"without prefix caching.*{mode}"):
+    config.cache_config.mamba_cache_mode = "align"
+    layer = gdn_layer(PRESETS["tiny"], config)
+    gdn_replay.gdn_layer_built(layer)
+    assert layer.hyperqwen_replay and len(layer.get_state_shape()) == 2 + 4
+    config.cache_config.mamba_cache_mode = "all"
+    with pytest.raises(ValueError, match="mamba_cache_mode none or align, not all"):
         gdn_replay.gdn_layer_built(gdn_layer(PRESETS["tiny"], config))
+
+
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_the_model_copies_the_conv_state_alone_with_the_replay_page(
+    vllm_on_cpu, monkeypatch, drafts
+):
+    """vLLM's runner asks the model instance for its `align` copy functions; vLLM's model
+    constructor needs a tensor-parallel group and weights, so it is replaced by Module's."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec
+    from vllm.model_executor.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+
+    from hyperqwen.engine.gdn_replay_models import ReplayQwen3_5
+
+    def bare(self, *, vllm_config, prefix):
+        torch.nn.Module.__init__(self)
+
+    monkeypatch.setattr(Qwen3_5ForConditionalGeneration, "__init__", bare)
+    model = ReplayQwen3_5(vllm_config=vllm_config(drafts), prefix="model")
+    vllms = Qwen3_5ForConditionalGeneration.get_mamba_state_copy_func()
+    expected = (get_conv_copy_spec,) if drafts else vllms
+    assert model.get_mamba_state_copy_func() == expected
 
 
 def test_a_model_without_the_replay_page_is_refused_by_the_layer(vllm_on_cpu):
@@ -214,7 +241,7 @@ def test_a_model_without_the_replay_page_is_refused_by_the_layer(vllm_on_cpu):
         gdn_replay.gdn_layer_built(layer)
 
 
-def test_the_launcher_refuses_prefix_caching_and_ignores_no_speculation():
+def test_the_launcher_switches_it_on_with_either_prefix_caching_and_ignores_no_speculation():
     from pathlib import Path
 
     from hyperqwen.engine.features import GDN_REPLAY, launch_env, serve_refusal
@@ -223,11 +250,10 @@ def test_the_launcher_refuses_prefix_caching_and_ignores_no_speculation():
     def settings(**values):
         return Settings.model_validate({"GDN_REPLAY": "1", **values})
 
-    refusal = serve_refusal(settings(PREFIX_CACHE="1"), "single", [], Path())
-    assert refusal is not None and refusal.startswith("GDN_REPLAY=1 needs PREFIX_CACHE=0")
-    on = settings(PREFIX_CACHE="0")
-    assert serve_refusal(on, "single", [], Path()) is None
-    assert launch_env(on, "single")[GDN_REPLAY.env] == "1"
+    for prefix_cache in ("0", "1"):
+        on = settings(PREFIX_CACHE=prefix_cache)
+        assert serve_refusal(on, "single", [], Path()) is None
+        assert launch_env(on, "single")[GDN_REPLAY.env] == "1"
     # nothing verifies without speculation: a warning, not a refusal, and the variable unset
     off = settings(PREFIX_CACHE="1", SPEC="off")
     assert serve_refusal(off, "single", [], Path()) is None

@@ -97,6 +97,10 @@ RUNNER_COPIES_SCHEDULER_OUTPUT = _v1_runner_seam(
 RUNNER_CUT_DRAFTS = _v1_runner_seam("runner_cut_drafts", "scheduled drafts cut in `_update_states`")
 RUNNER_DRAFT_COUNT = _v1_runner_seam("runner_draft_count", "drafts to propose")
 RUNNER_DRAFTED = _v1_runner_seam("runner_drafted", "after the drafter")
+RUNNER_ALIGN_COPIES = _v1_runner_seam(
+    "runner_align_copies", "the layers' state lists an `align` state copy sees"
+)
+RUNNER_ALIGN_COPIED = _v1_runner_seam("runner_align_copied", "after an `align` state copy")
 
 
 def _never(settings: Any, mode: str) -> str | None:

@@ -41,6 +41,8 @@ from hyperqwen.engine.feature_model import (  # re-exported: features.X is the A
     OFF as OFF,
     ON as ON,
     PROPOSER_LOADED as PROPOSER_LOADED,
+    RUNNER_ALIGN_COPIED as RUNNER_ALIGN_COPIED,
+    RUNNER_ALIGN_COPIES as RUNNER_ALIGN_COPIES,
     RUNNER_COPIES_SCHEDULER_OUTPUT as RUNNER_COPIES_SCHEDULER_OUTPUT,
     RUNNER_COUNTS_ON_GPU as RUNNER_COUNTS_ON_GPU,
     RUNNER_CUT_DRAFTS as RUNNER_CUT_DRAFTS,
@@ -459,7 +461,7 @@ def _gdn_replay_launch(settings: Any, mode: str) -> str | None:
 
 GDN_REPLAY = Feature(
     name="gdn_replay",
-    seams=(GDN_LAYER_BUILT, GDN_STEP_BEGINS, GDN_VERIFY),
+    seams=(GDN_LAYER_BUILT, GDN_STEP_BEGINS, GDN_VERIFY, RUNNER_ALIGN_COPIES, RUNNER_ALIGN_COPIED),
     registers=True,
     env="HYPERQWEN_GDN_REPLAY",
     own_files=(
@@ -472,14 +474,14 @@ GDN_REPLAY = Feature(
     knob="GDN_REPLAY",
     owned_knob=Knob(
         OFF,
-        "With speculative decoding (SPEC not off) and PREFIX_CACHE=0: keep one Gated DeltaNet "
+        "With speculative decoding (SPEC not off): keep one Gated DeltaNet "
         "state per request and the last verify's inputs, folded in at the next step, instead "
         "of vLLM's state per draft position (1 + DRAFT_TOKENS blocks per request and layer; "
         'src/hyperqwen/engine/quoting.md, "GDN replay"). Frees most of the GDN state memory '
-        "at large DRAFT_TOKENS (`hyperqwen capacity`). Refused with PREFIX_CACHE=1 (not built "
-        "for it yet). Lossless on the H200 with a tiny model at 3 and 15 drafts "
-        "(bench/measurements/2026-12-03-h200-gdn-replay-passed.json); its speed is not "
-        "measured, so off.",
+        "at large DRAFT_TOKENS (`hyperqwen capacity`). Lossless on the H200 with a tiny model "
+        "at 3 and 15 drafts without prefix caching "
+        "(bench/measurements/2026-12-03-h200-gdn-replay-passed.json); with PREFIX_CACHE=1 "
+        "(its state copies as folds) tested on the CPU only; its speed is not measured, so off.",
         modes=SINGLE_MODE,
     ),
     launch=_gdn_replay_launch,
@@ -488,23 +490,16 @@ GDN_REPLAY = Feature(
         if mode == "single" and settings.GDN_REPLAY == ON and settings.SPEC == "off"
         else None
     ),
-    refusal=lambda settings, mode: (
-        "GDN_REPLAY=1 needs PREFIX_CACHE=0: under prefix caching vLLM moves a request's GDN "
-        "state between blocks and caches block-boundary states from the per-draft states the "
-        "replay verify does not keep (src/hyperqwen/engine/quoting.md's plan, item 4, not "
-        "built yet)"
-        if _gdn_replay_launch(settings, mode) and settings.PREFIX_CACHE == ON
-        else None
-    ),
-    status="off; with speculation and no prefix caching, the GDN layers keep one state block "
+    status="off; with speculation, the GDN layers keep one state block "
     "per request with the last verify's k, v, a, b in its page (vLLM's per-draft blocks "
     "gone), the metadata builder (registered as vLLM's GDN backend) counts each slot's tokens "
-    "to fold in, and the layer's verify runs `../kernels/gdn_replay.py`; refused with prefix "
-    "caching (its `align` copies as folds, `gdn_replay_align.py`, are CPU-tested against "
-    "vLLM's kernel, not wired: `quoting.md`, item 4); CPU-tested against vLLM's classes "
-    "and its per-token-state kernel over multi-step runs; on the H200 (CUDA graphs "
+    "to fold in, and the layer's verify runs `../kernels/gdn_replay.py`; with prefix caching "
+    "(vLLM's `align` mode) the runner's two state copies move the conv state alone and fold "
+    "the recurrent one (`gdn_replay_align.py`, `quoting.md`, item 4); CPU-tested against "
+    "vLLM's classes, its align copies and its per-token-state kernel over multi-step runs; "
+    "on the H200 without prefix caching (CUDA graphs "
     "included) its greedy answers equal replay off's "
-    "(bench/measurements/2026-12-03-h200-gdn-replay-passed.json); not timed",
+    "(bench/measurements/2026-12-03-h200-gdn-replay-passed.json), with it not run; not timed",
 )
 
 # TRITON_CACHE's value that shares one Triton cache across configurations (the default)

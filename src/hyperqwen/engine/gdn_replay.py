@@ -19,8 +19,10 @@ request keeps its slot (block table column 0 in mamba_cache_mode "none"; the sam
 saved inputs are kept under). Every slot a request starts on is first run as a non-spec row
 (vLLM prefills a new or resumed request, and a prefill row has no drafts), which clears what a
 slot's previous owner left. In mamba_cache_mode "align" a request also moves to a new slot
-mid-decode; that holds there only with the move hook of quoting.md's plan (step 4). Rows on
-vLLM's null block (padding of a CUDA-graph batch) are neither read nor recorded.
+mid-decode (its block table column is its running block's): the move is a fold whose
+destination's record clears (gdn_replay_align.py), so a moved request's slot reads unsaved, as
+vLLM resets its count to 1. Rows on vLLM's null block (padding of a CUDA-graph batch) are
+neither read nor recorded.
 
 A non-spec row with context whose slot is still `saved` verified last step and now runs
 the prefill or decode kernels, which do not replay (a decode scheduled with fewer tokens than
@@ -37,7 +39,10 @@ metadata builder of gdn_replay_backend.py under vLLM's GDN_ATTN mamba backend an
 classes of gdn_replay_models.py (the page, gdn_replay_state.py) under the Qwen3.5
 architectures; `gdn_layer_built` gives each GDN layer the replay page; `gdn_step_begins`
 folds an unreplayed row's saved tokens before vLLM's kernels (its fast decode path included)
-read its state; `gdn_verify` runs the layer's verify rows; both with kernels/gdn_replay.py.
+read its state; `gdn_verify` runs the layer's verify rows; both with kernels/gdn_replay.py;
+`runner_align_copies` and `runner_align_copied`, at the V1 runner's two state copies of
+prefix caching's `align` mode, turn their recurrent-state part into folds
+(gdn_replay_align.py).
 """
 
 from __future__ import annotations
@@ -122,12 +127,9 @@ REPLAY_MODELS = {
     "Qwen3_5MoeForConditionalGeneration": "hyperqwen.engine.gdn_replay_models:ReplayQwen3_5Moe",
 }
 REPLAY_BACKEND = "hyperqwen.engine.gdn_replay_backend.ReplayGDNBackend"
-# what the record's counts hold only in mamba_cache_mode "none" (quoting.md's plan, item 4)
-UNSUPPORTED_CACHE_MODE = (
-    "the GDN replay verify runs only without prefix caching: under prefix caching vLLM moves a "
-    "request's state between blocks and caches block-boundary states from per-token states "
-    "the replay verify does not keep (engine/quoting.md's plan, item 4, not built)"
-)
+# the cache modes whose state copies the record's counts hold in: none, and align's two copies
+# as folds (gdn_replay_align.py); "all" caches every block's state from per-token states
+SUPPORTED_CACHE_MODES = ("none", "align")
 
 
 def register() -> None:
@@ -145,9 +147,11 @@ def gdn_layer_built(layer) -> None:
     cache modes the record does not hold in."""
     if not layer.num_spec:  # no speculation: nothing verifies, vLLM's page
         return
-    if layer.cache_config.mamba_cache_mode != "none":
+    mode = layer.cache_config.mamba_cache_mode
+    if mode not in SUPPORTED_CACHE_MODES:
         raise ValueError(
-            f"{UNSUPPORTED_CACHE_MODE}; mamba_cache_mode is {layer.cache_config.mamba_cache_mode}"
+            f"the GDN replay verify runs with mamba_cache_mode {' or '.join(SUPPORTED_CACHE_MODES)}"
+            f", not {mode}: it keeps no per-token states to cache every block's from"
         )
     architecture = layer.model_config.architecture
     if architecture not in REPLAY_MODELS:
@@ -216,3 +220,28 @@ def gdn_verify(layer, metadata, q, k, v, a, b):
         metadata.spec_query_start_loc[: rows + 1], plan.committed_slots[:rows],
         plan.replay_counts[:rows], saved,
     )  # fmt: skip
+
+
+def runner_align_copies(runner, scheduler_output, copies: str, forward_context: dict) -> dict:
+    """Before vLLM's `align` copy: a replay layer shows it its conv state alone; before the
+    move, what preprocess_mamba decides its moves from is kept for runner_align_copied."""
+    from hyperqwen.engine import gdn_replay_align
+
+    if not gdn_replay_align.replay_groups(runner):
+        return forward_context
+    if copies == "move":
+        runner.hyperqwen_before_moves = gdn_replay_align.before_moves(runner, scheduler_output)
+    return gdn_replay_align.align_states(forward_context)
+
+
+def runner_align_copied(runner, copies: str, num_reqs: int) -> None:
+    """After vLLM's `align` copy: its recurrent-state part as folds."""
+    from hyperqwen.engine import gdn_replay_align
+
+    groups = gdn_replay_align.replay_groups(runner)
+    if not groups:
+        return
+    if copies == "move":
+        gdn_replay_align.fold_moves(runner, runner.hyperqwen_before_moves, groups)
+    else:
+        gdn_replay_align.fold_boundaries(runner, num_reqs, groups)

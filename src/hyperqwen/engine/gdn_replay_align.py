@@ -9,15 +9,27 @@ Under the replay verify the running block holds the state at its last verify's s
 verify's inputs, so each copy becomes `gdn_replay_fold` of the source block's saved tokens
 into the destination block (kernels/gdn_replay.py). This module computes those folds from
 the same inputs vLLM's copies decide on, with tensor ops on the device (no host sync, as
-vLLM's fused kernel). Not wired into vLLM's align path yet: the launcher refuses GDN_REPLAY
-with prefix caching.
+vLLM's fused kernel), and runs them at the V1 runner's two copies (engine/gdn_replay.py's
+`runner_align_copies` / `runner_align_copied`).
+
+vLLM's copies take a layer's state tensors position by position against the model's copy
+functions, which under the replay page are the conv state's alone (gdn_replay_state.py): so
+the conv copies stay vLLM's, each replay layer shows them its conv state only (`align_states`;
+the fused postprocess sizes and indexes its state list by those functions), and the folds
+write the recurrent state, a move's from the source block's state whatever its count. Every
+fold leaves its destination whole: its `saved` record clears there, as vLLM resets the
+accepted count to 1. The saved inputs are never copied: a fold consumes them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from hyperqwen.engine.gdn_replay_state import saved_inputs
+from hyperqwen.kernels.gdn_replay import ReplayBuffer, gdn_replay_fold
 
 
 @dataclass(frozen=True)
@@ -70,3 +82,139 @@ def boundary_folds(
         counts=torch.where(acts, counts, 0).to(int32),
         clears=reached & in_place,
     )
+
+
+@dataclass(frozen=True)
+class StateList:
+    """What vLLM's align copies read of a layer: its `kv_cache` list."""
+
+    kv_cache: list[torch.Tensor]
+
+
+def is_replay_layer(layer: Any) -> bool:
+    return getattr(layer, "hyperqwen_replay", False)
+
+
+def align_states(forward_context: dict[str, Any]) -> dict[str, Any]:
+    """The runner's forward context with each replay layer's state list cut to its conv state
+    (the one the model's copy functions name); other layers as they are."""
+    return {
+        name: StateList(layer.kv_cache[:1]) if is_replay_layer(layer) else layer
+        for name, layer in forward_context.items()
+    }
+
+
+@dataclass(frozen=True)
+class Group:
+    """One mamba KV-cache group of the runner: its id, its replay layers, its builders' slot
+    records (one builder per micro-batch)."""
+
+    group_id: int
+    layers: list[Any]
+    records: list[torch.Tensor]
+
+
+def replay_groups(runner: Any) -> list[Group]:
+    """The runner's mamba groups with replay layers (none without speculation)."""
+    from vllm.v1.worker.mamba_utils import get_mamba_groups
+
+    from hyperqwen.engine.gdn_replay_backend import ReplayMetadataBuilder
+
+    group_ids, _ = get_mamba_groups(runner.kv_cache_config)
+    context = runner.compilation_config.static_forward_context
+    groups = []
+    for group_id in group_ids:
+        names = runner.kv_cache_config.kv_cache_groups[group_id].layer_names
+        layers = [context[name] for name in names if is_replay_layer(context[name])]
+        builders = [
+            builder
+            for attention_group in runner.attn_groups[group_id]
+            for builder in attention_group.metadata_builders
+            if isinstance(builder, ReplayMetadataBuilder)
+        ]
+        if layers and not builders:
+            raise RuntimeError("GDN replay: replay layers without the replay builder's record")
+        if layers:
+            groups.append(Group(group_id, layers, [b.slot_record() for b in builders]))
+    return groups
+
+
+def fold(group: Group, sources: torch.Tensor, dests: torch.Tensor, counts: torch.Tensor) -> None:
+    """gdn_replay_fold over the group's layers (source 0: nothing), then every destination
+    whole in its records."""
+    for layer in group.layers:
+        saved = ReplayBuffer(*saved_inputs(layer.kv_cache))
+        gdn_replay_fold(
+            layer.A_log, layer.dt_bias, layer.kv_cache[1], sources, counts, saved, dest_slots=dests
+        )
+    for record in group.records:
+        record[dests.long()] = False  # 0, vLLM's null block, is never read as saved
+
+
+@dataclass(frozen=True)
+class BeforeMoves:
+    """What preprocess_mamba decides its moves from and then overwrites: the running block's
+    column per request (its stale entries dropped, as it drops them) and the accepted counts
+    per batch row (it resets a moved row's to 1)."""
+
+    state_idx: dict[str, int]
+    accepted: list[int]
+
+
+def before_moves(runner: Any, scheduler_output: Any) -> BeforeMoves:
+    from vllm.v1.worker.mamba_utils import cleanup_mamba_state_idx
+
+    state_idx = dict(runner.mamba_state_idx)
+    cleanup_mamba_state_idx(scheduler_output, state_idx)
+    rows = len(runner.input_batch.req_ids)
+    return BeforeMoves(state_idx, runner.input_batch.num_accepted_tokens_cpu[:rows].tolist())
+
+
+def fold_moves(runner: Any, before: BeforeMoves, groups: list[Group]) -> None:
+    """After preprocess_mamba: each request it moved (its column changed) gets its source
+    block's state, with its accepted saved tokens folded in where that block is saved, in
+    its new block."""
+    from vllm.v1.worker.mamba_utils import get_mamba_groups
+
+    block_size = get_mamba_groups(runner.kv_cache_config)[1].block_size
+    moves = []  # (request, source column, destination column, accepted)
+    for row, req_id in enumerate(runner.input_batch.req_ids):
+        request = runner.requests[req_id]
+        # a new or resumed request starts from the block of its computed tokens (vLLM's rule)
+        source = before.state_idx.get(req_id, (request.num_computed_tokens - 1) // block_size)
+        dest = runner.mamba_state_idx[req_id]
+        if source != -1 and source != dest:
+            moves.append((request, source, dest, before.accepted[row]))
+    # vLLM copied one conv state per move and layer: a differing count means its rule changed
+    copies = runner._get_mamba_bufs().preprocess.offset
+    if copies != len(moves) * sum(len(g.layers) for g in groups):
+        raise RuntimeError(f"GDN replay: vLLM made {copies} align copies for {len(moves)} moves")
+    if not moves:
+        return
+    device = groups[0].layers[0].kv_cache[1].device
+    accepted = torch.tensor([m[3] for m in moves], dtype=torch.int32, device=device)
+    for group in groups:
+        blocks = [(m[0].block_ids[group.group_id][m[1]], m[0].block_ids[group.group_id][m[2]])
+                  for m in moves]  # fmt: skip
+        sources, dests = torch.tensor(blocks, dtype=torch.int32, device=device).unbind(1)
+        counts = torch.where(group.records[0][sources.long()], accepted, 0).to(torch.int32)
+        fold(group, sources, dests, counts)
+
+
+def fold_boundaries(runner: Any, num_reqs: int, groups: list[Group]) -> None:
+    """After the fused postprocess: `boundary_folds` of its own staged inputs, per group."""
+    context = runner._get_mamba_bufs().postprocess_align
+    if context is None or num_reqs == 0:
+        return
+    rows = slice(0, num_reqs)
+    inputs = (
+        runner.num_accepted_tokens.gpu[rows],
+        context.mamba_state_idx_buf.gpu[rows],
+        context.num_scheduled_tokens_buf.gpu[rows],
+        context.num_computed_tokens_buf.gpu[rows],
+        context.num_draft_tokens_buf.gpu[rows],
+    )
+    for group in groups:
+        table = runner.input_batch.block_table[group.group_id].get_device_tensor(num_reqs)
+        folds = boundary_folds(*inputs, table, context.block_size)
+        fold(group, folds.sources, folds.dests, folds.counts)

@@ -55,10 +55,10 @@ class ReplayMetadataBuilder(GDNAttentionMetadataBuilder):
         rows = max(self.decode_cudagraph_max_bs, vllm_config.scheduler_config.max_num_seqs)
         self.replay_counts = torch.zeros(rows, dtype=torch.int32, device=device)
         self.fold_counts = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.record: torch.Tensor | None = None  # made at the first step: see _record
+        self.record: torch.Tensor | None = None  # made at the first step: see slot_record
         self._capturing = False
 
-    def _record(self) -> torch.Tensor:
+    def slot_record(self) -> torch.Tensor:
         """The slot record over the group's blocks; its size is the bound state pool's (the
         builder is made before anything tells it the block count)."""
         if self.record is None:
@@ -82,7 +82,7 @@ class ReplayMetadataBuilder(GDNAttentionMetadataBuilder):
             num_decode_draft_tokens_cpu,
             fast_build,
         )
-        record = self._record()
+        record = self.slot_record()
         plan = replay_plan(metadata, record)
         rows = plan.replay_counts.numel()
         self.replay_counts[:rows].copy_(plan.replay_counts, non_blocking=True)

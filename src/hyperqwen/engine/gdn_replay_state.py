@@ -130,9 +130,22 @@ def replay_layer(layer: Any) -> None:
 
 def replay_model_class(vllms: type) -> type:
     """A subclass of vLLM's Qwen3.5 model class whose config-time state page holds the saved
-    inputs (what the hybrid page alignment sizes the attention block by)."""
+    inputs (what the hybrid page alignment sizes the attention block by), and whose `align`
+    state copies are the conv state's."""
 
     class ReplayModel(vllms):  # type: ignore[misc, valid-type]
+        def __init__(self, *, vllm_config: Any, prefix: str = "model") -> None:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            self.hyperqwen_replay_page = bool(_drafts(vllm_config))
+
+        def get_mamba_state_copy_func(self) -> tuple:  # type: ignore[override]
+            """vLLM's runner asks the instance: with the replay page, its `align` copies move
+            the conv state alone (vLLM's function). The recurrent state's copies are folds of
+            the saved inputs, which always consume them (gdn_replay_align.py), and vLLM's
+            copies size their lists from these functions, one per state tensor in order."""
+            vllms_funcs = super().get_mamba_state_copy_func()
+            return vllms_funcs[:1] if self.hyperqwen_replay_page else vllms_funcs
+
         @classmethod
         def get_mamba_state_shape_from_config(cls, vllm_config):
             vllm_shapes = super().get_mamba_state_shape_from_config(vllm_config)

@@ -26,6 +26,8 @@ from hyperqwen.engine.features import (
     LINEAR_KERNELS,
     NGRAM_DRAFTS,
     PROPOSER_LOADED,
+    RUNNER_ALIGN_COPIED,
+    RUNNER_ALIGN_COPIES,
     RUNNER_COPIES_SCHEDULER_OUTPUT,
     RUNNER_COUNTS_ON_GPU,
     RUNNER_CUT_DRAFTS,
@@ -193,6 +195,25 @@ def runner_drafted(runner: Any, draft_token_ids: Any, sampled_token_ids: Any) ->
     for hook in hooks(RUNNER_DRAFTED):
         draft_token_ids = hook(runner, draft_token_ids, sampled_token_ids)
     return draft_token_ids
+
+
+def runner_align_copies(
+    runner: Any, scheduler_output: Any, copies: str, forward_context: dict[str, Any]
+) -> dict[str, Any]:
+    """Right before one of the V1 runner's two state copies of prefix caching's mamba `align`
+    mode (`copies`: "move", preprocess_mamba's move of a request's state to a new block before
+    the step; "boundary", the fused postprocess's copy of a block-boundary state for the cache
+    after it): the layer name -> layer map whose `kv_cache` lists the copy reads, as the
+    features on give it (vLLM's: the runner's static forward context)."""
+    for hook in hooks(RUNNER_ALIGN_COPIES):
+        forward_context = hook(runner, scheduler_output, copies, forward_context)
+    return forward_context
+
+
+def runner_align_copied(runner: Any, copies: str, num_reqs: int) -> None:
+    """Right after that copy (its launch, in stream order) for the step's num_reqs rows."""
+    for hook in hooks(RUNNER_ALIGN_COPIED):
+        hook(runner, copies, num_reqs)
 
 
 def scheduler_mamba_split(request: Any, start: int, wanted: int, split: int) -> int:

@@ -46,8 +46,8 @@ per-token state slots, over multi-step runs with random acceptance (tests/test_k
 _replay.py, Triton's CPU interpreter only), and through the layer's verify seam on a page laid
 out as vLLM binds it (tests/test_engine_gdn_replay_seam.py); gdn_replay_fold into another
 slot, prefix caching's `align` moves and boundary copies, against vLLM's per-token states amid
-a run (not wired into vLLM's align path yet). Not compiled or run on a GPU, not timed
-(engine/quoting.md, "GDN replay", says what is wired and what is left).
+a run (wired into vLLM's align path by engine/gdn_replay_align.py). Not compiled or run on a
+GPU, not timed (engine/quoting.md, "GDN replay", says what is wired and what is left).
 """
 
 from __future__ import annotations
@@ -322,6 +322,11 @@ def gdn_replay_verify(
     if requests == 0:
         return out
     a, b, q, k, v = (x.contiguous() for x in (a, b, q, k, v))
+    # the kernel reads the per-request entries a unit stride apart (a table's column is not)
+    cu_seqlens, state_slots, replay_counts = (
+        x.contiguous() for x in (cu_seqlens, state_slots, replay_counts)
+    )
+    dest_slots = state_slots if dest_slots is None else dest_slots.contiguous()
     block = block_v or default_block_v(requests, v_heads, v_dim)
     slot_strides = (saved.k.stride(0), saved.v.stride(0), saved.a.stride(0))
     _gdn_replay_kernel[(triton.cdiv(v_dim, block), requests * v_heads)](
@@ -336,7 +341,7 @@ def gdn_replay_verify(
         state,
         cu_seqlens,
         state_slots,
-        state_slots if dest_slots is None else dest_slots,
+        dest_slots,
         replay_counts,
         saved.k,
         saved.v,
