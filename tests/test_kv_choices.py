@@ -6,6 +6,7 @@ on (kv_choices.py) still hold in the pinned vLLM, so a pin bump that changes one
 from __future__ import annotations
 
 import inspect
+import json
 from typing import get_args
 
 import pytest
@@ -24,6 +25,7 @@ from hyperqwen.kv_choices import (
     TRITON,
     TURBOQUANT,
     capability_refusal,
+    head_layout_refusal,
     speculation_refusal,
 )
 from hyperqwen.launch import KvRefusal, build_launch
@@ -235,3 +237,56 @@ def test_kvarn_speculates_with_mtp_up_to_the_verify_width_its_kernel_is_fitted_t
     assert message.endswith(f"Use DRAFT_TOKENS={KVARN_MAX_DRAFTS} or fewer with KV=kvarn.")
     # batch mode never speculates
     assert build_launch(loaded(KV=KVARN_CHOICE, DRAFT_TOKENS=str(wide)), "batch", api_key=None)
+
+
+# --- int4_per_token_head and the head layouts hadacore rotates ---------------------------------
+
+SMOLLM2_HEADS = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}
+QWEN_27B_HEADS = {
+    "text_config": {"num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256}
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "tensor_parallel", "refused"),
+    [
+        (SMOLLM2_HEADS, 1, "9 query heads of 64 and 3 KV heads of 64"),
+        (QWEN_27B_HEADS, 1, None),  # 24 x 256 and 4 x 256: even chunk counts at any length
+        (QWEN_27B_HEADS, 2, None),
+        (QWEN_27B_HEADS, 4, "1 KV heads of 256"),  # one KV head per GPU: odd token counts hit
+        (QWEN_27B_HEADS, 8, "3 query heads of 256 and 1 KV heads of 256"),
+    ],
+)
+def test_int4_per_token_head_is_refused_where_hadacore_sees_odd_chunk_counts(
+    config, tensor_parallel, refused
+):
+    reason = head_layout_refusal("int4_per_token_head", config, tensor_parallel)
+    if refused is None:
+        assert reason is None
+    else:
+        assert f"KV=int4_per_token_head with this model's {refused} per GPU" in reason
+        assert "vllm-project/vllm#53167" in reason and "KV=int8_per_token_head" in reason
+    for other in (kv for kv in KV_CHOICES if kv != "int4_per_token_head"):
+        assert head_layout_refusal(other, config, tensor_parallel) is None
+
+
+def test_int4_per_token_head_still_rotates_through_hadacore_in_the_pinned_vllm():
+    """The refusal rests on this: a pin whose int4 cache stops calling hadacore retires it."""
+    from vllm.v1.attention.ops import int4_per_token_head
+
+    assert "ops.hadacore_transform(" in inspect.getsource(int4_per_token_head)
+
+
+def test_serve_refuses_int4_per_token_head_for_such_a_model_before_the_gpu_check(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2_HEADS))
+    env = {"MODEL": str(model), "KV": "int4_per_token_head"}
+    done = hyperqwen("serve", "batch", env=env, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "refusing to start: KV=int4_per_token_head with this model's 9 query heads" in (
+        done.stderr
+    )
+    # int8_per_token_head on the same folder gets as far as the missing GPU
+    env["KV"] = "int8_per_token_head"
+    assert hyperqwen("serve", "batch", env=env, cwd=tmp_path).returncode == 3

@@ -14,7 +14,7 @@ from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.drafter import cli as drafter_cli
 from hyperqwen.engine.features import serve_refusal as feature_refusal
 from hyperqwen.gpu import REQUIREMENT, NoGpu, list_gpus
-from hyperqwen.kv_choices import capability_refusal
+from hyperqwen.kv_choices import capability_refusal, head_layout_refusal
 from hyperqwen.launch import build_launch, effective_config_lines, model_path, redact_argv
 from hyperqwen.parallel import tensor_parallel_refusal
 from hyperqwen.patches import cli as patches_cli
@@ -74,7 +74,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # before the GPU check: a split the model cannot take is wrong on any machine
     if config_file.is_file():
         config = json.loads(config_file.read_text())
-        refusal = tensor_parallel_refusal(config, plan.tensor_parallel, str(plan.model_path))
+        refusal = tensor_parallel_refusal(config, plan.tensor_parallel, str(plan.model_path)) or (
+            kv and head_layout_refusal(kv, config, plan.tensor_parallel)
+        )
         if refusal:
             print(f"hyperqwen serve {args.mode}: refusing to start: {refusal}", file=sys.stderr)
             return EXIT_BAD_SETTINGS

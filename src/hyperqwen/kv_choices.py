@@ -45,14 +45,24 @@ What vLLM 0.26.0's source says (vllm/...: function), read for these facts:
   CUSTOM there too (drafter_backend), else the drafter's layer gets 16-bit pages that vLLM's
   page unification cannot fit to KVarN's (v1/core/kv_cache_utils.py:
   unify_kv_cache_spec_page_size; tests/test_kvarn_mtp_pages.py).
+- int4_per_token_head rotates q, k, v and the attention output with a Hadamard transform
+  (v1/attention/ops/int4_per_token_head.py: fast_hadamard_transform), on CUDA through
+  _C.hadacore_transform, whose kernel gives each warp two 256-element chunks; the warp left
+  with one (an odd chunk count) skips its cp.async wait and reads shared memory before its copy
+  lands (vllm-project/vllm#53167, open for 0.26's kernel). On SmolLM2 (9 query heads of 64 per
+  GPU) every answer came out garbage while prompt logprobs held
+  (docs/results/2026-12-04-h200-smollm2-needle-kv.json); that kernel is the likely cause, not
+  confirmed on a GPU. A rotated tensor is an even number of chunks at any token count when its
+  heads per GPU x head_dim is a multiple of 512: head_layout_refusal refuses the rest.
 - Prefix caching: Qwen3.5 runs it in "align" mode, which changes the recurrent state's blocks,
   not the attention cache (capacity.py); no backend above refuses it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from hyperqwen.gpu import Gpu
 
@@ -168,6 +178,36 @@ def speculation_refusal(kv: str, spec: str, drafts: int | None = None) -> str | 
         "captured CUDA graph cannot follow; src/hyperqwen/kv_choices.py). Use SPEC=off with "
         "TurboQuant, or KV=int4_per_token_head, the smallest cache that serves with "
         f"SPEC={spec}."
+    )
+
+
+INT4_ROTATED = "int4_per_token_head"
+HADACORE_PAIR_ELEMENTS = 512  # two 256-element chunks: one warp's share in hadacore
+
+
+def head_layout_refusal(kv: str, config: Mapping[str, Any], tensor_parallel: int) -> str | None:
+    """Why KV cannot serve this model's attention heads split over `tensor_parallel` GPUs, or
+    None: int4_per_token_head where a rotated tensor can be an odd number of hadacore chunks."""
+    text = config.get("text_config") or config
+    heads = text.get("num_attention_heads")
+    if kv != INT4_ROTATED or not heads:
+        return None
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    kv_heads = text.get("num_key_value_heads") or heads
+    per_gpu = {"query": heads // tensor_parallel, "KV": max(1, kv_heads // tensor_parallel)}
+    odd = [
+        f"{count} {label} heads of {head_dim}"
+        for label, count in per_gpu.items()
+        if count * head_dim % HADACORE_PAIR_ELEMENTS
+    ]
+    if not odd:
+        return None
+    return (
+        f"KV={kv} with this model's {' and '.join(odd)} per GPU: vLLM 0.26 rotates those "
+        "tensors through its hadacore Hadamard kernel, which reads before its copy lands when "
+        "a tensor is an odd number of 256-element chunks (vllm-project/vllm#53167); on SmolLM2 "
+        "every answer came out garbage (docs/results/2026-12-04-h200-smollm2-needle-kv.json). "
+        "Use KV=int8_per_token_head (as good as bf16 there) or KV=fp8."
     )
 
 
