@@ -1,11 +1,13 @@
-"""vLLM 0.26's hadacore Hadamard kernel, as int4_per_token_head's rotation calls it
-(fast_hadamard_transform), against the exact transform in float64, on the head layouts the
-refusal in kv_choices.head_layout_refusal sorts: the 27B's (24 query / 4 KV heads of 256, at one
-GPU and split over two) must come out exact, since the launcher lets KV=int4_per_token_head
-serve them; SmolLM2's (9 query / 3 KV heads of 64), an odd number of 256-element chunks at odd
-lengths, is where vllm-project/vllm#53167's skipped wait is expected. Each layout runs right
-after a large unrelated kernel, with the tensor's rows at decode, verify and prefill lengths;
-the errors go to the test log."""
+"""vLLM 0.26's hadacore Hadamard kernel, which int4_per_token_head rotates q, k, v and the
+output with, against the exact transform in float64, on the 27B's head layouts (24 query / 4
+KV heads of 256, at one GPU and split over two) and SmolLM2's (9 query / 3 KV heads of 64),
+each right after a large unrelated kernel, at decode, verify and prefill lengths:
+- the kernel alone, on odd counts of 256-element chunks: wrong somewhere, as
+  vllm-project/vllm#53167 reads it (the warp left with one chunk skips its wait). When this
+  fails, the pin's kernel waits on every warp and patches/int4-hadamard-even-chunks.patch can go;
+- the patched rotation (fast_hadamard_transform, which pads to even counts): exact on every
+  layout, SmolLM2's included; the precondition for lifting kv_choices.head_layout_refusal.
+The errors go to the test log."""
 
 from __future__ import annotations
 
@@ -20,17 +22,19 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from vllm import _custom_ops as ops  # noqa: E402
 from vllm.v1.attention.ops.int4_per_token_head import (  # noqa: E402
     _hadacore_available,
     fast_hadamard_transform,
 )
 
-from hyperqwen.kv_choices import head_layout_refusal  # noqa: E402
-
 TOKENS = (1, 3, 4, 149, 1001, 9001)  # decode, odd, MTP verify (1 + 3), prefill lengths
-BOUND = 2e-2  # bf16 inputs and outputs: a wrong chunk is off by order 1
-QWEN_27B = {"text_config": {"num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256}}
-SMOLLM2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}
+BOUND = 2e-2  # bf16 in and out: a chunk read before it landed is off by order 1
+LAYOUTS = {  # heads per GPU and head_dim of each rotated tensor
+    "27b-tp1": ((24, 256), (4, 256)),
+    "27b-tp2": ((12, 256), (2, 256)),
+    "smollm2": ((9, 64), (3, 64)),
+}
 
 
 def exact(x: torch.Tensor) -> torch.Tensor:
@@ -42,52 +46,39 @@ def exact(x: torch.Tensor) -> torch.Tensor:
     return x.double().cpu() @ h.T
 
 
-def worst_error(heads: int, head_dim: int, tokens: int, seed: int) -> float:
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(tokens, heads, head_dim, device="cuda", generator=generator)
-    x = x.to(torch.bfloat16)
-    big = torch.randn(4096, 4096, device="cuda", generator=generator)
-    (big @ big).sum()  # an unrelated kernel just before, as in a served step
-    got = fast_hadamard_transform(x).double().cpu()
-    want = exact(x)
-    scale = want.abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
-    return float(((got - want).abs() / scale).max())
-
-
-def layout_errors(config: dict, tensor_parallel: int) -> dict[str, float]:
-    text = config.get("text_config") or config
-    heads, kv_heads = text["num_attention_heads"], text["num_key_value_heads"]
-    head_dim = text.get("head_dim") or text["hidden_size"] // heads
-    per_gpu = {"query": heads // tensor_parallel, "KV": max(1, kv_heads // tensor_parallel)}
-    return {
-        f"{label} {count}x{head_dim} T={tokens}": worst_error(count, head_dim, tokens, seed)
-        for label, count in per_gpu.items()
-        for seed, tokens in enumerate(TOKENS)
-    }
-
-
-def record(name: str, errors: dict[str, float]) -> None:
+def rotation_errors(layout: str, rotate) -> dict[str, float]:
+    errors = {}
+    for heads, head_dim in LAYOUTS[layout]:
+        for seed, tokens in enumerate(TOKENS):
+            generator = torch.Generator(device="cuda").manual_seed(seed)
+            x = torch.randn(tokens, heads, head_dim, device="cuda", generator=generator)
+            x = x.to(torch.bfloat16)
+            big = torch.randn(4096, 4096, device="cuda", generator=generator)
+            (big @ big).sum()  # an unrelated kernel just before, as in a served step
+            got, want = rotate(x).double().cpu(), exact(x)
+            scale = want.abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
+            errors[f"{heads}x{head_dim} T={tokens}"] = float(((got - want).abs() / scale).max())
     logs = Path(os.environ.get("HYPERQWEN_TEST_LOGS", "/tmp"))
     logs.mkdir(parents=True, exist_ok=True)
-    (logs / f"hadacore-{name}.json").write_text(json.dumps(errors, indent=1))
+    (logs / f"hadacore-{layout}-{rotate.__name__}.json").write_text(json.dumps(errors, indent=1))
+    return errors
+
+
+def kernel_alone(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1]
+    return ops.hadacore_transform(x.reshape(-1, d).clone(), inplace=True).reshape(x.shape) * d**0.5
 
 
 def test_hadacore_is_the_rotation_here():
     assert _hadacore_available(), "vLLM's _C has no hadacore_transform: the rotation is Triton's"
 
 
-@pytest.mark.parametrize("tensor_parallel", [1, 2])
-def test_the_27b_layouts_the_launcher_lets_int4_serve_rotate_exactly(tensor_parallel):
-    assert head_layout_refusal("int4_per_token_head", QWEN_27B, tensor_parallel) is None
-    errors = layout_errors(QWEN_27B, tensor_parallel)
-    record(f"27b-tp{tensor_parallel}", errors)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_patched_rotation_is_exact_on_every_layout(layout):
+    errors = rotation_errors(layout, fast_hadamard_transform)
     assert max(errors.values()) < BOUND, errors
 
 
-def test_smollm2s_refused_layout_rotates_wrongly():
-    """The refusal's reason, observed: SmolLM2's layout comes out wrong somewhere. A pin whose
-    hadacore waits on every warp makes this fail: then the refusal can go."""
-    assert head_layout_refusal("int4_per_token_head", SMOLLM2, 1) is not None
-    errors = layout_errors(SMOLLM2, 1)
-    record("smollm2", errors)
+def test_the_kernel_alone_is_wrong_on_odd_chunk_counts():
+    errors = rotation_errors("smollm2", kernel_alone)
     assert max(errors.values()) >= BOUND, errors

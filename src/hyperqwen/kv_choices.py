@@ -53,7 +53,10 @@ What vLLM 0.26.0's source says (vllm/...: function), read for these facts:
   GPU) every answer came out garbage while prompt logprobs held
   (docs/results/2026-12-04-h200-smollm2-needle-kv.json); that kernel is the likely cause, not
   confirmed on a GPU. A rotated tensor is an even number of chunks at any token count when its
-  heads per GPU x head_dim is a multiple of 512: head_layout_refusal refuses the rest.
+  heads per GPU x head_dim is a multiple of 512: head_layout_refusal refuses the rest until
+  patches/int4-hadamard-even-chunks.patch (zero rows padding every call to an even count;
+  CPU-tested with a stand-in kernel) has shown on a GPU that such layouts answer correctly
+  (tests/test_hadacore_gpu.py, then the SmolLM2 needles).
 - Prefix caching: Qwen3.5 runs it in "align" mode, which changes the recurrent state's blocks,
   not the attention cache (capacity.py); no backend above refuses it.
 """
