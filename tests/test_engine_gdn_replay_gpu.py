@@ -1,22 +1,24 @@
 """The GDN replay verify (GDN_REPLAY) on a GPU: the same greedy tokens as vLLM's per-draft
 states, in a smaller state page.
 
-The tiny synthetic Qwen3.5 (prepared, with its MTP layer) is served as single mode runs it
-without prefix caching (the feature refuses it) — async scheduling, full and piecewise CUDA
-graphs — at MTP's 3 greedy drafts and with quoting's 15 (lookup at auto), each with
-HYPERQWEN_GDN_REPLAY unset and at 1: four servers. Each answers test_engine_quoting_gpu.py's
+The tiny synthetic Qwen3.5 (prepared, with its MTP layer) is served as single mode runs it —
+async scheduling, full and piecewise CUDA graphs — without prefix caching at MTP's 3 greedy
+drafts and with quoting's 15 (lookup at auto), and with prefix caching (vLLM's mamba `align`
+mode, whose state moves and boundary copies become the replay's folds) at quoting's 15, each
+with HYPERQWEN_GDN_REPLAY unset and at 1: six servers. Each answers test_engine_quoting_gpu.py's
 prompts greedily, one request at a time. As there, a token cycle is planted in the checkpoint
 (tests/quoting_copy.py), since a random model's answers never copy their context: the cycle
 prompt makes quoting's steps accept many tokens, so later steps fold them in; MTP's random
 draft head is rejected, so its verify steps replay one token.
 
 Checked: each greedy continuation is the same tokens with and without the replay verify, up to
-the first near tie; quoting's verify steps on the cycle prompt accepted more than one token
-(else nothing was folded); and vLLM's own log of its KV-cache pool shows more concurrent
-requests with the replay page (one state block per request instead of 1 + W). Everything
-measured goes to $HYPERQWEN_TEST_LOGS/gdn-replay-summary.json.
+the first near tie, and under prefix caching each prompt's second answer (its prefix from the
+cache, states the folds wrote) the same as its first; quoting's verify steps on the cycle
+prompt accepted more than one token (else nothing was folded); and vLLM's own log of its
+KV-cache pool shows more concurrent requests with the replay page (one state block per request
+instead of 1 + W). Everything measured goes to $HYPERQWEN_TEST_LOGS/gdn-replay-summary.json.
 
-Run on the GPU host: `pytest -m gpu tests/test_engine_gdn_replay_gpu.py` (four tiny servers,
+Run on the GPU host: `pytest -m gpu tests/test_engine_gdn_replay_gpu.py` (six tiny servers,
 one after another).
 """
 
@@ -55,15 +57,19 @@ from hyperqwen.engine.features import GDN_REPLAY, LOOKUP
 
 pytestmark = pytest.mark.gpu
 
-CONFIGS = {  # name: (speculative config, engine environment)
-    "mtp3": (MTP3, {}),
-    "quoting15": (QUOTING, {LOOKUP.env: "auto"}),
+CONFIGS = {  # name: (speculative config, engine environment, prefix caching)
+    "mtp3": (MTP3, {}, False),
+    "quoting15": (QUOTING, {LOOKUP.env: "auto"}, False),
+    "quoting15-align": (QUOTING, {LOOKUP.env: "auto"}, True),
 }
 CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x")
 
 
-def replay_server(model, port: int, speculative: dict) -> list[str]:
+def replay_server(model, port: int, speculative: dict, prefix_cache: bool) -> list[str]:
     command = quoting_server(model, port, speculative)
+    if prefix_cache:
+        assert "--enable-prefix-caching" in command
+        return command
     return [
         "--no-enable-prefix-caching" if arg == "--enable-prefix-caching" else arg for arg in command
     ]
@@ -87,15 +93,22 @@ def test_replay_verify_keeps_greedy_tokens_and_shrinks_the_state_page(tmp_path, 
     prompts = {"copy": copy_prompt(cycle), "code": CODE_PROMPT}
     prompts.update({f"chat-{i}": prompt for i, prompt in enumerate(CHAT_PROMPTS)})
     results, concurrency = {}, {}
-    for config, (speculative, engine_env) in CONFIGS.items():
+    repeats = {}  # config side: per prompt, the second answer's agreement with the first
+    for config, (speculative, engine_env, prefix_cache) in CONFIGS.items():
         for replay in ("0", "1"):
             side = f"{config}-replay{replay}"
             port = free_port()
             log = logs / f"gdn-replay-{side}-server.log"
             env = {**base_env, **engine_env, GDN_REPLAY.env: replay}
-            command = replay_server(model, port, speculative)
+            command = replay_server(model, port, speculative, prefix_cache)
             with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
                 results[side] = {name: answer(url, prompt) for name, prompt in prompts.items()}
+                if prefix_cache:
+                    again = {name: answer(url, prompt) for name, prompt in prompts.items()}
+                    repeats[side] = {
+                        name: agreeing_prefix(results[side][name], again[name], NEAR_TIE)
+                        for name in prompts
+                    }
             found = CONCURRENCY.findall(log.read_text())
             concurrency[side] = float(found[-1]) if found else None
 
@@ -114,6 +127,7 @@ def test_replay_verify_keeps_greedy_tokens_and_shrinks_the_state_page(tmp_path, 
         for config in CONFIGS
     }
     summary["concurrency"] = concurrency
+    summary["cached_repeats"] = repeats
     (logs / "gdn-replay-summary.json").write_text(json.dumps(summary, indent=1))
 
     for config in CONFIGS:
@@ -123,5 +137,8 @@ def test_replay_verify_keeps_greedy_tokens_and_shrinks_the_state_page(tmp_path, 
         vllms, ours = concurrency[f"{config}-replay0"], concurrency[f"{config}-replay1"]
         assert vllms is not None and ours is not None, concurrency
         assert ours > vllms, f"{config}: concurrency {vllms}x with vLLM's page, {ours}x with ours"
+    for side, rows in repeats.items():
+        for name, (agreed, at_near_tie) in rows.items():
+            assert at_near_tie, f"{side} {name}: the cached answer differs at token {agreed}"
     kept = summary["quoting15"]["copy"]["tokens_per_step"][1]
     assert kept and kept > 1, f"quoting15 copy: no draft kept ({kept} tokens per step), none folded"
