@@ -38,6 +38,7 @@ from local_server import free_port, serving
 
 from hyperqwen.bench.copy_tasks import CODE_TASK, PASSAGE_CHARS, copy_prompts
 from hyperqwen.bench.rows import Row, parse_row, percentile
+from hyperqwen.bench.workload import SALT_TEXT_BYTES, SALT_TOKENS
 
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "bench-test-key"
@@ -281,6 +282,16 @@ def split_by_row(values: list, rows: list) -> list[tuple[list, list]]:
     return parts
 
 
+def salt_of(prompt: str | list[int]) -> str:
+    """A salted prompt's salt: a chat prompt's first word (SALT_TEXT_BYTES bytes in hex), a
+    random-token prompt's first SALT_TOKENS ids."""
+    if isinstance(prompt, str):
+        salt = prompt.split(" ", 1)[0]
+        assert len(salt) == 2 * SALT_TEXT_BYTES, prompt[:40]
+        return salt
+    return str(prompt[:SALT_TOKENS])
+
+
 def check_row_timing(row: Row, sent: list[Sent]) -> None:
     """The row's timings against what the server recorded for the row's measured requests.
 
@@ -362,9 +373,10 @@ def test_single_run_measures_what_the_server_does(server, env_file, tmp_path, ca
         assert row.tokens_per_step == pytest.approx(TOKENS_PER_STEP)
         assert row.preemptions == row.n  # one per measured request: warm-up ones excluded
         assert row.cache_hit_pct < 5  # salted: the cache finds (almost) nothing
-        # Salting: every prompt the server saw starts differently.
-        starts = [str(prompt[:4]) for prompt in [*warm, *measured]]
-        assert len(set(starts)) == len(starts)
+        # Salting: every prompt the server saw starts with its own salt (the whole salt: its
+        # first 4 hex digits alone once collided in CI)
+        salts = [salt_of(prompt) for prompt in [*warm, *measured]]
+        assert len(set(salts)) == len(salts), salts
 
     assert all(row.in_tok == 64 for row in rows if row.data == "random")
 
