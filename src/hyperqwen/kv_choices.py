@@ -67,6 +67,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from hyperqwen.checkpoint.geometry import text_config
 from hyperqwen.gpu import Gpu
 
 KvCacheDtype = Literal[
@@ -191,7 +192,7 @@ HADACORE_PAIR_ELEMENTS = 512  # two 256-element chunks: one warp's share in hada
 def head_layout_refusal(kv: str, config: Mapping[str, Any], tensor_parallel: int) -> str | None:
     """Why KV cannot serve this model's attention heads split over `tensor_parallel` GPUs, or
     None: int4_per_token_head where a rotated tensor can be an odd number of hadacore chunks."""
-    text = config.get("text_config") or config
+    text = text_config(config)
     heads = text.get("num_attention_heads")
     if kv != INT4_ROTATED or not heads:
         return None

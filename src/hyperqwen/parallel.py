@@ -13,15 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from hyperqwen.checkpoint.geometry import text_config
+
 MAX_GPUS = 8
 
 
-def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    return config.get("text_config") or config
-
-
 def _group_size(config: Mapping[str, Any]) -> int | None:
-    quantization = config.get("quantization_config") or _text_config(config).get(
+    quantization = config.get("quantization_config") or text_config(config).get(
         "quantization_config"
     )
     sizes = [
@@ -34,7 +32,7 @@ def _group_size(config: Mapping[str, Any]) -> int | None:
 
 def tensor_parallel_problems(config: Mapping[str, Any], size: int) -> list[str]:
     """What keeps `size` GPUs from sharding this model (empty: it can)."""
-    text = _text_config(config)
+    text = text_config(config)
     problems = []
     for key, label in (
         ("num_attention_heads", "query heads"),

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from hyperqwen.bench.rows import Row
+from hyperqwen.checkpoint.geometry import text_config
 from hyperqwen.settings import Mode
 
 SIDES = ("stock", "patched")
@@ -164,11 +165,10 @@ def check_same_model(model: Path, stock_model: Path) -> None:
         for folder in (model, stock_model)
     ]
 
-    def text_config(config: dict) -> dict:
-        text = config.get("text_config", config)
-        return {key: value for key, value in text.items() if key not in PREPARED_KEYS}
-
-    first, second = (text_config(config) for config in configs)
+    first, second = (
+        {key: value for key, value in text_config(config).items() if key not in PREPARED_KEYS}
+        for config in configs
+    )
     differing = sorted(
         key for key in first.keys() | second.keys() if first.get(key) != second.get(key)
     )

@@ -38,7 +38,7 @@ from hyperqwen.bench.profile import (
     ProfileError,
     category,
 )
-from hyperqwen.checkpoint.geometry import Geometry
+from hyperqwen.checkpoint.geometry import Geometry, text_config
 from hyperqwen.checkpoint.w4a16 import matches
 
 STEP_NAME = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
@@ -117,7 +117,7 @@ def model_facts(config: dict) -> ModelFacts:
     """The facts of a checkpoint's config.json: its text geometry and its lm_head's bits (a
     quantization group naming lm_head gives them; in `ignore` it is bf16; else the group that
     targets every Linear, i.e. the body's)."""
-    geometry = Geometry.from_text_config(config.get("text_config", config))
+    geometry = Geometry.from_text_config(text_config(config))
     quantization = config.get("quantization_config") or {}
     groups = (quantization.get("config_groups") or {}).values()
     named = [g for g in groups if any(t != "Linear" and matches(t, LM_HEAD) for t in g["targets"])]

@@ -17,6 +17,12 @@ MODEL_TYPE = "qwen3_5"
 TEXT_MODEL_TYPE = "qwen3_5_text"
 
 
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text model's keys of a config.json: its `text_config` (a multimodal Qwen3.5
+    checkpoint's) or the whole file (a text-only one's)."""
+    return config.get("text_config") or config
+
+
 class GeometryError(ValueError):
     """A geometry vLLM's qwen3_5 model or its kernels would reject; the message names the knob."""
 
