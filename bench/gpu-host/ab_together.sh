@@ -6,7 +6,10 @@
 # Each pool is fixed (AB_KV_MEM, default 16G) and each server gets AB_GPU_UTIL (default 0.9
 # shared out); AB_STOCK_ARGS adds vLLM flags to the stock side (e.g. --kv-cache-dtype fp8).
 # AB_OPTIONS are the comparison's options (mode, cohorts, rounds, acceptance ...), the same
-# for every run. Results and logs in $R/NAME/ (vN.json is the Nth variant's result,
+# for every run. A variant word TREE=DIR serves that variant from another checkout (DIR holds its
+# src/ and patches/, e.g. `git archive COMMIT src patches`): its patches on a copy of the stock
+# vLLM (made once, DIR/vllm-patched) and its src/ first on the server's path, with no plugin
+# entry point; this checkout's `bench ab` still drives it, with this launcher's argv and env. Results and logs in $R/NAME/ (vN.json is the Nth variant's result,
 # variants.txt names them). Detached, from the repository root on the kit's host:
 #   bash bench/gpu-host/bg.sh NAME bash bench/gpu-host/ab_together.sh NAME 'OPTIONS' '' 'KNOB=1'
 # shellcheck disable=SC1091
@@ -31,6 +34,23 @@ if [ -z "${AB_MODEL:-}" ]; then # made once per host: a later run on it reuses t
   [ -f "$model/config.json" ] || python3 -m hyperqwen.cli synth "$model" --preset 27b \
     --config-only --prepared --draft-head > /dev/null || exit 1
 fi
+# TREE=DIR's patched vLLM: the stock tree with DIR's series applied, made once per host.
+tree_vllm() {
+  if [ ! -f "$1/vllm-patched/PATCHED" ]; then
+    rm -rf "$1/vllm-patched"
+    if ! { cp -a "$HYPERQWEN_STOCK_VLLM" "$1/vllm-patched" &&
+      HYPERQWEN_PATCHES_DIR="$1/patches" python3 -m hyperqwen.cli patches apply \
+        "$1/vllm-patched/vllm" > "$1/patch.log" 2>&1; }; then
+      echo "ab_together: TREE=$1: its series did not apply (see $1/patch.log)" >&2
+      return 1
+    fi
+    touch "$1/vllm-patched/PATCHED"
+  fi
+  echo "$1/vllm-patched"
+}
+# This checkout's CLI whatever PYTHONPATH says (a TREE variant's path puts its own src/ first).
+this_checkout_cli='import sys; sys.path.insert(0, sys.argv.pop(1)); from hyperqwen.cli import main
+sys.exit(main(sys.argv[1:]))'
 triton_prefill='{"gdn_prefill_backend":"triton"}' # the GDN prefill 3090/4090 cards run
 words=()
 eval "words=($options)" # the options as a shell would split them, quotes kept
@@ -39,6 +59,11 @@ common=("$model" --stock-model "$base" --stock-vllm "$HYPERQWEN_STOCK_VLLM"
   "--vllm-args=--load-format dummy --language-model-only --additional-config '$triton_prefill'"
   "--stock-args=--gpu-memory-utilization $util --kv-cache-memory-bytes $kv ${AB_STOCK_ARGS:-}"
   "${words[@]}")
+for variant in "$@"; do # every TREE's vLLM before any server starts
+  for word in $variant; do
+    [[ "$word" != TREE=* ]] || tree_vllm "${word#TREE=}" > /dev/null || exit 1
+  done
+done
 bash bench/gpu-host/host_state.sh "$out/host-state-start.txt"
 VLLM_CACHE_ROOT=$work/stock/cache python3 -m hyperqwen.cli bench ab "${common[@]}" \
   --phase stock --workdir "$work/stock" > "$out/stock.log" 2>&1 &
@@ -46,9 +71,21 @@ index=0
 for variant in "$@"; do
   index=$((index + 1))
   echo "v$index: ${variant:-the profile defaults}" >> "$out/variants.txt"
-  read -ra knobs <<< "$variant"
-  env GPU_UTIL="$util" KV_MEM="$kv" VLLM_CACHE_ROOT="$work/v$index/cache" "${knobs[@]}" \
-    python3 -m hyperqwen.cli bench ab "${common[@]}" --phase patched --workdir "$work/v$index" \
+  read -ra variant_words <<< "$variant"
+  knobs=()
+  tree_args=()
+  for word in "${variant_words[@]}"; do
+    if [[ "$word" != TREE=* ]]; then
+      knobs+=("$word")
+      continue
+    fi
+    tree=${word#TREE=}
+    knobs+=(HYPERQWEN_PATCHES_DIR="$tree/patches" PYTHONPATH="$tree/src:$KIT_PYTHONPATH")
+    tree_args=(--patched-vllm "$(tree_vllm "$tree")")
+  done
+  env GPU_UTIL="$util" KV_MEM="$kv" VLLM_CACHE_ROOT="$work/v$index/cache" \
+    "${knobs[@]}" python3 -c "$this_checkout_cli" "$PWD/src" \
+    bench ab "${common[@]}" "${tree_args[@]}" --phase patched --workdir "$work/v$index" \
     --out "$out/v$index.json" > "$out/v$index.log" 2>&1 &
 done
 status=0

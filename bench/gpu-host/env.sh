@@ -21,7 +21,8 @@ fi
 # vLLM finds the plugin through the installed package's entry point; here src/ is only on the
 # path, so the GPU tests' writer (tests/gpu_server.py) gives it pyproject.toml's entry points.
 # The kit's data folder holds SmolLM2's package (`bench smollm2`) where the kit was built with it.
-export PYTHONPATH="$R/site:$PWD/src:/tmp/gpu-kit/data:$PYTHONPATH"
+export KIT_PYTHONPATH="/tmp/gpu-kit/data:$PYTHONPATH" # the kit alone, for another checkout's servers
+export PYTHONPATH="$R/site:$PWD/src:$KIT_PYTHONPATH"
 if [ ! -d "$R/site" ]; then
   PYTHONPATH="$PWD/tests:$PYTHONPATH" python3 -c 'import sys; from pathlib import Path
 from gpu_server import write_plugin_metadata; write_plugin_metadata(Path(sys.argv[1]))' "$R/site" ||
