@@ -8,8 +8,8 @@
 # AB_OPTIONS are the comparison's options (mode, cohorts, rounds, acceptance ...), the same
 # for every run. A variant word TREE=DIR serves that variant from another checkout (DIR holds its
 # src/ and patches/, e.g. `git archive COMMIT src patches`): its patches on a copy of the stock
-# vLLM (made once, DIR/vllm-patched) and its src/ first on the server's path, with no plugin
-# entry point; this checkout's `bench ab` still drives it, with this launcher's argv and env. Results and logs in $R/NAME/ (vN.json is the Nth variant's result,
+# vLLM (made once, DIR/vllm-patched) and its src/ first on the server's path (its plugin, where
+# it has one); this checkout's `bench ab` still drives it, with this launcher's argv and env. Results and logs in $R/NAME/ (vN.json is the Nth variant's result,
 # variants.txt names them). Detached, from the repository root on the kit's host:
 #   bash bench/gpu-host/bg.sh NAME bash bench/gpu-host/ab_together.sh NAME 'OPTIONS' '' 'KNOB=1'
 # shellcheck disable=SC1091
@@ -80,7 +80,7 @@ for variant in "$@"; do
       continue
     fi
     tree=${word#TREE=}
-    knobs+=(HYPERQWEN_PATCHES_DIR="$tree/patches" PYTHONPATH="$tree/src:$KIT_PYTHONPATH")
+    knobs+=(HYPERQWEN_PATCHES_DIR="$tree/patches" PYTHONPATH="$R/site:$tree/src:$KIT_PYTHONPATH")
     tree_args=(--patched-vllm "$(tree_vllm "$tree")")
   done
   env GPU_UTIL="$util" KV_MEM="$kv" VLLM_CACHE_ROOT="$work/v$index/cache" \
