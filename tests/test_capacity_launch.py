@@ -1,5 +1,6 @@
-"""The card budget in the launch: CTX=long/huge sized to the card, refusals before vLLM starts,
-the machine probe (GPU memory, config.json, safetensors headers) and `hyperqwen serve`."""
+"""The card budget in the launch: single mode's CTX profiles sized to the card, refusals before
+vLLM starts, the machine probe (GPU memory, config.json, safetensors headers) and `hyperqwen
+serve` (batch mode's sizing: test_capacity_batch.py)."""
 
 from __future__ import annotations
 
@@ -58,20 +59,27 @@ def capacity_for(machine: Machine, ctx: str, **setup) -> Capacity:
     return Capacity(pool_layout(G27, cache), pool)
 
 
-@pytest.mark.parametrize(
-    "values",
-    [dict(CTX="fast"), dict(CTX="fast", MAX_LEN="200000", MAX_SEQS="9"), dict(KV="auto")],
-)
-@pytest.mark.parametrize("machine", [RTX_4090, ASSUMED])
-def test_fast_and_batch_keep_their_argv(values, machine):
-    mode = "batch" if "KV" in values else "single"
-    plain = build_launch(loaded(**values), mode, api_key=None)
-    sized = build_launch(loaded(**values), mode, api_key=None, machine=machine)
-    assert sized.argv == plain.argv
-    assert sized.notices == plain.notices and sized.warnings == plain.warnings
+def test_fast_on_a_24_gb_card_takes_what_fits():
+    """CTX=fast's 65,536 tokens at 4 slots of bf16 KV is more than a 24 GB card leaves beside
+    the 27B: fewer slots first, then a shorter length at one slot, as for long and huge."""
+    capacity = capacity_for(RTX_4090, "fast")
+    assert not capacity.fits(65_536, 1)
+    plan = build_launch(loaded(CTX="fast"), "single", api_key=None, machine=RTX_4090)
+    fits = capacity.max_len(1) // 1024 * 1024
+    assert flag(plan.argv, "--max-model-len") == str(fits)
+    assert flag(plan.argv, "--max-num-seqs") == "1"
+    (line,) = [notice for notice in plan.notices if "this card holds" in notice]
+    assert line.startswith(f"CTX=fast: this card holds {fits:,} tokens at 1 slot")
 
 
-@pytest.mark.parametrize("ctx", ["long", "huge"])
+def test_fast_knobs_beyond_the_card_are_refused_naming_them():
+    with pytest.raises(CapacityRefusal, match=r"^MAX_LEN=200000 with MAX_SEQS=9 does not fit"):
+        build_launch(
+            loaded(CTX="fast", MAX_LEN="200000", MAX_SEQS="9"), "single", None, machine=RTX_4090
+        )
+
+
+@pytest.mark.parametrize("ctx", ["fast", "long", "huge"])
 def test_a_card_that_holds_the_profile_keeps_its_numbers(ctx):
     plain = build_launch(loaded(CTX=ctx), "single", api_key=None)
     sized = build_launch(loaded(CTX=ctx), "single", api_key=None, machine=H200)

@@ -364,6 +364,11 @@ MIN_MAX_LEN = next(
 )
 
 
+# Batch mode's slots are as many requests of this length (a prompt and its answer, as an API
+# backend sees them) as stay resident at once, up to the profile's.
+BATCH_SIZING_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class ContextFit:
     max_len: int
@@ -371,17 +376,15 @@ class ContextFit:
     line: str  # the startup line: what this card holds
 
 
-def fit_to_card(
+def _card_capacity(
     machine: Machine,
     settings: Settings,
     setup: CacheSetup,
     profile: tuple[int, int],
     batched_tokens: int,
-) -> ContextFit:
-    """MAX_LEN and MAX_SEQS for a CTX profile: the knobs the user set, else the profile's
-    (max_len, slots) where they fit, else what does: fewer slots first, then a shorter
-    length at one slot. Every slot can hold a full-length request at once, so no request is
-    ever preempted for cache space. CapacityRefusal when the knobs set cannot fit."""
+) -> tuple[Capacity, str]:
+    """The pool this launch will get (KV_MEM's, else what the card leaves) and a phrase
+    saying how it was worked out."""
     if settings.KV_MEM:
         pool, how = kv_mem_bytes(settings.KV_MEM), f"KV_MEM={settings.KV_MEM}"
     else:
@@ -400,12 +403,74 @@ def fit_to_card(
         f"recurrent state ({setup.draft_tokens} draft tokens, prefix caching "
         f"{'on' if setup.prefix_caching else 'off'})"
     )
+    return capacity, room
+
+
+def fit_to_card(
+    machine: Machine,
+    settings: Settings,
+    setup: CacheSetup,
+    profile: tuple[int, int],
+    batched_tokens: int,
+) -> ContextFit:
+    """MAX_LEN and MAX_SEQS for a single-mode CTX profile: the knobs the user set, else the
+    profile's (max_len, slots) where they fit, else what does: fewer slots first, then a
+    shorter length at one slot. Every slot can hold a full-length request at once, so no
+    request is ever preempted for cache space. CapacityRefusal when the knobs set cannot fit."""
+    capacity, room = _card_capacity(machine, settings, setup, profile, batched_tokens)
     max_len, max_seqs = _choose(capacity, room, settings, profile)
     line = (
         f"this card holds {max_len:,} tokens at {max_seqs} slot{'s' * (max_seqs > 1)} "
         f"(MAX_LEN {max_len}, MAX_SEQS {max_seqs}): {room}. vLLM should log 'GPU KV cache "
         f"size: {capacity.vllm_tokens(max_len):,} tokens' and "
         f"{capacity.vllm_concurrency(max_len):.2f}x concurrency."
+    )
+    return ContextFit(max_len, max_seqs, line)
+
+
+def fit_batch_to_card(
+    machine: Machine,
+    settings: Settings,
+    setup: CacheSetup,
+    profile: tuple[int, int],
+    batched_tokens: int,
+) -> ContextFit:
+    """MAX_LEN and MAX_SEQS for batch mode, whose requests share the pool: the longest request
+    is what one alone can hold (the profile's length where it fits), and the slots are the
+    profile's where that many requests of BATCH_SIZING_TOKENS stay resident at once, else as
+    many as do (at least one); longer requests wait or are preempted, as vLLM schedules them.
+    CapacityRefusal for a MAX_LEN one request cannot hold, or a MAX_SEQS beyond the pool's
+    blocks (vLLM refuses a FULL decode graph for more sequences than blocks)."""
+    capacity, room = _card_capacity(machine, settings, setup, profile, batched_tokens)
+    one_slot = capacity.max_len(1)
+    if settings.MAX_LEN and not capacity.fits(settings.MAX_LEN, 1):
+        raise CapacityRefusal(
+            f"MAX_LEN={settings.MAX_LEN} does not fit: {room}, which holds {one_slot:,} tokens "
+            f"for a request alone. Set MAX_LEN={_rounded(one_slot)} or less (unset, batch takes "
+            "what fits), or raise GPU_UTIL."
+        )
+    max_len = settings.MAX_LEN or (
+        profile[0] if capacity.fits(profile[0], 1) else _rounded(one_slot)
+    )
+    if max_len < MIN_MAX_LEN:
+        raise CapacityRefusal(
+            f"batch does not fit: {room}, not even {MIN_MAX_LEN} tokens for one request. Raise "
+            "GPU_UTIL, free the card of other processes, or serve on a larger card."
+        )
+    if (settings.MAX_SEQS or 0) > capacity.blocks:
+        raise CapacityRefusal(
+            f"MAX_SEQS={settings.MAX_SEQS} does not fit: {room}, which is {capacity.blocks} "
+            "blocks, and vLLM keeps one for each decoding sequence. Set MAX_SEQS="
+            f"{capacity.blocks} or less (unset, batch takes the "
+            f"{capacity.slots(BATCH_SIZING_TOKENS)} requests of {BATCH_SIZING_TOKENS:,} tokens "
+            "that stay resident), or raise GPU_UTIL."
+        )
+    resident = capacity.slots(BATCH_SIZING_TOKENS)
+    max_seqs = settings.MAX_SEQS or max(1, min(profile[1], resident))
+    line = (
+        f"this card holds {resident:,} requests of {BATCH_SIZING_TOKENS:,} tokens at once and "
+        f"one of up to {one_slot:,} (MAX_LEN {max_len}, MAX_SEQS {max_seqs}): {room}. vLLM "
+        f"should log 'GPU KV cache size: {capacity.vllm_tokens(max_len):,} tokens'."
     )
     return ContextFit(max_len, max_seqs, line)
 

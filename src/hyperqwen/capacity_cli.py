@@ -1,7 +1,7 @@
 """`hyperqwen capacity`: how much context a card holds, per KV-cache dtype, before serving;
 with --mode batch, how many requests the batch profile keeps resident, per GDN state dtype.
 
-The same arithmetic `hyperqwen serve` sizes CTX=long and huge with (capacity.py): the card's
+The same arithmetic `hyperqwen serve` sizes its profiles with (capacity.py): the card's
 memory x GPU_UTIL, less the weights and the estimated reserve, cut into vLLM's hybrid blocks.
 Computed, not measured: the reserve for activations, CUDA graphs and workspaces is an estimate
 until tests/test_capacity_gpu.py has checked it on a GPU.

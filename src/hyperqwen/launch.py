@@ -13,7 +13,13 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hyperqwen.capacity import CacheSetup, CapacityRefusal, Machine, fit_to_card
+from hyperqwen.capacity import (
+    CacheSetup,
+    CapacityRefusal,
+    Machine,
+    fit_batch_to_card,
+    fit_to_card,
+)
 from hyperqwen.engine.features import FEATURES, MTP_DRAFTS, OUR_LINEAR_BACKEND, launch_env
 from hyperqwen.kv_choices import KV_CHOICES, speculation_refusal
 from hyperqwen.settings import (
@@ -58,11 +64,6 @@ NGRAM_MATCH = (2, 5)
 # SPEC=lookup's match lengths: at least 3 tokens (shorter repeats are mostly chance), at most 12
 # compared (longer agreement says nothing more about what comes next).
 LOOKUP_MATCH = (3, 12)
-
-
-# CTX profiles whose MAX_LEN and MAX_SEQS defaults are a ceiling the card's memory may lower
-# (capacity.py); fast keeps its numbers.
-BUDGETED_CONTEXTS = ("long", "huge")
 
 
 def profile_for(settings: Settings, mode: Mode) -> Profile:
@@ -188,25 +189,28 @@ def fitted_context(
     tensor_parallel: int,
 ) -> tuple[int, int, list[str], list[str]]:
     """MAX_LEN and MAX_SEQS, with notices and warnings: the knobs, else the profile's numbers,
-    which for CTX=long and huge shrink to what the machine's card holds (capacity.py).
-    CapacityRefusal for knob values the card cannot hold; only a warning on an assumed card
-    (no GPU seen) unless KV_MEM fixes the cache size whatever the card.
-    `machine` is None when no budget is asked for, or the reason there can be none."""
+    shrunk to what the machine's card holds (capacity.py: a single-mode profile keeps every
+    slot at full length, batch's slots share the pool). CapacityRefusal for knob values the
+    card cannot hold; only a warning on an assumed card (no GPU seen) unless KV_MEM fixes the
+    cache size whatever the card. `machine` is None when no budget is asked for, or the
+    reason there can be none."""
     max_len = settings.MAX_LEN or profile.max_len
     max_seqs = settings.MAX_SEQS or profile.max_seqs
-    if machine is None or mode != "single" or settings.CTX not in BUDGETED_CONTEXTS:
+    if machine is None:
         return max_len, max_seqs, [], []
+    name = f"CTX={settings.CTX}" if mode == "single" else "batch"
     if isinstance(machine, str):
-        return max_len, max_seqs, [f"CTX={settings.CTX}: not sized to the card: {machine}."], []
-    setup = cache_setup(settings, profile, machine, tensor_parallel)
+        return max_len, max_seqs, [f"{name}: not sized to the card: {machine}."], []
+    setup = cache_setup(settings, profile, machine, tensor_parallel, mode)
     target = (profile.max_len, profile.max_seqs)
+    fit_to = fit_to_card if mode == "single" else fit_batch_to_card
     try:
-        fit = fit_to_card(machine, settings, setup, target, profile.max_batched_tokens)
+        fit = fit_to(machine, settings, setup, target, profile.max_batched_tokens)
     except CapacityRefusal as refusal:
         if settings.KV_MEM or not machine.card_assumed:
             raise
         return max_len, max_seqs, [], [f"{refusal} (the server checks its own card at start)"]
-    return fit.max_len, fit.max_seqs, [f"CTX={settings.CTX}: {fit.line}"], []
+    return fit.max_len, fit.max_seqs, [f"{name}: {fit.line}"], []
 
 
 def build_launch(
@@ -218,8 +222,8 @@ def build_launch(
 ) -> LaunchPlan:
     """The argv and environment of `vllm serve` for these settings. Pure: no I/O.
 
-    With a `machine` (card memory, model size), CTX=long and huge take MAX_LEN and MAX_SEQS
-    from what its memory holds, and knob values that cannot fit raise CapacityRefusal."""
+    With a `machine` (card memory, model size), the profile's MAX_LEN and MAX_SEQS shrink to
+    what its memory holds, and knob values that cannot fit raise CapacityRefusal."""
     settings = loaded.settings
     profile = profile_for(settings, mode)
     linear_backend = settings.LINEAR_BACKEND or profile.linear_backend

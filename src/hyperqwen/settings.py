@@ -125,16 +125,17 @@ class ServingKnobs(BaseModel):
     )
     MAX_LEN: int | None = knob(
         None,
-        "Longest prompt + answer in tokens. Default: single 65536 for CTX=fast, for CTX=long/"
-        "huge 131072/262144 or what the card holds; batch 150000. With CTX=long/huge a value "
-        "the card cannot hold is refused before vLLM starts.",
+        "Longest prompt + answer in tokens. Default: the profile's (single 65536, 131072 or "
+        "262144 for CTX=fast, long or huge; batch 150000) or what the card holds, if less. A "
+        "value the card cannot hold is refused before vLLM starts.",
         "--max-model-len",
         ge=256,
     )
     MAX_SEQS: int | None = knob(
         None,
-        "Requests decoded at once (slots). Default: single 4 (CTX=long: as many of 4 as the "
-        "card holds at full length; CTX=huge: 1); batch 64.",
+        "Requests decoded at once (slots). Default: single 4 (CTX=huge: 1), as many of them "
+        "as the card holds at full length; batch 64, or as many requests of 2,048 tokens as "
+        "stay resident on the card, if fewer. A value the card cannot hold is refused.",
         "--max-num-seqs",
         ge=1,
         le=1024,
@@ -264,9 +265,9 @@ class ServingKnobs(BaseModel):
     CTX: ContextProfile = knob(
         "fast",
         "Context profile. fast: 64k tokens, bf16 KV cache; long: 128k, fp8 KV; huge: 256k, "
-        "fp8 KV, one slot. long and huge shrink to what the card's memory holds (fewer slots "
-        "first, then a shorter length; src/hyperqwen/capacity.py), and the startup note says "
-        "'this card holds N tokens at M slots'.",
+        "fp8 KV, one slot. Each shrinks to what the card's memory holds (fewer slots first, "
+        "then a shorter length; src/hyperqwen/capacity.py), and the startup note says 'this "
+        "card holds N tokens at M slots'.",
         "--max-model-len, --kv-cache-dtype, --max-num-batched-tokens defaults",
         modes=SINGLE,
     )
