@@ -33,6 +33,7 @@ from gpu_server import TRITON_GDN, chat, hyperqwen_server, log_dir, require_gpu
 from hyperqwen.bench.capacity_serve import (
     AVAILABLE_LINE,
     SIZE_LINE,
+    TOO_LONG_LINE,
     gpu_util_for_budget,
     served_until_logged,
     synth_command,
@@ -70,10 +71,10 @@ def prepared_27b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return models
 
 
-def served_until_sized(env: dict[str, str], log: Path) -> str:
-    """`hyperqwen serve single` with these knobs until vLLM logs its KV-cache size (or exits);
+def served_until_sized(env: dict[str, str], log: Path, mode: str = "single") -> str:
+    """`hyperqwen serve MODE` with these knobs until vLLM logs its KV-cache size (or exits);
     its log."""
-    command = [sys.executable, "-m", "hyperqwen.cli", "serve", "single"]
+    command = [sys.executable, "-m", "hyperqwen.cli", "serve", mode]
     return served_until_logged(command, env, log, SIZE_LINE, LOGGED_TIMEOUT_S)
 
 
@@ -181,3 +182,22 @@ def test_the_reserve_estimate_never_promises_more_than_vllm_finds(prepared_27b, 
     }
     (log_dir(tmp_path) / "capacity-reserve.json").write_text(json.dumps(report, indent=1))
     assert available >= predicted, report
+
+
+@pytest.mark.parametrize("mode", ["single", "batch"])
+def test_a_profile_sized_to_a_24gb_card_is_one_vllm_takes(prepared_27b, tmp_path, mode):
+    """CTX=fast and batch as shipped asked more than a 24 GB card holds beside the 27B; sized
+    by the launcher (no MAX_LEN or MAX_SEQS set) on what 0.9 of a 24 GB card gives, vLLM must
+    take the length (it logs its cache size only past that check). MAX_SEQS against vLLM's
+    block check (at graph capture) is arithmetic tested on the CPU (test_capacity_batch.py)."""
+    extra = f"--load-format dummy {TRITON_GDN}"
+    env = knobs(prepared_27b, GPU_UTIL=util_of_a_24gb_card(), EXTRA_ARGS=extra)
+    env.pop("CTX")  # fast, the default
+    log_file = log_dir(tmp_path) / f"capacity-sized-{mode}-server.log"
+    log = served_until_sized(env, log_file, mode)
+    assert not TOO_LONG_LINE.search(log), f"vLLM refused the sized length; log: {log_file}"
+    vllm_tokens = int(logged(SIZE_LINE, log, log_file).replace(",", ""))
+    sized = re.search(r"this card holds .*", log)
+    report = {"mode": mode, "vllm_tokens": vllm_tokens, "launcher": sized and sized[0]}
+    (log_dir(tmp_path) / f"capacity-sized-{mode}.json").write_text(json.dumps(report, indent=1))
+    assert sized, f"the launcher did not size the profile; log: {log_file}"
