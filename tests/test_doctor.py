@@ -10,6 +10,7 @@ from cli_runner import ROOT, hyperqwen
 
 from hyperqwen import doctor
 from hyperqwen.gpu import NoGpu, parse_smi_line, visible_to_cuda
+from hyperqwen.prepare.marker import PREPARED_MARKER
 from hyperqwen.settings import LoadedSettings, Settings
 
 
@@ -93,7 +94,7 @@ def test_model_folder_states(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
     assert doctor.check_model(loaded)[0].status == "WARN"
-    (tmp_path / "m" / doctor.PREPARED_MARKER).write_text(json.dumps({"steps": []}))
+    (tmp_path / "m" / PREPARED_MARKER).write_text(json.dumps({"steps": []}))
     assert doctor.check_model(loaded)[0].status == "OK"
 
 
@@ -132,3 +133,24 @@ def test_the_plugin_line_says_whether_vllm_will_load_it():
     source_only = doctor.check_plugin(lambda: False)
     assert source_only.status == "WARN" and "KV=kvarn" in source_only.detail
     assert "pip install -e ." in source_only.fix
+
+
+def test_the_fit_line_says_what_each_mode_gets_on_the_card(tmp_path):
+    """A 24 GB card beside the 27B: each mode's profile as the launcher sizes it, and a knob
+    the card cannot hold as serve would refuse it, by name."""
+    rtx_3090 = [parse_smi_line("1, NVIDIA GeForce RTX 3090, 8.6, 24576, 575.57.08, 350.00")]
+    loaded = LoadedSettings(Settings(MODELS_DIR=tmp_path), frozenset())
+    single, batch = doctor.check_fit(loaded, lambda: rtx_3090)
+    assert single.status == batch.status == "OK"
+    assert single.detail.startswith("single, CTX=fast: this card holds ")
+    assert "tokens at 1 slot" in single.detail and "NVIDIA GeForce RTX 3090" in single.detail
+    assert batch.detail.startswith("batch: this card holds ")
+    too_long = LoadedSettings(Settings(MODELS_DIR=tmp_path, MAX_LEN=200_000), frozenset())
+    checks = doctor.check_fit(too_long, lambda: rtx_3090)
+    assert [check.status for check in checks] == ["FAIL", "FAIL"]
+    assert all("MAX_LEN=200000 does not fit" in check.detail for check in checks)
+
+    def no_gpu():
+        raise NoGpu("nvidia-smi lists no GPU")
+
+    assert doctor.check_fit(loaded, no_gpu) == []

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from test_prepare_common import copy_base, run_prepare, tiny_base_dir, tree_digest
 
-from hyperqwen.doctor import PREPARED_MARKER
 from hyperqwen.prepare.folder import KILL_ENV, TRACE_ENV
+from hyperqwen.prepare.marker import PREPARED_MARKER
 
 CONTEXT = multiprocessing.get_context("forkserver")
 CONTEXT.set_forkserver_preload(

@@ -11,8 +11,8 @@ import pytest
 from local_server import free_port
 from test_prepare_common import prepare_process, tiny_base_dir
 
-from hyperqwen.doctor import PREPARED_MARKER
 from hyperqwen.prepare.download import DEFAULT_BASE_REPO
+from hyperqwen.prepare.marker import PREPARED_MARKER
 
 
 @pytest.mark.parametrize("network", ["offline", "unreachable"])

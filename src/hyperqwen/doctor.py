@@ -9,9 +9,12 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Literal
 
+from hyperqwen.capacity import CapacityRefusal
+from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.engine.features import FEATURES, OFF, ON
 from hyperqwen.gpu import MIN_COMPUTE_CAPABILITY, MIN_MEMORY_GIB_27B, REQUIREMENT, NoGpu, list_gpus
-from hyperqwen.launch import choose_host, model_path
+from hyperqwen.launch import build_launch, choose_host, model_path
+from hyperqwen.prepare.marker import PREPARED_MARKER
 from hyperqwen.settings import (
     MODES,
     PINNED_VLLM,
@@ -28,7 +31,6 @@ PINNED_TORCH = "2.11.0"
 SUPPORTED_PYTHONS = ((3, 11), (3, 12))
 # The W4A16 base is ~20 GB; prepare keeps a pristine copy of the tensors it rewrites.
 FREE_DISK_FOR_MODEL_GIB = 45
-PREPARED_MARKER = "hyperqwen-prepare.json"
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,30 @@ def check_toolkit(environ: dict[str, str]) -> Check:
     )
 
 
+def check_fit(loaded: LoadedSettings, lister: Callable[[], list] = list_gpus) -> list[Check]:
+    """What each mode's profile gets on this machine's card (the launcher's sizing), or the
+    refusal `hyperqwen serve` would print for a knob the card cannot hold. Nothing without a
+    GPU: the gpu check says why, and serve then sizes for an assumed card."""
+    try:
+        gpus = lister()
+    except NoGpu:
+        return []
+    machine = probe_machine(loaded.settings, model_path(loaded.settings), gpus)
+    checks = []
+    for mode in MODES:
+        try:
+            plan = build_launch(loaded, mode, api_key=None, machine=machine)
+        except CapacityRefusal as refusal:
+            fix = "set the knob it names as it says, or raise GPU_UTIL"
+            checks.append(Check("FAIL", "fit", f"{mode}: {refusal}", fix))
+            continue
+        sized = [notice for notice in plan.notices if "this card holds" in notice]
+        detail = sized[0] if sized else f"not sized to the card: {machine}"
+        named = detail if detail.startswith(mode) else f"{mode}, {detail}"
+        checks.append(Check("OK", "fit", named))
+    return checks
+
+
 def check_engine_features(loaded: LoadedSettings, environ: dict[str, str]) -> list[Check]:
     """What each engine feature runs with in `hyperqwen serve MODE` for these settings, and any
     of their variables set by hand, which reach vLLM wherever the launcher leaves them unset."""
@@ -254,6 +280,7 @@ def run_doctor(environ: dict[str, str], in_container: bool) -> tuple[list[Check]
         checks.append(Check("OK", "settings", "all knobs valid"))
         checks += check_engine_features(loaded, environ)
         checks += check_model(loaded)
+        checks += check_fit(loaded)
         checks.append(check_exposure(loaded, in_container))
     failed = any(check.status == "FAIL" for check in checks)
     return checks, 1 if failed else 0

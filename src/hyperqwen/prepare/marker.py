@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hyperqwen.checkpoint.shards import INDEX_NAME
-from hyperqwen.doctor import PREPARED_MARKER
 from hyperqwen.drafter.vocab import DEFAULT_DRAFT_SIZE
 from hyperqwen.engine.features import FEATURES
 
@@ -34,6 +33,8 @@ TITLES = {
     "chat_template": "chat template hardening",
 }
 MARKER_REVISION = 1
+# What a finished `hyperqwen prepare` leaves in the model folder (doctor and serve look for it).
+PREPARED_MARKER = "hyperqwen-prepare.json"
 PERCENT_KEYS = frozenset({"relative_error", "max_error"})
 
 
