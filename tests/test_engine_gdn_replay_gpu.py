@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import pytest
 from gpu_server import (
@@ -38,7 +37,7 @@ from gpu_server import (
     with_vllm_first,
 )
 from local_server import free_port
-from quoting_copy import copy_prompt, cycle_tokens, plant_cycle
+from quoting_copy import copy_prompt
 from test_engine_quoting_gpu import (
     CHAT_PROMPTS,
     CODE_PROMPT,
@@ -46,13 +45,10 @@ from test_engine_quoting_gpu import (
     NEAR_TIE,
     QUOTING,
     answer,
+    prepared_with_a_cycle,
     quoting_server,
 )
-from test_prepare_common import run_prepare
 
-from hyperqwen.checkpoint.geometry import PRESETS
-from hyperqwen.checkpoint.synthesize import synthesize
-from hyperqwen.checkpoint.tokenizer import build_fast_tokenizer
 from hyperqwen.engine.features import GDN_REPLAY, LOOKUP
 
 pytestmark = pytest.mark.gpu
@@ -81,14 +77,7 @@ def test_replay_verify_keeps_greedy_tokens_and_shrinks_the_state_page(tmp_path, 
     base_env = with_vllm_first(patched_vllm_parent(tmp_path_factory))
     for feature in (GDN_REPLAY, LOOKUP):
         base_env.pop(feature.env, None)
-    model = tmp_path / "tiny-prepared"
-    shutil.copytree(synthesize(tmp_path / "tiny", PRESETS["tiny"], progress=False).directory, model)
-    tokenizer = build_fast_tokenizer()
-    texts = (CODE_PROMPT, *CHAT_PROMPTS)
-    cycle = cycle_tokens(avoid=[i for text in texts for i in tokenizer.encode(text).ids])
-    plant_cycle(model, cycle)
-    code, out, err = run_prepare(str(model), "--quiet")
-    assert code == 0, err + out
+    model, cycle = prepared_with_a_cycle(tmp_path)
 
     prompts = {"copy": copy_prompt(cycle), "code": CODE_PROMPT}
     prompts.update({f"chat-{i}": prompt for i, prompt in enumerate(CHAT_PROMPTS)})

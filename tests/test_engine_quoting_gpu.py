@@ -34,6 +34,7 @@ import re
 import shlex
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import requests
@@ -138,13 +139,9 @@ def answer(base: str, prompt: str | list[int]) -> dict:
     }
 
 
-def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
-    tmp_path, tmp_path_factory
-):
-    require_gpu()
-    logs = log_dir(tmp_path)
-    base_env = with_vllm_first(patched_vllm_parent(tmp_path_factory))
-    base_env.pop(LOOKUP.env, None)
+def prepared_with_a_cycle(tmp_path: Path) -> tuple[Path, list[int]]:
+    """The tiny model with a token cycle planted (its answer to copy_prompt(cycle) copies its
+    context), prepared as `hyperqwen prepare` leaves it; and the cycle."""
     model = tmp_path / "tiny-prepared"
     shutil.copytree(synthesize(tmp_path / "tiny", PRESETS["tiny"], progress=False).directory, model)
     tokenizer = build_fast_tokenizer()
@@ -153,6 +150,17 @@ def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
     plant_cycle(model, cycle)
     code, out, err = run_prepare(str(model), "--quiet")
     assert code == 0, err + out
+    return model, cycle
+
+
+def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
+    tmp_path, tmp_path_factory
+):
+    require_gpu()
+    logs = log_dir(tmp_path)
+    base_env = with_vllm_first(patched_vllm_parent(tmp_path_factory))
+    base_env.pop(LOOKUP.env, None)
+    model, cycle = prepared_with_a_cycle(tmp_path)
 
     prompts = {"copy": copy_prompt(cycle), "copy-cached": copy_prompt(cycle), "code": CODE_PROMPT}
     prompts.update({f"chat-{i}": prompt for i, prompt in enumerate(CHAT_PROMPTS)})
