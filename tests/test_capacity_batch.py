@@ -9,6 +9,7 @@ from test_capacity_launch import ASSUMED, G27, H200, RTX_4090, flag, loaded
 
 from hyperqwen.capacity import (
     BATCH_SIZING_TOKENS,
+    MIN_BATCHED_TOKENS,
     CacheSetup,
     Capacity,
     CapacityRefusal,
@@ -18,10 +19,11 @@ from hyperqwen.capacity import (
 from hyperqwen.launch import BATCH_PROFILE, build_launch
 
 
-def batch_capacity(machine) -> Capacity:
-    """The pool batch mode sizes from: its fp8 KV, bf16 state, no drafts, prefix caching."""
+def batch_capacity(machine, tokens: int = BATCH_PROFILE.max_batched_tokens) -> Capacity:
+    """The pool batch mode sizes from: its fp8 KV, bf16 state, no drafts, prefix caching, at
+    `tokens` a step."""
     setup = CacheSetup(BATCH_PROFILE.kv_cache_dtype, BATCH_PROFILE.ssm_cache_dtype, 0, 0, True)
-    pool, _ = card_pool_bytes(machine, 0.9, BATCH_PROFILE.max_batched_tokens)
+    pool, _ = card_pool_bytes(machine, 0.9, tokens)
     return Capacity(pool_layout(G27, setup), pool)
 
 
@@ -38,12 +40,15 @@ def test_a_card_that_holds_the_profile_keeps_its_numbers():
 
 def test_a_24_gb_card_takes_what_fits():
     """150,000 tokens is more than the pool beside the 27B holds for one request, and 64
-    sequences more than stay resident: vLLM would refuse both at start."""
-    capacity = batch_capacity(RTX_4090)
+    sequences more than stay resident (vLLM refuses the length at start), even at 2,048 tokens
+    a step, which the launch takes for the room it leaves."""
+    assert not batch_capacity(RTX_4090).fits(BATCH_PROFILE.max_len, 1)
+    capacity = batch_capacity(RTX_4090, MIN_BATCHED_TOKENS)
     assert not capacity.fits(BATCH_PROFILE.max_len, 1)
     resident = capacity.slots(BATCH_SIZING_TOKENS)
-    assert 1 <= resident < BATCH_PROFILE.max_seqs
+    assert batch_capacity(RTX_4090).slots(BATCH_SIZING_TOKENS) < resident < BATCH_PROFILE.max_seqs
     plan = build_launch(loaded(), "batch", api_key=None, machine=RTX_4090)
+    assert flag(plan.argv, "--max-num-batched-tokens") == str(MIN_BATCHED_TOKENS)
     longest = int(flag(plan.argv, "--max-model-len"))
     assert longest == capacity.max_len(1) // 1024 * 1024
     assert capacity.fits(longest, 1) and not capacity.fits(longest + 1024, 1)
@@ -54,7 +59,7 @@ def test_a_24_gb_card_takes_what_fits():
 
 
 def test_max_seqs_between_resident_and_the_blocks_is_taken():
-    capacity = batch_capacity(RTX_4090)
+    capacity = batch_capacity(RTX_4090, MIN_BATCHED_TOKENS)
     wanted = capacity.slots(BATCH_SIZING_TOKENS) + 1
     assert wanted <= capacity.blocks
     argv = build_launch(loaded(MAX_SEQS=str(wanted)), "batch", None, machine=RTX_4090).argv
@@ -62,7 +67,7 @@ def test_max_seqs_between_resident_and_the_blocks_is_taken():
 
 
 def test_max_seqs_beyond_the_blocks_is_refused_naming_the_knob():
-    blocks = batch_capacity(RTX_4090).blocks
+    blocks = batch_capacity(RTX_4090, MIN_BATCHED_TOKENS).blocks  # the floor has the most
     build_launch(loaded(MAX_SEQS=str(blocks)), "batch", None, machine=RTX_4090)
     more = blocks + 1
     refusal = rf"^MAX_SEQS={more} does not fit: .* {blocks} blocks"
@@ -83,9 +88,8 @@ def test_a_card_without_room_for_the_weights_refuses_batch():
 
 def test_an_assumed_card_sizes_and_warns_instead_of_refusing():
     plan = build_launch(loaded(), "batch", None, machine=ASSUMED)
-    assert int(flag(plan.argv, "--max-num-seqs")) == batch_capacity(ASSUMED).slots(
-        BATCH_SIZING_TOKENS
-    )
+    resident = batch_capacity(ASSUMED, MIN_BATCHED_TOKENS).slots(BATCH_SIZING_TOKENS)
+    assert int(flag(plan.argv, "--max-num-seqs")) == resident
     refused = build_launch(loaded(MAX_SEQS="500"), "batch", None, machine=ASSUMED)
     assert flag(refused.argv, "--max-num-seqs") == "500"
     (warning,) = refused.warnings

@@ -119,3 +119,22 @@ def test_batch_residency_follows_the_knobs(tmp_path):
     assert "KV cache (auto)" in kv
     # a bf16 KV cache a token costs twice fp8's: fewer 32k requests resident
     assert residency(kv)["bfloat16"][3] <= residency(out)["bfloat16"][3]
+
+
+def test_the_tables_are_at_the_step_serve_takes_and_its_line_follows(tmp_path):
+    """On a 24 GiB card CTX=fast and batch fit only at fewer tokens a step than their
+    profiles' 8,192: the tables are sized there, and the last line is what serve starts with."""
+    for mode in ("single", "batch"):
+        out = capacity(tmp_path, "--mode", mode, "--card-gib", "24")
+        assert "at 2,048 tokens a step: " in out
+        last = out.strip().splitlines()[-1]
+        assert last.startswith(f"hyperqwen serve {mode} starts with: ")
+        assert "this card holds" in last and "Steps of at most 2,048 tokens" in last
+    on_h200 = capacity(tmp_path, "--card-gib", "141")
+    assert "at 8,192 tokens a step: " in on_h200 and "Steps of at most" not in on_h200
+    refused = capacity(tmp_path, "--card-gib", "24", MAX_LEN="200000")
+    assert (
+        refused.strip()
+        .splitlines()[-1]
+        .startswith("hyperqwen serve single would refuse: MAX_LEN=200000 does not fit")
+    )

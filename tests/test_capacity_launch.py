@@ -13,6 +13,7 @@ from cli_runner import hyperqwen
 
 from hyperqwen.capacity import (
     ASSUMED_CARD_BYTES,
+    MIN_BATCHED_TOKENS,
     PREPARED_27B_WEIGHT_BYTES,
     Capacity,
     CapacityRefusal,
@@ -22,6 +23,7 @@ from hyperqwen.capacity import (
     card_pool_bytes,
     kv_mem_bytes,
     pool_layout,
+    step_budgets,
     with_load_overhead,
 )
 from hyperqwen.capacity_probe import loaded_weight_bytes, probe_machine
@@ -47,29 +49,65 @@ def flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-def capacity_for(machine: Machine, ctx: str, **setup) -> Capacity:
+def capacity_for(machine: Machine, ctx: str, tokens: int | None = None, **setup) -> Capacity:
     """What the launch should size from: CTX's profile, MTP with 3 drafts, prefix caching,
-    unless `setup` says otherwise."""
+    unless `setup` says otherwise, at `tokens` per step (default: the profile's)."""
     from hyperqwen.capacity import CacheSetup
 
     profile = SINGLE_PROFILES[ctx]
     cache = CacheSetup(profile.kv_cache_dtype, profile.ssm_cache_dtype, 3, 1, True)
     cache = replace(cache, **setup)
-    pool, _ = card_pool_bytes(machine, 0.9, profile.max_batched_tokens)
+    pool, _ = card_pool_bytes(machine, 0.9, tokens or profile.max_batched_tokens)
     return Capacity(pool_layout(G27, cache), pool)
+
+
+def steps(argv: list[str]) -> int:
+    """The tokens per step a launch chose."""
+    return int(flag(argv, "--max-num-batched-tokens"))
 
 
 def test_fast_on_a_24_gb_card_takes_what_fits():
     """CTX=fast's 65,536 tokens at 4 slots of bf16 KV is more than a 24 GB card leaves beside
-    the 27B: fewer slots first, then a shorter length at one slot, as for long and huge."""
-    capacity = capacity_for(RTX_4090, "fast")
+    the 27B, even at 2,048 tokens a step: fewer tokens a step, then fewer slots, then a shorter
+    length at one slot, as for long and huge."""
+    assert not capacity_for(RTX_4090, "fast").fits(65_536, 1)
+    capacity = capacity_for(RTX_4090, "fast", MIN_BATCHED_TOKENS)
     assert not capacity.fits(65_536, 1)
     plan = build_launch(loaded(CTX="fast"), "single", api_key=None, machine=RTX_4090)
+    assert steps(plan.argv) == MIN_BATCHED_TOKENS
     fits = capacity.max_len(1) // 1024 * 1024
     assert flag(plan.argv, "--max-model-len") == str(fits)
     assert flag(plan.argv, "--max-num-seqs") == "1"
     (line,) = [notice for notice in plan.notices if "this card holds" in notice]
     assert line.startswith(f"CTX=fast: this card holds {fits:,} tokens at 1 slot")
+    assert "Steps of at most 2,048 tokens (--max-num-batched-tokens; the profile's 8,192" in line
+
+
+def test_step_budgets_halve_from_the_profile_s_to_the_floor_never_below_a_block():
+    assert step_budgets(8192, 800) == [8192, 4096, 2048]
+    assert step_budgets(4096, 1600) == [4096, 2048]
+    assert step_budgets(8192, 3200) == [8192, 4096]
+    assert step_budgets(4096, 3968) == [4096]
+
+
+def test_fewer_tokens_a_step_come_before_fewer_slots():
+    """On a 32 GB card CTX=fast's 65,536 tokens fit one slot at the profile's 8,192 tokens a
+    step and two at 2,048: neither holds its four slots, so the launch takes the floor's two."""
+    rtx_5090 = Machine(32_607 * MiB, "RTX 5090", G27, PREPARED_27B_WEIGHT_BYTES, "prepared 27B")
+    assert capacity_for(rtx_5090, "fast").slots(65_536) == 1
+    slots = capacity_for(rtx_5090, "fast", MIN_BATCHED_TOKENS).slots(65_536)
+    assert 1 < slots < 4
+    argv = build_launch(loaded(CTX="fast"), "single", api_key=None, machine=rtx_5090).argv
+    assert (flag(argv, "--max-model-len"), flag(argv, "--max-num-seqs")) == ("65536", str(slots))
+    assert steps(argv) == MIN_BATCHED_TOKENS
+
+
+def test_the_largest_budget_that_holds_the_knobs_is_taken():
+    """MAX_SEQS=1 with CTX=fast on a 32 GB card fits at the profile's 8,192 tokens a step,
+    which the launch keeps (prefill steps stay as large as the card allows)."""
+    rtx_5090 = Machine(32_607 * MiB, "RTX 5090", G27, PREPARED_27B_WEIGHT_BYTES, "prepared 27B")
+    argv = build_launch(loaded(CTX="fast", MAX_SEQS="1"), "single", None, machine=rtx_5090).argv
+    assert (flag(argv, "--max-model-len"), steps(argv)) == ("65536", 8192)
 
 
 def test_fast_knobs_beyond_the_card_are_refused_naming_them():
@@ -96,13 +134,15 @@ def test_a_card_that_holds_the_profile_keeps_its_numbers(ctx):
 
 def test_huge_on_a_24_gb_card_takes_what_fits():
     argv = build_launch(loaded(CTX="huge"), "single", api_key=None, machine=RTX_4090).argv
-    fits = capacity_for(RTX_4090, "huge").max_len(1) // 1024 * 1024
+    assert steps(argv) == MIN_BATCHED_TOKENS
+    fits = capacity_for(RTX_4090, "huge", MIN_BATCHED_TOKENS).max_len(1) // 1024 * 1024
     assert 65_536 < fits < 131_072
     assert flag(argv, "--max-model-len") == str(fits)
     assert flag(argv, "--max-num-seqs") == "1"
     # everything else is CTX=huge's
     plain = build_launch(loaded(CTX="huge"), "single", api_key=None).argv
-    assert [t for t in argv if t != str(fits)] == [t for t in plain if t != "262144"]
+    sized = {str(fits), str(MIN_BATCHED_TOKENS)}
+    assert [t for t in argv if t not in sized] == [t for t in plain if t not in {"262144", "4096"}]
 
 
 @pytest.mark.parametrize("kv", KV_CACHE_DTYPES)
@@ -112,7 +152,8 @@ def test_huge_sizes_with_the_chosen_kv(kv):
     spec = "mtp" if KV_CHOICES[kv].speculation else "off"
     argv = build_launch(loaded(CTX="huge", KV=kv, SPEC=spec), "single", None, machine=RTX_4090).argv
     drafts = {} if spec == "mtp" else dict(draft_tokens=0, mtp_layers=0)
-    capacity = capacity_for(RTX_4090, "huge", kv_cache_dtype=kv, **drafts)
+    capacity = capacity_for(RTX_4090, "huge", steps(argv), kv_cache_dtype=kv, **drafts)
+    assert steps(argv) in step_budgets(4096, capacity.layout.block_tokens)
     assert flag(argv, "--max-model-len") == str(min(262_144, capacity.max_len(1) // 1024 * 1024))
     assert flag(argv, "--kv-cache-dtype") == kv
 
@@ -124,7 +165,7 @@ def test_huge_sizes_with_the_chosen_state_dtype(state):
     argv = build_launch(
         loaded(CTX="huge", STATE_DTYPE=state), "single", None, machine=RTX_4090
     ).argv
-    capacity = capacity_for(RTX_4090, "huge", ssm_dtype=state)
+    capacity = capacity_for(RTX_4090, "huge", steps(argv), ssm_dtype=state)
     assert flag(argv, "--max-model-len") == str(capacity.max_len(1) // 1024 * 1024)
     assert flag(argv, "--mamba-ssm-cache-dtype") == state
 
@@ -162,10 +203,9 @@ def test_a_state_dtype_shadowed_by_extra_args_names_state_dtype():
 def test_long_trades_slots_before_length():
     # 32 GB: 131,072 tokens fit at one or more slots, not at four
     rtx_5090 = Machine(32_607 * MiB, "RTX 5090", G27, PREPARED_27B_WEIGHT_BYTES, "prepared 27B")
-    capacity = capacity_for(rtx_5090, "long")
-    slots = capacity.slots(131_072)
-    assert 1 <= slots < 4
     argv = build_launch(loaded(CTX="long"), "single", api_key=None, machine=rtx_5090).argv
+    slots = capacity_for(rtx_5090, "long", steps(argv)).slots(131_072)
+    assert 1 <= slots < 4
     assert (flag(argv, "--max-model-len"), flag(argv, "--max-num-seqs")) == ("131072", str(slots))
 
 
@@ -174,7 +214,8 @@ def test_max_len_set_alone_takes_the_slots_that_fit():
         loaded(CTX="long", MAX_LEN="20000"), "single", api_key=None, machine=RTX_4090
     ).argv
     assert flag(argv, "--max-model-len") == "20000"
-    assert flag(argv, "--max-num-seqs") == str(capacity_for(RTX_4090, "long").slots(20000)) == "1"
+    slots = capacity_for(RTX_4090, "long", steps(argv)).slots(20000)
+    assert flag(argv, "--max-num-seqs") == str(slots) and 1 <= slots < 4
 
 
 def test_max_seqs_set_alone_takes_the_length_that_fits():
@@ -182,14 +223,14 @@ def test_max_seqs_set_alone_takes_the_length_that_fits():
         loaded(CTX="huge", MAX_SEQS="2"), "single", api_key=None, machine=RTX_4090
     ).argv
     assert flag(argv, "--max-num-seqs") == "2"
-    fits = capacity_for(RTX_4090, "huge").max_len(2) // 1024 * 1024
+    fits = capacity_for(RTX_4090, "huge", steps(argv)).max_len(2) // 1024 * 1024
     assert flag(argv, "--max-model-len") == str(fits)
 
 
 def test_a_max_len_beyond_the_card_is_refused_naming_the_knob_and_the_fit():
     with pytest.raises(CapacityRefusal) as refusal:
         build_launch(loaded(CTX="huge", MAX_LEN="262144"), "single", None, machine=RTX_4090)
-    fits = capacity_for(RTX_4090, "huge").max_len(1)
+    fits = capacity_for(RTX_4090, "huge", MIN_BATCHED_TOKENS).max_len(1)  # the floor holds most
     message = str(refusal.value)
     assert message.startswith("MAX_LEN=262144 does not fit: ")
     assert f"holds {fits:,} tokens at 1 slot" in message
@@ -232,6 +273,7 @@ def test_kv_mem_sizes_exactly_and_refuses_even_on_an_assumed_card():
     fits = Capacity(pool_layout(G27, cache), kv_mem).max_len(1)
     argv = build_launch(loaded(CTX="huge", KV_MEM="3G"), "single", None, machine=ASSUMED).argv
     assert flag(argv, "--max-model-len") == str(fits // 1024 * 1024)
+    assert steps(argv) == profile.max_batched_tokens  # a fixed pool gains nothing from fewer
     with pytest.raises(CapacityRefusal, match=r"^MAX_LEN=262144 does not fit: KV_MEM=3G leaves"):
         build_launch(
             loaded(CTX="huge", KV_MEM="3G", MAX_LEN="262144"), "single", None, machine=ASSUMED

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hyperqwen.checkpoint.geometry import Geometry
@@ -369,11 +370,19 @@ MIN_MAX_LEN = next(
 BATCH_SIZING_TOKENS = 2048
 
 
+# Where a profile's numbers do not fit at its tokens per step (max_num_batched_tokens, which the
+# profile run's activations grow with), the launcher halves that budget down to this before it
+# cuts slots or length: a prefill step of 2,048 tokens still multiplies every weight by 2,048
+# rows. What it costs in prefill speed is not measured.
+MIN_BATCHED_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class ContextFit:
     max_len: int
     max_seqs: int
     line: str  # the startup line: what this card holds
+    batched_tokens: int  # vLLM's tokens per step the fit was worked out at
 
 
 def _card_capacity(
@@ -425,7 +434,7 @@ def fit_to_card(
         f"size: {capacity.vllm_tokens(max_len):,} tokens' and "
         f"{capacity.vllm_concurrency(max_len):.2f}x concurrency."
     )
-    return ContextFit(max_len, max_seqs, line)
+    return ContextFit(max_len, max_seqs, line, batched_tokens)
 
 
 def fit_batch_to_card(
@@ -472,7 +481,42 @@ def fit_batch_to_card(
         f"one of up to {one_slot:,} (MAX_LEN {max_len}, MAX_SEQS {max_seqs}): {room}. vLLM "
         f"should log 'GPU KV cache size: {capacity.vllm_tokens(max_len):,} tokens'."
     )
-    return ContextFit(max_len, max_seqs, line)
+    return ContextFit(max_len, max_seqs, line, batched_tokens)
+
+
+def step_budgets(profile_tokens: int, block_tokens: int) -> list[int]:
+    """The tokens per step to try: the profile's, then halves down to MIN_BATCHED_TOKENS, never
+    below one attention block (prefix caching's align mode ends each prefill chunk on one)."""
+    budgets = [profile_tokens]
+    while budgets[-1] // 2 >= max(MIN_BATCHED_TOKENS, block_tokens):
+        budgets.append(budgets[-1] // 2)
+    return budgets
+
+
+def fit_in_fewer_step_tokens(
+    fit_to: Callable[[Machine, Settings, CacheSetup, tuple[int, int], int], ContextFit],
+    machine: Machine,
+    settings: Settings,
+    setup: CacheSetup,
+    profile: tuple[int, int],
+    profile_tokens: int,
+) -> ContextFit:
+    """`fit_to` (fit_to_card or fit_batch_to_card) at the largest step budget that holds what
+    is asked (the knobs, else the profile's length and slots), else at the smallest, which
+    holds the most; CapacityRefusal only when even the smallest cannot hold the knobs. With
+    KV_MEM the pool is fixed whatever the step, so the profile's step stays."""
+    wanted = (settings.MAX_LEN or profile[0], settings.MAX_SEQS or profile[1])
+    budgets = step_budgets(profile_tokens, pool_layout(machine.geometry, setup).block_tokens)
+    if settings.KV_MEM:
+        budgets = budgets[:1]
+    for tokens in budgets[:-1]:
+        try:
+            fit = fit_to(machine, settings, setup, profile, tokens)
+        except CapacityRefusal:
+            continue
+        if (fit.max_len, fit.max_seqs) == wanted:
+            return fit
+    return fit_to(machine, settings, setup, profile, budgets[-1])
 
 
 def _choose(

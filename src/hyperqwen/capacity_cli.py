@@ -19,6 +19,7 @@ from typing import get_args
 from hyperqwen.capacity import (
     CacheSetup,
     Capacity,
+    CapacityRefusal,
     GiB,
     Machine,
     MiB,
@@ -28,8 +29,16 @@ from hyperqwen.capacity import (
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.gpu import NoGpu, list_gpus
 from hyperqwen.kv_choices import KV_CACHE_DTYPES, speculation_refusal
-from hyperqwen.launch import BATCH_PROFILE, SINGLE_PROFILES, cache_setup, model_path
-from hyperqwen.settings import MODES, SettingsError, StateDtype, load_settings
+from hyperqwen.launch import (
+    BATCH_PROFILE,
+    SINGLE_PROFILES,
+    build_launch,
+    cache_setup,
+    model_path,
+    profile_for,
+)
+from hyperqwen.settings import MODES, LoadedSettings, SettingsError, StateDtype, load_settings
+from hyperqwen.vllm_flags import flag_value
 
 EXIT_BAD_INPUT = 2
 SLOT_COUNTS = (1, 2, 4)
@@ -47,8 +56,8 @@ def capacity_table(
     pool, how = card_pool_bytes(machine, gpu_util, batched, setup.tensor_parallel)
     head = "| KV | block (tokens) | " + " | ".join(f"max len at {n}" for n in SLOT_COUNTS)
     lines = [
-        f"{how}: {pool / GiB:.2f} GiB for KV cache and recurrent state "
-        f"({setup.draft_tokens} draft tokens, prefix caching "
+        f"{how}, at {batched:,} tokens a step: {pool / GiB:.2f} GiB for KV cache and recurrent "
+        f"state ({setup.draft_tokens} draft tokens, prefix caching "
         f"{'on' if setup.prefix_caching else 'off'}, {setup.ssm_dtype} state).",
         "",
         f"{head} | serves with SPEC={spec} |",
@@ -69,8 +78,9 @@ def residency_table(machine: Machine, setup: CacheSetup, gpu_util: float, batche
     pool, how = card_pool_bytes(machine, gpu_util, batched, setup.tensor_parallel)
     lengths = " | ".join(f"resident at {n:,} tokens" for n in BATCH_REQUEST_TOKENS)
     lines = [
-        f"{how}: {pool / GiB:.2f} GiB for KV cache ({setup.kv_cache_dtype}) and recurrent state "
-        f"(prefix caching {'on' if setup.prefix_caching else 'off'}). A run at "
+        f"{how}, at {batched:,} tokens a step: {pool / GiB:.2f} GiB for KV cache "
+        f"({setup.kv_cache_dtype}) and recurrent state (prefix caching "
+        f"{'on' if setup.prefix_caching else 'off'}). A run at "
         + " or ".join(f"C{c}" for c in BATCH_CONCURRENCY)
         + " keeps every request resident only where the count is at least C (and MAX_SEQS "
         "is at least C); the rest wait or are preempted.",
@@ -89,10 +99,11 @@ def residency_table(machine: Machine, setup: CacheSetup, gpu_util: float, batche
 
 def cmd_capacity(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings(env_file=Path(args.env_file) if args.env_file else None).settings
+        loaded = load_settings(env_file=Path(args.env_file) if args.env_file else None)
     except SettingsError as error:
         print(f"hyperqwen capacity: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    settings = loaded.settings
     gpus = []
     if args.card_gib is None:
         with contextlib.suppress(NoGpu):  # none: probe_machine assumes a 24 GiB card, says so
@@ -105,16 +116,28 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         card = f"a {args.card_gib:g} GiB card"
         machine = Machine(int(args.card_gib * GiB), card, machine.geometry,
                           machine.weight_bytes, machine.weight_source)  # fmt: skip
+    batched, serve_line = serve_sizing(loaded, args.mode, machine)
     if args.mode == "batch":
         setup = cache_setup(settings, BATCH_PROFILE, machine, mode="batch")
-        batched = BATCH_PROFILE.max_batched_tokens
         print(residency_table(machine, setup, settings.GPU_UTIL, batched))
-        return 0
-    profile = SINGLE_PROFILES[settings.CTX]
-    setup = cache_setup(settings, profile, machine)
-    batched = profile.max_batched_tokens
-    print(capacity_table(machine, setup, settings.GPU_UTIL, batched, settings.SPEC))
+    else:
+        setup = cache_setup(settings, SINGLE_PROFILES[settings.CTX], machine)
+        print(capacity_table(machine, setup, settings.GPU_UTIL, batched, settings.SPEC))
+    print(f"\n{serve_line}")
     return 0
+
+
+def serve_sizing(loaded: LoadedSettings, mode: str, machine: Machine) -> tuple[int, str]:
+    """The tokens per step `hyperqwen serve MODE` takes on this card (the tables are sized at
+    it) and its startup line, or its refusal."""
+    profile = profile_for(loaded.settings, mode)
+    try:
+        plan = build_launch(loaded, mode, api_key=None, machine=machine)
+    except CapacityRefusal as refusal:
+        return profile.max_batched_tokens, f"hyperqwen serve {mode} would refuse: {refusal}"
+    batched = int(flag_value(plan.argv, "--max-num-batched-tokens") or profile.max_batched_tokens)
+    (line,) = [notice for notice in plan.notices if "this card holds" in notice]
+    return batched, f"hyperqwen serve {mode} starts with: {line}"
 
 
 def add_subcommand(sub) -> None:

@@ -16,8 +16,10 @@ from pathlib import Path
 from hyperqwen.capacity import (
     CacheSetup,
     CapacityRefusal,
+    ContextFit,
     Machine,
     fit_batch_to_card,
+    fit_in_fewer_step_tokens,
     fit_to_card,
 )
 from hyperqwen.engine.features import FEATURES, MTP_DRAFTS, OUR_LINEAR_BACKEND, launch_env
@@ -187,30 +189,41 @@ def fitted_context(
     profile: Profile,
     machine: Machine | str | None,
     tensor_parallel: int,
-) -> tuple[int, int, list[str], list[str]]:
-    """MAX_LEN and MAX_SEQS, with notices and warnings: the knobs, else the profile's numbers,
-    shrunk to what the machine's card holds (capacity.py: a single-mode profile keeps every
-    slot at full length, batch's slots share the pool). CapacityRefusal for knob values the
+) -> tuple[ContextFit, list[str], list[str]]:
+    """MAX_LEN, MAX_SEQS and tokens per step, with notices and warnings: the knobs, else the
+    profile's numbers, shrunk to what the machine's card holds (capacity.py: a single-mode
+    profile keeps every slot at full length, batch's slots share the pool; fewer tokens per
+    step come before fewer slots or a shorter length). CapacityRefusal for knob values the
     card cannot hold; only a warning on an assumed card (no GPU seen) unless KV_MEM fixes the
     cache size whatever the card. `machine` is None when no budget is asked for, or the
     reason there can be none."""
     max_len = settings.MAX_LEN or profile.max_len
     max_seqs = settings.MAX_SEQS or profile.max_seqs
+    unsized = ContextFit(max_len, max_seqs, "", profile.max_batched_tokens)
     if machine is None:
-        return max_len, max_seqs, [], []
+        return unsized, [], []
     name = f"CTX={settings.CTX}" if mode == "single" else "batch"
     if isinstance(machine, str):
-        return max_len, max_seqs, [f"{name}: not sized to the card: {machine}."], []
+        return unsized, [f"{name}: not sized to the card: {machine}."], []
     setup = cache_setup(settings, profile, machine, tensor_parallel, mode)
     target = (profile.max_len, profile.max_seqs)
     fit_to = fit_to_card if mode == "single" else fit_batch_to_card
     try:
-        fit = fit_to(machine, settings, setup, target, profile.max_batched_tokens)
+        fit = fit_in_fewer_step_tokens(
+            fit_to, machine, settings, setup, target, profile.max_batched_tokens
+        )
     except CapacityRefusal as refusal:
         if settings.KV_MEM or not machine.card_assumed:
             raise
-        return max_len, max_seqs, [], [f"{refusal} (the server checks its own card at start)"]
-    return fit.max_len, fit.max_seqs, [f"{name}: {fit.line}"], []
+        return unsized, [], [f"{refusal} (the server checks its own card at start)"]
+    line = f"{name}: {fit.line}"
+    if fit.batched_tokens < profile.max_batched_tokens:
+        line += (
+            f" Steps of at most {fit.batched_tokens:,} tokens (--max-num-batched-tokens; the "
+            f"profile's {profile.max_batched_tokens:,} leave less room: vLLM's profile run "
+            "needs activations for a whole step)."
+        )
+    return fit, [line], []
 
 
 def build_launch(
@@ -240,9 +253,10 @@ def build_launch(
     split = settings.GPU_SPLIT or profile.gpu_split
     tensor_parallel = settings.GPU_COUNT if split == "tp" else 1
     spec = speculative_config(settings, kv_dtype) if mode == "single" else None
-    max_len, max_seqs, fit_notices, fit_warnings = fitted_context(
+    fit, fit_notices, fit_warnings = fitted_context(
         settings, mode, profile, machine, tensor_parallel
     )
+    max_len, max_seqs = fit.max_len, fit.max_seqs
     notices += fit_notices
     warnings += fit_warnings
 
@@ -255,7 +269,7 @@ def build_launch(
         ("--max-num-seqs", str(max_seqs), "MAX_SEQS"),
         (
             "--max-num-batched-tokens",
-            str(profile.max_batched_tokens),
+            str(fit.batched_tokens),
             "CTX" if mode == "single" else "mode batch",
         ),
         ("--gpu-memory-utilization", f"{settings.GPU_UTIL:g}", "GPU_UTIL"),
