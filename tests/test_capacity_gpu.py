@@ -49,7 +49,7 @@ from hyperqwen.capacity import (
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.gpu import list_gpus
 from hyperqwen.kv_choices import KV_CACHE_DTYPES, KV_CHOICES, capability_refusal
-from hyperqwen.launch import SINGLE_PROFILES
+from hyperqwen.launch import SINGLE_PROFILES, profile_for
 from hyperqwen.settings import load_settings
 
 pytestmark = pytest.mark.gpu
@@ -188,8 +188,9 @@ def test_the_reserve_estimate_never_promises_more_than_vllm_finds(prepared_27b, 
 def test_a_profile_sized_to_a_24gb_card_is_one_vllm_takes(prepared_27b, tmp_path, mode):
     """CTX=fast and batch as shipped asked more than a 24 GB card holds beside the 27B; sized
     by the launcher (no MAX_LEN or MAX_SEQS set) on what 0.9 of a 24 GB card gives, vLLM must
-    take the length (it logs its cache size only past that check). MAX_SEQS against vLLM's
-    block check (at graph capture) is arithmetic tested on the CPU (test_capacity_batch.py)."""
+    take the length (it logs its cache size only past that check) and find at least the pool
+    the launcher sized for, at the tokens a step it took. MAX_SEQS against vLLM's block check
+    (at graph capture) is arithmetic tested on the CPU (test_capacity_batch.py)."""
     extra = f"--load-format dummy {TRITON_GDN}"
     env = knobs(prepared_27b, GPU_UTIL=util_of_a_24gb_card(), EXTRA_ARGS=extra)
     env.pop("CTX")  # fast, the default
@@ -198,6 +199,21 @@ def test_a_profile_sized_to_a_24gb_card_is_one_vllm_takes(prepared_27b, tmp_path
     assert not TOO_LONG_LINE.search(log), f"vLLM refused the sized length; log: {log_file}"
     vllm_tokens = int(logged(SIZE_LINE, log, log_file).replace(",", ""))
     sized = re.search(r"this card holds .*", log)
-    report = {"mode": mode, "vllm_tokens": vllm_tokens, "launcher": sized and sized[0]}
-    (log_dir(tmp_path) / f"capacity-sized-{mode}.json").write_text(json.dumps(report, indent=1))
     assert sized, f"the launcher did not size the profile; log: {log_file}"
+    # the reserve at the step the launcher took (fewer tokens a step than the profile's where
+    # it does not fit): vLLM must find at least the pool it was sized for
+    settings = load_settings(env, env_file=tmp_path / "none.env").settings
+    lowered = re.search(r"Steps of at most ([\d,]+) tokens", sized[0])
+    step = profile_for(settings, mode).max_batched_tokens
+    if lowered:
+        step = int(lowered[1].replace(",", ""))
+    machine = replace(
+        probe_machine(settings, prepared_27b / "q27p", list_gpus()[:1]),
+        weight_bytes=PREPARED_27B_WEIGHT_BYTES,
+    )
+    predicted, _ = card_pool_bytes(machine, settings.GPU_UTIL, step)
+    available = float(logged(AVAILABLE_LINE, log, log_file)) * GiB
+    report = {"mode": mode, "vllm_tokens": vllm_tokens, "launcher": sized[0], "step": step}
+    report |= {"predicted_pool_bytes": predicted, "vllm_available_bytes": int(available)}
+    (log_dir(tmp_path) / f"capacity-sized-{mode}.json").write_text(json.dumps(report, indent=1))
+    assert available >= predicted, report
