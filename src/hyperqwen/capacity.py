@@ -373,7 +373,8 @@ BATCH_SIZING_TOKENS = 2048
 # Where a profile's numbers do not fit at its tokens per step (max_num_batched_tokens, which the
 # profile run's activations grow with), the launcher halves that budget down to this before it
 # cuts slots or length: a prefill step of 2,048 tokens still multiplies every weight by 2,048
-# rows. What it costs in prefill speed is not measured.
+# rows. What it costs in prefill speed is not measured, and the reserve there is extrapolated
+# from ACTIVATION_SCALE's one calibration (tests/test_capacity_gpu.py -k sized checks it).
 MIN_BATCHED_TOKENS = 2048
 
 
