@@ -138,3 +138,12 @@ def test_the_tables_are_at_the_step_serve_takes_and_its_line_follows(tmp_path):
         .splitlines()[-1]
         .startswith("hyperqwen serve single would refuse: MAX_LEN=200000 does not fit")
     )
+
+
+def test_a_combination_serve_refuses_still_gets_its_table(tmp_path):
+    out = capacity(tmp_path, "--card-gib", "24", KV="turboquant_4bit_nc")
+    assert serves(out)["turboquant_4bit_nc"] == "no: refused"
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(
+        "hyperqwen serve single would refuse: KV=turboquant_4bit_nc cannot serve with SPEC=mtp"
+    )

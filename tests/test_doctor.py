@@ -149,6 +149,10 @@ def test_the_fit_line_says_what_each_mode_gets_on_the_card(tmp_path):
     checks = doctor.check_fit(too_long, lambda: rtx_3090)
     assert [check.status for check in checks] == ["FAIL", "FAIL"]
     assert all("MAX_LEN=200000 does not fit" in check.detail for check in checks)
+    turboquant = LoadedSettings(Settings(MODELS_DIR=tmp_path, KV="turboquant_4bit_nc"), frozenset())
+    single, batch = doctor.check_fit(turboquant, lambda: rtx_3090)
+    assert single.status == "FAIL" and "cannot serve with SPEC=mtp" in single.detail
+    assert batch.status == "OK"  # batch does not speculate
 
     def no_gpu():
         raise NoGpu("nvidia-smi lists no GPU")

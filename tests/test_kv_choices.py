@@ -90,7 +90,8 @@ def test_turboquant_with_speculation_is_refused_naming_both_knobs_and_the_fix(kv
         build_launch(loaded(KV=kv, SPEC=spec), "single", api_key=None)
     message = str(refusal.value)
     assert message.startswith(f"KV={kv} cannot serve with SPEC={spec}: ")
-    assert "Use SPEC=off with TurboQuant, or KV=int4_per_token_head" in message
+    instead = "KV=kvarn, the smallest" if spec == "mtp" else f"KV=fp8 with SPEC={spec}"
+    assert f"Use SPEC=off with TurboQuant, or {instead}" in message
     # batch mode never speculates: SPEC there is only an ignored single-mode knob
     plan = build_launch(loaded(KV=kv, SPEC=spec), "batch", api_key=None)
     assert plan.warnings == ["SPEC is a single-mode knob; ignored in batch mode."]

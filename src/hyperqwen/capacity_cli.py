@@ -19,7 +19,6 @@ from typing import get_args
 from hyperqwen.capacity import (
     CacheSetup,
     Capacity,
-    CapacityRefusal,
     GiB,
     Machine,
     MiB,
@@ -133,7 +132,7 @@ def serve_sizing(loaded: LoadedSettings, mode: str, machine: Machine) -> tuple[i
     profile = profile_for(loaded.settings, mode)
     try:
         plan = build_launch(loaded, mode, api_key=None, machine=machine)
-    except CapacityRefusal as refusal:
+    except SettingsError as refusal:  # a knob the card cannot hold, or a refused combination
         return profile.max_batched_tokens, f"hyperqwen serve {mode} would refuse: {refusal}"
     batched = int(flag_value(plan.argv, "--max-num-batched-tokens") or profile.max_batched_tokens)
     (line,) = [notice for notice in plan.notices if "this card holds" in notice]

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Literal
 
-from hyperqwen.capacity import CapacityRefusal
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.engine.features import FEATURES, OFF, ON
 from hyperqwen.gpu import MIN_COMPUTE_CAPABILITY, MIN_MEMORY_GIB_27B, REQUIREMENT, NoGpu, list_gpus
@@ -226,8 +225,8 @@ def check_fit(loaded: LoadedSettings, lister: Callable[[], list] = list_gpus) ->
     for mode in MODES:
         try:
             plan = build_launch(loaded, mode, api_key=None, machine=machine)
-        except CapacityRefusal as refusal:
-            fix = "set the knob it names as it says, or raise GPU_UTIL"
+        except SettingsError as refusal:  # a knob the card cannot hold, or a refused combination
+            fix = "set the knob it names as it says"
             checks.append(Check("FAIL", "fit", f"{mode}: {refusal}", fix))
             continue
         sized = [notice for notice in plan.notices if "this card holds" in notice]

@@ -175,13 +175,17 @@ def speculation_refusal(kv: str, spec: str, drafts: int | None = None) -> str | 
             f"kernel is fitted to; {spec}'s default 4 drafts are wider "
             "(src/hyperqwen/kv_choices.py). Use SPEC=mtp or SPEC=off with KV=kvarn."
         )
+    instead = (
+        "KV=kvarn, the smallest cache that serves with SPEC=mtp"
+        if spec == "mtp"
+        else f"KV=fp8 with SPEC={spec}"
+    )
     return (
         f"KV={kv} cannot serve with SPEC={spec}: vLLM 0.26's TurboQuant attention has no "
         "speculative-verify path (it runs each verify step through its per-request prefill "
         "loop, on host-side sequence lengths that speculation makes approximate and that a "
         "captured CUDA graph cannot follow; src/hyperqwen/kv_choices.py). Use SPEC=off with "
-        "TurboQuant, or KV=int4_per_token_head, the smallest cache that serves with "
-        f"SPEC={spec}."
+        f"TurboQuant, or {instead}."
     )
 
 
