@@ -134,9 +134,9 @@ def serve_sizing(loaded: LoadedSettings, mode: str, machine: Machine) -> tuple[i
         plan = build_launch(loaded, mode, api_key=None, machine=machine)
     except SettingsError as refusal:  # a knob the card cannot hold, or a refused combination
         return profile.max_batched_tokens, f"hyperqwen serve {mode} would refuse: {refusal}"
+    # what vLLM will run with: EXTRA_ARGS may set --max-num-batched-tokens after the launcher
     batched = int(flag_value(plan.argv, "--max-num-batched-tokens") or profile.max_batched_tokens)
-    (line,) = [notice for notice in plan.notices if "this card holds" in notice]
-    return batched, f"hyperqwen serve {mode} starts with: {line}"
+    return batched, f"hyperqwen serve {mode} starts with: {plan.fit.line}"
 
 
 def add_subcommand(sub) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import sys
 from collections.abc import Callable
@@ -229,8 +230,7 @@ def check_fit(loaded: LoadedSettings, lister: Callable[[], list] = list_gpus) ->
             fix = "set the knob it names as it says"
             checks.append(Check("FAIL", "fit", f"{mode}: {refusal}", fix))
             continue
-        sized = [notice for notice in plan.notices if "this card holds" in notice]
-        detail = sized[0] if sized else f"not sized to the card: {machine}"
+        detail = plan.fit.line or f"not sized to the card: {machine}"
         named = detail if detail.startswith(mode) else f"{mode}, {detail}"
         checks.append(Check("OK", "fit", named))
     return checks
@@ -262,13 +262,14 @@ def check_engine_features(loaded: LoadedSettings, environ: dict[str, str]) -> li
 
 
 def run_doctor(environ: dict[str, str], in_container: bool) -> tuple[list[Check], int]:
+    gpus = functools.cache(list_gpus)  # nvidia-smi once for the gpu and fit checks
     checks = [
         check_python(),
         check_package("vllm", PINNED_VLLM),
         check_package("torch", PINNED_TORCH),
         check_patches(),
         check_plugin(),
-        *check_gpu(),
+        *check_gpu(gpus),
         check_toolkit(environ),
     ]
     try:
@@ -279,7 +280,7 @@ def run_doctor(environ: dict[str, str], in_container: bool) -> tuple[list[Check]
         checks.append(Check("OK", "settings", "all knobs valid"))
         checks += check_engine_features(loaded, environ)
         checks += check_model(loaded)
-        checks += check_fit(loaded)
+        checks += check_fit(loaded, gpus)
         checks.append(check_exposure(loaded, in_container))
     failed = any(check.status == "FAIL" for check in checks)
     return checks, 1 if failed else 0

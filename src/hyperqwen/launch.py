@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hyperqwen.capacity import (
@@ -99,6 +99,9 @@ class LaunchPlan:
     model_path: Path = Path()
     served_name: str = ""
     tensor_parallel: int = 1
+    # MAX_LEN, MAX_SEQS and tokens a step as launched; its line says what the card holds
+    # ("" where the launch was not sized to a card)
+    fit: ContextFit = field(kw_only=True)
 
 
 def is_loopback(address: str) -> bool:
@@ -190,10 +193,11 @@ def fitted_context(
     machine: Machine | str | None,
     tensor_parallel: int,
 ) -> tuple[ContextFit, list[str], list[str]]:
-    """MAX_LEN, MAX_SEQS and tokens per step, with notices and warnings: the knobs, else the
-    profile's numbers, shrunk to what the machine's card holds (capacity.py: a single-mode
-    profile keeps every slot at full length, batch's slots share the pool; fewer tokens per
-    step come before fewer slots or a shorter length). CapacityRefusal for knob values the
+    """MAX_LEN, MAX_SEQS and tokens per step (its line the startup notice saying what the card
+    holds, "" when not sized), with notices and warnings: the knobs, else the profile's
+    numbers, shrunk to what the machine's card holds (capacity.py: a single-mode profile keeps
+    every slot at full length, batch's slots share the pool; fewer tokens per step come
+    before fewer slots or a shorter length). CapacityRefusal for knob values the
     card cannot hold; only a warning on an assumed card (no GPU seen) unless KV_MEM fixes the
     cache size whatever the card. `machine` is None when no budget is asked for, or the
     reason there can be none."""
@@ -223,7 +227,7 @@ def fitted_context(
             f"profile's {profile.max_batched_tokens:,} leave less room: vLLM's profile run "
             "needs activations for a whole step)."
         )
-    return fit, [line], []
+    return replace(fit, line=line), [line], []
 
 
 def build_launch(
@@ -340,7 +344,9 @@ def build_launch(
 
     env = {"VLLM_API_KEY": api_key} if api_key else {}
     env.update(launch_env(settings, mode))
-    return LaunchPlan(argv, env, warnings, notices, host, path, served_name, tensor_parallel)
+    return LaunchPlan(
+        argv, env, warnings, notices, host, path, served_name, tensor_parallel, fit=fit
+    )
 
 
 def choose_host(
