@@ -9,8 +9,9 @@
 # for every run. A variant word TREE=DIR serves that variant from another checkout (DIR holds its
 # src/ and patches/, e.g. `git archive COMMIT src patches`): its patches on a copy of the stock
 # vLLM (made once, DIR/vllm-patched) and its src/ first on the server's path (its plugin, where
-# it has one); this checkout's `bench ab` still drives it, with this launcher's argv and env. Results and logs in $R/NAME/ (vN.json is the Nth variant's result,
-# variants.txt names them). Detached, from the repository root on the kit's host:
+# it has one); this checkout's `bench ab` still drives it, with this launcher's argv and env.
+# Results and logs in $R/NAME/ (vN.json is the Nth variant's result, variants.txt names them).
+# Detached, from the repository root on the kit's host:
 #   bash bench/gpu-host/bg.sh NAME bash bench/gpu-host/ab_together.sh NAME 'OPTIONS' '' 'KNOB=1'
 # shellcheck disable=SC1091
 source bench/gpu-host/env.sh || exit 1
@@ -36,17 +37,7 @@ if [ -z "${AB_MODEL:-}" ]; then # made once per host: a later run on it reuses t
 fi
 # TREE=DIR's patched vLLM: the stock tree with DIR's series applied, made once per host.
 tree_vllm() {
-  if [ ! -f "$1/vllm-patched/PATCHED" ]; then
-    rm -rf "$1/vllm-patched"
-    if ! { cp -a "$HYPERQWEN_STOCK_VLLM" "$1/vllm-patched" &&
-      HYPERQWEN_PATCHES_DIR="$1/patches" python3 -m hyperqwen.cli patches apply \
-        "$1/vllm-patched/vllm" > "$1/patch.log" 2>&1; }; then
-      echo "ab_together: TREE=$1: its series did not apply (see $1/patch.log)" >&2
-      return 1
-    fi
-    touch "$1/vllm-patched/PATCHED"
-  fi
-  echo "$1/vllm-patched"
+  patched_vllm_copy "$1/vllm-patched" "$1/patches" "$1/patch.log" && echo "$1/vllm-patched"
 }
 # This checkout's CLI whatever PYTHONPATH says (a TREE variant's path puts its own src/ first).
 this_checkout_cli='import sys; sys.path.insert(0, sys.argv.pop(1)); from hyperqwen.cli import main

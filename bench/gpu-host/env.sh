@@ -7,17 +7,21 @@ source /tmp/gpu-kit/env.sh
 export R=/tmp/hq  # job logs and outputs; they outlive one device call on a warm host
 mkdir -p "$R"
 export HYPERQWEN_STOCK_VLLM=/tmp/gpu-kit/vllm-stock HYPERQWEN_PATCHED_VLLM=/tmp/gpu-kit/vllm-patched
-if [ ! -f /tmp/gpu-kit/PATCHED ]; then
-  rm -rf "$HYPERQWEN_PATCHED_VLLM"
-  cp -a "$HYPERQWEN_STOCK_VLLM" "$HYPERQWEN_PATCHED_VLLM"
-  if PYTHONPATH="$PWD/src:$PYTHONPATH" python3 -m hyperqwen.cli patches apply \
-    "$HYPERQWEN_PATCHED_VLLM/vllm" > "$R/patch.log" 2>&1; then
-    touch /tmp/gpu-kit/PATCHED
+# patched_vllm_copy DIR SERIES_DIR LOG: DIR/vllm is the kit's stock vLLM with SERIES_DIR's
+# patch series applied, made once (DIR/PATCHED marks it done); the apply's output in LOG.
+patched_vllm_copy() {
+  [ -f "$1/PATCHED" ] && return 0
+  rm -rf "$1"
+  if cp -a "$HYPERQWEN_STOCK_VLLM" "$1" && HYPERQWEN_PATCHES_DIR="$2" \
+    PYTHONPATH="$PWD/src:$PYTHONPATH" python3 -m hyperqwen.cli patches apply "$1/vllm" > "$3" 2>&1; then
+    touch "$1/PATCHED"
   else
-    echo "gpu-host: patching failed:" >&2
-    tail "$R/patch.log" >&2
+    echo "gpu-host: patching $1 with $2 failed:" >&2
+    tail "$3" >&2
+    return 1
   fi
-fi
+}
+patched_vllm_copy "$HYPERQWEN_PATCHED_VLLM" "$PWD/patches" "$R/patch.log"
 # vLLM finds the plugin through the installed package's entry point; here src/ is only on the
 # path, so the GPU tests' writer (tests/gpu_server.py) gives it pyproject.toml's entry points.
 # The kit's data folder holds SmolLM2's package (`bench smollm2`) where the kit was built with it.
