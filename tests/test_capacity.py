@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import get_args
 
@@ -35,6 +36,7 @@ from hyperqwen.capacity import (
     kvarn_side_bytes,
     pool_layout,
     recurrent_state_bytes,
+    replay_buffer_bytes,
     turboquant_slot_bytes,
 )
 from hyperqwen.checkpoint.geometry import PRESETS
@@ -280,9 +282,10 @@ def vllm_27b(tmp_path_factory):
     return synthesize(directory, G27, config_only=True, progress=False).directory
 
 
-def gdn_state_spec(config, draft_tokens: int):
+def gdn_state_spec(config, draft_tokens: int, replay: bool = False):
     """The GDN layers' state spec as MambaBase.get_kv_cache_spec builds it from vLLM's config
-    after its hybrid alignment, with one block per draft token."""
+    after its hybrid alignment, with one block per draft token (none under the replay verify,
+    whose layer sets num_speculative_blocks to 0: engine/gdn_replay.py)."""
     from vllm.model_executor.models import ModelRegistry
     from vllm.v1.kv_cache_interface import MambaSpec
 
@@ -296,7 +299,7 @@ def gdn_state_spec(config, draft_tokens: int):
         block_size=cache.mamba_block_size,
         page_size_padded=cache.mamba_page_size_padded,
         mamba_cache_mode=cache.mamba_cache_mode,
-        num_speculative_blocks=draft_tokens,
+        num_speculative_blocks=0 if replay else draft_tokens,
     )
 
 
@@ -362,7 +365,7 @@ def vllm_kv_cache(model_dir, setup: CacheSetup, max_len: int, pool: int):
             dtype=dtype,
             kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
         )
-    state = gdn_state_spec(config, setup.draft_tokens)
+    state = gdn_state_spec(config, setup.draft_tokens, setup.replay)
     specs = {f"attention.{i}": attention for i in range(16 + setup.mtp_layers)}
     specs |= {f"gdn.{i}": state for i in range(48)}
     (kv_cache,) = get_kv_cache_configs(config, [specs], [pool])
@@ -397,15 +400,62 @@ VLLM_CASES += [
 @pytest.mark.parametrize(("kv", "mtp", "prefix_caching"), VLLM_CASES)
 def test_vllm_sizes_the_pool_as_computed(vllm_27b, kv, mtp, prefix_caching, monkeypatch):
     monkeypatch.setenv(KVARN_FEATURE.env, "1" if kv == KVARN_CHOICE else "0")
+    assert_vllm_sizes_the_pool_as_computed(vllm_27b, setup_for(kv, mtp, prefix_caching))
+
+
+@pytest.fixture
+def replay_models(monkeypatch):
+    """vLLM's model registry with the replay verify's model classes, as the plugin registers
+    them with GDN_REPLAY on (vLLM's own entries back afterwards)."""
+    from vllm import ModelRegistry
+
+    from hyperqwen.engine.gdn_replay import REPLAY_MODELS
+
+    for architecture, model in REPLAY_MODELS.items():
+        monkeypatch.setitem(ModelRegistry.models, architecture, ModelRegistry.models[architecture])
+        ModelRegistry.register_model(architecture, model)
+
+
+@pytest.mark.parametrize(
+    ("kv", "drafts", "prefix_caching"),
+    [
+        ("fp8", 3, True),
+        ("fp8", 3, False),
+        ("fp8", 15, True),
+        ("auto", 15, False),
+        (KVARN_CHOICE, 3, True),
+    ],
+)
+def test_vllm_sizes_the_replay_pool_as_computed(
+    vllm_27b, replay_models, kv, drafts, prefix_caching, monkeypatch
+):
+    """GDN_REPLAY: one state block per request (two with prefix caching) whatever the drafts,
+    its page the state and the last verify's inputs, which the attention block grows to hold."""
+    monkeypatch.setenv(KVARN_FEATURE.env, "1" if kv == KVARN_CHOICE else "0")
+    setup = CacheSetup(kv, "float32", drafts, 1, prefix_caching, replay=True)
+    layout = pool_layout(G27, setup)
+    vllms = pool_layout(G27, replace(setup, replay=False))
+    assert layout.state_blocks_per_slot == (2 if prefix_caching else 1)
+    assert layout.state_bytes == vllms.state_bytes + replay_buffer_bytes(G27, drafts)
+    assert layout.state_bytes_per_request < vllms.state_bytes_per_request
+    assert_vllm_sizes_the_pool_as_computed(vllm_27b, setup)
+
+
+def test_replay_without_drafts_is_vllms_pool():
+    """No speculation, nothing verifies: the layer keeps vLLM's page (gdn_layer_built)."""
+    setup = CacheSetup("fp8", "float32", 0, 0, True, replay=True)
+    assert pool_layout(G27, setup) == pool_layout(G27, replace(setup, replay=False))
+
+
+def assert_vllm_sizes_the_pool_as_computed(model_dir, setup: CacheSetup) -> None:
     from vllm.v1.core.kv_cache_utils import (
         _estimate_max_model_len_from_groups,
         get_kv_cache_capacity,
     )
 
-    setup = setup_for(kv, mtp, prefix_caching)
     capacity = Capacity(pool_layout(G27, setup), 3 * GiB + 12345)
     max_len = capacity.max_len(1)
-    config, kv_cache = vllm_kv_cache(vllm_27b, setup, max_len, capacity.pool_bytes)
+    config, kv_cache = vllm_kv_cache(model_dir, setup, max_len, capacity.pool_bytes)
     layout = capacity.layout
     assert config.cache_config.block_size == layout.block_tokens
     assert config.cache_config.mamba_page_size_padded in (layout.page_bytes, None)

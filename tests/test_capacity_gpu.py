@@ -127,23 +127,40 @@ def test_each_kv_choice_serves_a_chat(tiny_models_dir, tmp_path, kv):
 
 @pytest.mark.parametrize("kv", SIZED_KVS)
 def test_vllm_holds_the_tokens_capacity_computes(prepared_27b, tmp_path, kv):
-    spec = spec_for(kv)
+    assert_vllm_holds_what_capacity_computes(prepared_27b, tmp_path, kv, spec_for(kv), 3, False)
+
+
+def test_gdn_replay_s_pool_is_the_one_capacity_computes(prepared_27b, tmp_path):
+    """GDN_REPLAY=1 at 15 drafts: one state block per request (two with prefix caching), its
+    page holding the verify's inputs, as the launcher sizes it."""
+    assert_vllm_holds_what_capacity_computes(prepared_27b, tmp_path, "fp8", "mtp", 15, True)
+
+
+def assert_vllm_holds_what_capacity_computes(
+    prepared_27b, tmp_path, kv: str, spec: str, drafts: int, replay: bool
+) -> None:
     extra = f"--load-format dummy {TRITON_GDN}"
     env = knobs(prepared_27b, KV_MEM=str(POOL_BYTES), MAX_LEN=str(MAX_LEN), EXTRA_ARGS=extra)
-    env.update(KV=kv, SPEC=spec)
+    env.update(KV=kv, SPEC=spec, GDN_REPLAY="1" if replay else "0")
+    if spec != "off":
+        env["DRAFT_TOKENS"] = str(drafts)
     env["GPU_UTIL"] = util_of_a_24gb_card()  # vLLM's start check only: the pool is pinned
-    log_file = log_dir(tmp_path) / f"capacity-{kv}-server.log"
+    name = f"{kv}-replay{drafts}" if replay else kv
+    log_file = log_dir(tmp_path) / f"capacity-{name}-server.log"
     log = served_until_sized(env, log_file)
     vllm_tokens = int(logged(SIZE_LINE, log, log_file).replace(",", ""))
     settings = load_settings(env, env_file=tmp_path / "none.env").settings
     machine = probe_machine(settings, prepared_27b / "q27p", list_gpus())
-    drafts = (3, 1) if spec == "mtp" else (0, 0)
-    setup = CacheSetup(kv, SINGLE_PROFILES["huge"].ssm_cache_dtype, *drafts, prefix_caching=True)
+    drafted = (drafts, 1) if spec == "mtp" else (0, 0)
+    setup = CacheSetup(
+        kv, SINGLE_PROFILES["huge"].ssm_cache_dtype, *drafted, prefix_caching=True, replay=replay
+    )
     capacity = Capacity(pool_layout(machine.geometry, setup), POOL_BYTES)
-    report = {"kv": kv, "spec": spec, "pool_bytes": POOL_BYTES, "max_len": MAX_LEN}
-    report |= {"vllm_tokens": vllm_tokens, "computed_tokens": capacity.vllm_tokens(MAX_LEN)}
+    report = {"kv": kv, "spec": spec, "drafts": drafted[0], "replay": replay}
+    report |= {"pool_bytes": POOL_BYTES, "max_len": MAX_LEN, "vllm_tokens": vllm_tokens}
+    report |= {"computed_tokens": capacity.vllm_tokens(MAX_LEN)}
     report["block_tokens"] = capacity.layout.block_tokens
-    (log_dir(tmp_path) / f"capacity-{kv}.json").write_text(json.dumps(report, indent=1))
+    (log_dir(tmp_path) / f"capacity-{name}.json").write_text(json.dumps(report, indent=1))
     assert vllm_tokens == report["computed_tokens"], report
 
 

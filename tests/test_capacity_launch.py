@@ -184,6 +184,27 @@ def test_a_half_precision_state_fits_more_on_the_same_card():
     assert int(lengths["bfloat16"]) > int(lengths["float32"])
 
 
+@pytest.mark.parametrize("drafts", ["3", "15"])
+def test_gdn_replay_sizes_with_one_state_block_per_request(drafts):
+    """GDN_REPLAY=1 keeps one state block per request (two with prefix caching) instead of one
+    per draft: the launch sizes CTX=huge from that pool, says so, and fits more on the card."""
+    plans = {
+        replay: build_launch(
+            loaded(CTX="huge", DRAFT_TOKENS=drafts, GDN_REPLAY=replay), "single", None,
+            machine=RTX_4090,
+        )
+        for replay in ("0", "1")
+    }  # fmt: skip
+    argv = plans["1"].argv
+    capacity = capacity_for(RTX_4090, "huge", steps(argv), draft_tokens=int(drafts), replay=True)
+    assert capacity.layout.state_blocks_per_slot == 2
+    assert flag(argv, "--max-model-len") == str(capacity.max_len(1) // 1024 * 1024)
+    phrase = "one state block per request"
+    assert phrase in plans["1"].fit.line and phrase not in plans["0"].fit.line
+    lengths = {replay: int(flag(plan.argv, "--max-model-len")) for replay, plan in plans.items()}
+    assert lengths["1"] > lengths["0"]
+
+
 @pytest.mark.parametrize(("mode", "profile"), [("single", "float32"), ("batch", "bfloat16")])
 def test_state_dtype_auto_is_the_profile_s(mode, profile):
     for values in ({}, {"STATE_DTYPE": "auto"}):

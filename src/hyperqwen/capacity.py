@@ -181,6 +181,9 @@ class CacheSetup:
     mtp_layers: int  # attention layers the drafter adds (MTP: its own KV cache layer)
     prefix_caching: bool
     tensor_parallel: int = 1
+    # the replay verify (an engine feature's one_gdn_state_per_request) with drafts: one state
+    # block per request (two under prefix caching), its page holding the verify's inputs too
+    replay: bool = False
 
 
 @dataclass(frozen=True)
@@ -213,11 +216,21 @@ class PoolLayout:
         )
 
 
+def state_terms(setup: CacheSetup) -> str:
+    """What shapes the recurrent state's share of the pool, for messages."""
+    caching = "on" if setup.prefix_caching else "off"
+    replay = ", one state block per request" if setup.replay and setup.draft_tokens else ""
+    return f"{setup.draft_tokens} draft tokens, prefix caching {caching}{replay}"
+
+
 def pool_layout(g: Geometry, setup: CacheSetup) -> PoolLayout:
     tp = setup.tensor_parallel
     kv_heads = max(1, g.num_key_value_heads // tp)  # ModelConfig.get_num_kv_heads
     token_bytes = attention_token_bytes(setup.kv_cache_dtype, kv_heads, g.head_dim)
+    replay = setup.replay and setup.draft_tokens > 0  # without drafts the layer keeps vLLM's page
     state = recurrent_state_bytes(g, setup.ssm_dtype, setup.draft_tokens, tp)
+    if replay:
+        state += replay_buffer_bytes(g, setup.draft_tokens, tp)
     # interface.py: _align_hybrid_block_size (no "all" mode: Qwen3.5 does not declare
     # SupportsMambaPrefixCaching, so prefix caching runs in "align" mode, same block size)
     align = KVARN_TILE_TOKENS if setup.kv_cache_dtype == KVARN_CHOICE else KERNEL_BLOCK_TOKENS
@@ -234,7 +247,9 @@ def pool_layout(g: Geometry, setup: CacheSetup) -> PoolLayout:
         group_layers=group_layers,
         attention_groups=math.ceil(attention_layers / group_layers),
         state_groups=math.ceil(state_layers / group_layers),
-        state_blocks_per_slot=state_blocks_per_request(setup.draft_tokens, setup.prefix_caching),
+        state_blocks_per_slot=state_blocks_per_request(
+            setup.draft_tokens, setup.prefix_caching, replay
+        ),
     )
 
 
@@ -410,8 +425,7 @@ def _card_capacity(
     capacity = Capacity(pool_layout(machine.geometry, setup), pool)
     room = (
         f"{how} leaves {gib(max(pool, 0))} GiB for the KV cache ({setup.kv_cache_dtype}) and "
-        f"recurrent state ({setup.draft_tokens} draft tokens, prefix caching "
-        f"{'on' if setup.prefix_caching else 'off'})"
+        f"recurrent state ({state_terms(setup)})"
     )
     return capacity, room
 

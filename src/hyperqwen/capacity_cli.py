@@ -24,8 +24,10 @@ from hyperqwen.capacity import (
     MiB,
     card_pool_bytes,
     pool_layout,
+    state_terms,
 )
 from hyperqwen.capacity_probe import probe_machine
+from hyperqwen.engine.features import FEATURES
 from hyperqwen.gpu import NoGpu, list_gpus
 from hyperqwen.kv_choices import KV_CACHE_DTYPES, speculation_refusal
 from hyperqwen.launch import (
@@ -56,8 +58,7 @@ def capacity_table(
     head = "| KV | block (tokens) | " + " | ".join(f"max len at {n}" for n in SLOT_COUNTS)
     lines = [
         f"{how}, at {batched:,} tokens a step: {pool / GiB:.2f} GiB for KV cache and recurrent "
-        f"state ({setup.draft_tokens} draft tokens, prefix caching "
-        f"{'on' if setup.prefix_caching else 'off'}, {setup.ssm_dtype} state).",
+        f"state ({state_terms(setup)}, {setup.ssm_dtype} state).",
         "",
         f"{head} | serves with SPEC={spec} |",
         "|---|---:|" + "---:|" * len(SLOT_COUNTS) + "---|",
@@ -140,15 +141,20 @@ def serve_sizing(loaded: LoadedSettings, mode: str, machine: Machine) -> tuple[i
 
 
 def add_subcommand(sub) -> None:
+    # the engine features that change how much GDN state a request keeps (their knobs)
+    state_features = [feature for feature in FEATURES if feature.one_gdn_state_per_request]
+    state_knobs = ", ".join(feature.knob for feature in state_features)
+    state_knobs_on = " ".join(f"{feature.knob}=1" for feature in state_features)
     parser = sub.add_parser(
         "capacity",
         help="how many tokens of context this card holds per KV-cache dtype (single mode), "
         "or how many requests stay resident per state dtype (--mode batch)",
         description=(__doc__ or "").split("\n\n", 1)[-1],
-        epilog="The model, SPEC, DRAFT_TOKENS, PREFIX_CACHE, GPU_UTIL, KV, STATE_DTYPE and CTX "
-        "(its prefill batch) come from the environment or .env, as for `hyperqwen serve`.\n"
-        "Examples: hyperqwen capacity --card-gib 24; hyperqwen capacity --mode batch "
-        "--card-gib 140",
+        epilog=f"The model, SPEC, DRAFT_TOKENS, {state_knobs}, PREFIX_CACHE, GPU_UTIL, KV, "
+        "STATE_DTYPE and CTX (its prefill batch) come from the environment or .env, as for "
+        "`hyperqwen serve`.\nExamples: hyperqwen capacity --card-gib 24; hyperqwen capacity "
+        f"--mode batch --card-gib 140; DRAFT_TOKENS=15 {state_knobs_on} hyperqwen capacity "
+        "--card-gib 24",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(

@@ -22,7 +22,13 @@ from hyperqwen.capacity import (
     fit_in_fewer_step_tokens,
     fit_to_card,
 )
-from hyperqwen.engine.features import FEATURES, MTP_DRAFTS, OUR_LINEAR_BACKEND, launch_env
+from hyperqwen.engine.features import (
+    FEATURES,
+    MTP_DRAFTS,
+    ON,
+    OUR_LINEAR_BACKEND,
+    launch_env,
+)
 from hyperqwen.kv_choices import KV_CHOICES, speculation_refusal
 from hyperqwen.settings import (
     NO_REASONING_PARSER,
@@ -176,6 +182,10 @@ def cache_setup(
     """The launch choices that shape vLLM's KV-cache pool (capacity.py); batch mode drafts
     nothing."""
     spec = speculative_config(settings) if mode == "single" else None
+    replay = any(
+        feature.one_gdn_state_per_request and feature.env_for(settings, mode) == ON
+        for feature in FEATURES
+    )
     return CacheSetup(
         kv_cache_dtype(settings, profile),
         ssm_cache_dtype(settings, profile),
@@ -183,6 +193,7 @@ def cache_setup(
         mtp_layers=machine.geometry.mtp_num_hidden_layers if spec and settings.SPEC == "mtp" else 0,
         prefix_caching=settings.PREFIX_CACHE == "1",
         tensor_parallel=tensor_parallel,
+        replay=replay,
     )
 
 

@@ -155,6 +155,10 @@ class Feature:
     """Whether its module's `register()` puts its part into one of vLLM's registries (an
     attention backend, a quantization config): the vLLM plugin (../vllm_plugin.py) calls it in
     each vLLM process while the feature is switched on."""
+    one_gdn_state_per_request: bool = False
+    """Whether, switched on with speculation, a request keeps one GDN state block (two under
+    prefix caching's `align` mode) instead of one per draft, its page holding the last
+    verify's k, v, a and b too: the capacity budget sizes the pool so (capacity.py)."""
     checked_at_serve: bool = False
     """Whether `hyperqwen serve` asks its module's `serve_refusal(value, gpus, model_dir)`,
     before vLLM starts, why the variable's value cannot serve on these GPUs (hyperqwen.gpu.Gpu)

@@ -472,14 +472,15 @@ GDN_REPLAY = Feature(
         "src/hyperqwen/engine/gdn_replay_align.py",
     ),
     knob="GDN_REPLAY",
+    one_gdn_state_per_request=True,
     owned_knob=Knob(
         OFF,
         "With speculative decoding (SPEC not off): keep one Gated DeltaNet "
         "state per request and the last verify's inputs, folded in at the next step, instead "
         "of vLLM's state per draft position (1 + DRAFT_TOKENS blocks per request and layer; "
         'src/hyperqwen/engine/quoting.md, "GDN replay"). Frees most of the GDN state memory '
-        "at large DRAFT_TOKENS (`hyperqwen capacity`). Lossless on the H200 with a tiny model "
-        "at 3 and 15 drafts without prefix caching "
+        "at large DRAFT_TOKENS, which `hyperqwen serve` sizes CTX with (`hyperqwen capacity`). "
+        "Lossless on the H200 with a tiny model at 3 and 15 drafts without prefix caching "
         "(bench/measurements/2026-12-03-h200-gdn-replay-passed.json); with PREFIX_CACHE=1 "
         "(its state copies as folds) tested on the CPU only; its speed is not measured, so off.",
         modes=SINGLE_MODE,
@@ -499,7 +500,10 @@ GDN_REPLAY = Feature(
     "vLLM's classes, its align copies and its per-token-state kernel over multi-step runs; "
     "on the H200 without prefix caching (CUDA graphs "
     "included) its greedy answers equal replay off's "
-    "(bench/measurements/2026-12-03-h200-gdn-replay-passed.json), with it not run; not timed",
+    "(bench/measurements/2026-12-03-h200-gdn-replay-passed.json), with it not run; not timed; "
+    "the launcher sizes CTX with its pool (capacity.py: checked against vLLM's own pool "
+    "functions on the CPU, `tests/test_capacity.py`; served: `tests/test_capacity_gpu.py -k "
+    "gdn_replay`, not run)",
 )
 
 # TRITON_CACHE's value that shares one Triton cache across configurations (the default)
