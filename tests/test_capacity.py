@@ -30,7 +30,6 @@ from hyperqwen.capacity import (
     MiB,
     attention_token_bytes,
     card_pool_bytes,
-    fit_to_card,
     gib,
     kv_mem_bytes,
     kvarn_side_bytes,
@@ -38,6 +37,9 @@ from hyperqwen.capacity import (
     recurrent_state_bytes,
     replay_buffer_bytes,
     turboquant_slot_bytes,
+)
+from hyperqwen.capacity_fit import (
+    fit_to_card,
 )
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.engine import seams

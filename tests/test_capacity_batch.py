@@ -8,13 +8,15 @@ import pytest
 from test_capacity_launch import ASSUMED, G27, H200, RTX_4090, flag, loaded
 
 from hyperqwen.capacity import (
-    BATCH_SIZING_TOKENS,
-    MIN_BATCHED_TOKENS,
     CacheSetup,
     Capacity,
-    CapacityRefusal,
     card_pool_bytes,
     pool_layout,
+)
+from hyperqwen.capacity_fit import (
+    BATCH_SIZING_TOKENS,
+    MIN_BATCHED_TOKENS,
+    CapacityRefusal,
 )
 from hyperqwen.launch import BATCH_PROFILE, build_launch
 

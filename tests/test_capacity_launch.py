@@ -13,18 +13,20 @@ from cli_runner import hyperqwen
 
 from hyperqwen.capacity import (
     ASSUMED_CARD_BYTES,
-    MIN_BATCHED_TOKENS,
     PREPARED_27B_WEIGHT_BYTES,
     Capacity,
-    CapacityRefusal,
     GiB,
     Machine,
     MiB,
     card_pool_bytes,
     kv_mem_bytes,
     pool_layout,
-    step_budgets,
     with_load_overhead,
+)
+from hyperqwen.capacity_fit import (
+    MIN_BATCHED_TOKENS,
+    CapacityRefusal,
+    step_budgets,
 )
 from hyperqwen.capacity_probe import loaded_weight_bytes, probe_machine
 from hyperqwen.checkpoint.config_json import build_config

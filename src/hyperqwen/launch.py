@@ -15,9 +15,11 @@ from pathlib import Path
 
 from hyperqwen.capacity import (
     CacheSetup,
+    Machine,
+)
+from hyperqwen.capacity_fit import (
     CapacityRefusal,
     ContextFit,
-    Machine,
     fit_batch_to_card,
     fit_in_fewer_step_tokens,
     fit_to_card,

@@ -266,7 +266,7 @@ class ServingKnobs(BaseModel):
         "fast",
         "Context profile. fast: 64k tokens, bf16 KV cache; long: 128k, fp8 KV; huge: 256k, "
         "fp8 KV, one slot. Each shrinks to what the card's memory holds (fewer slots first, "
-        "then a shorter length; src/hyperqwen/capacity.py), and the startup note says 'this "
+        "then a shorter length; src/hyperqwen/capacity_fit.py), and the startup note says 'this "
         "card holds N tokens at M slots'.",
         "--max-model-len, --kv-cache-dtype, --max-num-batched-tokens defaults",
         modes=SINGLE,
