@@ -26,6 +26,7 @@ from hyperqwen.bench.capacity_rows import (
     shared_gpu_notes,
     sized_side,
     state_gib_per_slot,
+    step_note,
     stock_argv,
 )
 from hyperqwen.bench.capacity_serve import (
@@ -73,6 +74,27 @@ def test_a_complete_log_gives_every_part():
         graph_gib=0.61,
     )
     assert sizing.complete
+
+
+def test_the_step_a_side_served_at_is_read_from_vllms_non_default_args():
+    """vLLM lists the flags it was given; without --max-num-batched-tokens, its default."""
+    given = (
+        "(APIServer pid=4700) INFO 12-03 08:09:50 [api_utils.py:273] non-default args: "
+        "{'model_tag': '/tmp/q27p', 'max_model_len': 97280, 'max_num_batched_tokens': 2048, "
+        "'max_num_seqs': 1}\n"
+    )
+    patched = parse_sizing(given + LOG)
+    stock = parse_sizing(given.replace("'max_num_batched_tokens': 2048, ", "") + LOG)
+    assert (patched.step_tokens, stock.step_tokens, parse_sizing(LOG).step_tokens) == (
+        2048,
+        None,
+        None,
+    )
+    assert step_note("fp8", patched, stock) == (
+        "capacity_fp8: tokens per step (--max-num-batched-tokens): patched 2,048, stock "
+        "vLLM's default"
+    )
+    assert step_note("kvarn", patched, None).endswith("patched 2,048, stock not served")
 
 
 def test_a_log_cut_before_graph_capture_is_incomplete():

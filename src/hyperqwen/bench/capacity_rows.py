@@ -266,6 +266,22 @@ def sized_side(at, max_len, log_stem: Path, timeout_s: float, side: str, notes: 
         return sizing
 
 
+def step_note(kv: str, patched: VllmSizing | None, stock: VllmSizing | None) -> str:
+    """The tokens per step each side served at: vLLM's profile run reserves activations for a
+    whole step, so the pool depends on it (the launcher halves it where the profile does not
+    fit: capacity_fit.py)."""
+
+    def steps(side: VllmSizing | None) -> str:
+        if side is None:
+            return "not served"
+        return f"{side.step_tokens:,}" if side.step_tokens else "vLLM's default"
+
+    return (
+        f"capacity_{kv}: tokens per step (--max-num-batched-tokens): patched {steps(patched)}, "
+        f"stock {steps(stock)}"
+    )
+
+
 def shared_gpu_notes(kv: str, side: str, sizing: VllmSizing | None) -> list[str]:
     """A note where vLLM's own accounting shows that another process used the GPU while it
     profiled: its pool, read off the whole card, is then not this configuration's."""
@@ -332,6 +348,7 @@ def run_choice(plan: ChoicePlan, args, models: Path, util: float) -> tuple[list,
     for note in shared_gpu_notes(kv, "patched", patched) + shared_gpu_notes(kv, "stock", stock):
         progress(note)
         notes.append(note)
+    notes.append(step_note(kv, patched, stock))
     state = state_gib_per_slot(settings)
     return choice_rows(kv, patched, stock, state), notes
 

@@ -39,6 +39,9 @@ USAGE_LINE = re.compile(
 TOO_LONG_LINE = re.compile(
     r"max seq len \((\d+)\).*?the estimated maximum model length is (\d+)", re.DOTALL
 )
+# vLLM's API server lists the flags it was given (entrypoints/serve/utils/api_utils.py): the
+# tokens per step where the command sets them; absent, vLLM's default.
+STEP_TOKENS_ARG = re.compile(r"non-default args: \{.*?'max_num_batched_tokens': (\d+)")
 # Rounds GPU_UTIL down to what `--gpu-memory-utilization` is given with: never over the budget.
 UTIL_DECIMALS = 4
 
@@ -101,6 +104,7 @@ class VllmSizing:
     activation_gib: float | None  # peak activation of the profile run
     non_torch_gib: float | None
     graph_gib: float | None  # CUDA graphs (captured, not the profile's estimate)
+    step_tokens: int | None = None  # --max-num-batched-tokens as given; None: vLLM's default
 
     @property
     def complete(self) -> bool:
@@ -120,4 +124,5 @@ def parse_sizing(log: str) -> VllmSizing:
         activation_gib=parts[1],
         non_torch_gib=parts[2],
         graph_gib=parts[3],
+        step_tokens=int(step[1]) if (step := STEP_TOKENS_ARG.search(log)) else None,
     )
