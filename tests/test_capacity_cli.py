@@ -147,3 +147,28 @@ def test_a_combination_serve_refuses_still_gets_its_table(tmp_path):
     assert last.startswith(
         "hyperqwen serve single would refuse: KV=turboquant_4bit_nc cannot serve with SPEC=mtp"
     )
+
+
+def kvarn_cells(text: str) -> list[str]:
+    (line,) = [line for line in text.splitlines() if line.startswith("| kvarn |")]
+    return [cell.strip() for cell in line.strip().strip("|").split("|")][1:]
+
+
+def test_kvarn_has_its_row_at_the_step_it_serves_with(tmp_path):
+    """KVarN's blocks are whole 128-token tiles larger than the 2,048-token step the launcher
+    takes for fp8 on a 24 GiB card, so its row is at the step that holds one block, less its
+    side cache; at one slot it is what `hyperqwen serve` with KV=kvarn takes (rounded down)."""
+    out = capacity(tmp_path, "--card-gib", "24", CTX="huge")
+    block, *lengths = [int(cell.replace(",", "")) for cell in kvarn_cells(out)[:-1]]
+    assert block % 128 == 0 and block > 2048
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > table(out)["fp8"][1]
+    assert "kvarn: HyperQwen's 4-bit K / 2-bit V cache" in out and "at 4,096 tokens a step" in out
+    served = capacity(tmp_path, "--card-gib", "24", CTX="huge", KV="kvarn")
+    holds = int(re.search(r"this card holds ([\d,]+) tokens at 1 slot", served)[1].replace(",", ""))
+    assert holds == lengths[0] // 1024 * 1024
+
+
+@pytest.mark.parametrize("knobs", [{"SPEC": "ngram"}, {"DRAFT_TOKENS": "4"}])
+def test_kvarn_is_marked_refused_where_serve_refuses_it(tmp_path, knobs):
+    assert kvarn_cells(capacity(tmp_path, "--card-gib", "24", **knobs))[-1] == "no: refused"
+    assert kvarn_cells(capacity(tmp_path, "--card-gib", "24"))[-1] == "yes"

@@ -23,13 +23,14 @@ from hyperqwen.capacity import (
     Machine,
     MiB,
     card_pool_bytes,
+    kvarn_side_bytes,
     pool_layout,
     state_terms,
 )
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.engine.features import FEATURES
 from hyperqwen.gpu import NoGpu, list_gpus
-from hyperqwen.kv_choices import KV_CACHE_DTYPES, speculation_refusal
+from hyperqwen.kv_choices import KV_CACHE_DTYPES, KVARN_CHOICE, speculation_refusal
 from hyperqwen.launch import (
     BATCH_PROFILE,
     SINGLE_PROFILES,
@@ -68,7 +69,33 @@ def capacity_table(
         lengths = " | ".join(f"{capacity.max_len(n):,}" for n in SLOT_COUNTS)
         serves = "no: refused" if speculation_refusal(kv, spec) else "yes"
         lines.append(f"| {kv} | {capacity.layout.block_tokens:,} | {lengths} | {serves} |")
-    return "\n".join(lines)
+    return "\n".join([*lines, *kvarn_row(machine, setup, gpu_util, batched, spec)])
+
+
+def kvarn_row(
+    machine: Machine, setup: CacheSetup, gpu_util: float, batched: int, spec: str
+) -> list[str]:
+    """KV=kvarn's row and its footnote: its pool at the tokens a step it serves with (its
+    blocks are whole 128-token tiles, and a step holds at least one block), less its 16-bit
+    side cache, which grows with the slots."""
+    kvarn = replace(setup, kv_cache_dtype=KVARN_CHOICE)
+    layout = pool_layout(machine.geometry, kvarn)
+    step = batched
+    while step < layout.block_tokens:  # back up the launcher's halvings to a step that holds one
+        step *= 2
+    pool, _ = card_pool_bytes(machine, gpu_util, step, setup.tensor_parallel)
+    lengths = []
+    for slots in SLOT_COUNTS:
+        side = kvarn_side_bytes(machine.geometry, kvarn, slots, step)
+        lengths.append(f"{Capacity(layout, pool - side).max_len(slots):,}")
+    refusal = speculation_refusal(KVARN_CHOICE, spec, setup.draft_tokens or None)
+    serves = "no: refused" if refusal else "yes"
+    return [
+        f"| {KVARN_CHOICE} | {layout.block_tokens:,} | {' | '.join(lengths)} | {serves} |",
+        "",
+        f"{KVARN_CHOICE}: HyperQwen's 4-bit K / 2-bit V cache (src/hyperqwen/kvarn), at "
+        f"{step:,} tokens a step, less its 16-bit side cache for that many slots.",
+    ]
 
 
 def residency_table(machine: Machine, setup: CacheSetup, gpu_util: float, batched: int) -> str:
