@@ -16,7 +16,10 @@ What makes a hybrid model differ from "KV bytes per token x tokens" (all in vLLM
   page in each of the group-size tensors, whichever group uses it
   (kv_cache_utils.py: get_kv_cache_config_from_groups).
 - Each request holds, in each GDN group, 1 + draft tokens state blocks, one more under prefix
-  caching's "align" mode (kv_cache_interface.py: MambaSpec.max_memory_usage_bytes).
+  caching's "align" mode (kv_cache_interface.py: MambaSpec.max_memory_usage_bytes); under the
+  replay verify one (two in "align"), whose page also holds the last verify's inputs.
+
+What a launch takes from this (MAX_LEN, MAX_SEQS, tokens per step): capacity_fit.py.
 """
 
 from __future__ import annotations
