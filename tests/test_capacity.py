@@ -38,9 +38,7 @@ from hyperqwen.capacity import (
     replay_buffer_bytes,
     turboquant_slot_bytes,
 )
-from hyperqwen.capacity_fit import (
-    fit_to_card,
-)
+from hyperqwen.capacity_fit import fit_to_card
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.engine import seams
 from hyperqwen.engine.features import KVARN as KVARN_FEATURE

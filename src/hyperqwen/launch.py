@@ -13,10 +13,7 @@ import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hyperqwen.capacity import (
-    CacheSetup,
-    Machine,
-)
+from hyperqwen.capacity import CacheSetup, Machine
 from hyperqwen.capacity_fit import (
     CapacityRefusal,
     ContextFit,
