@@ -365,3 +365,39 @@ def test_a_stock_half_saved_before_the_sharegpt_option_still_serves(comparison, 
     state.write_text(json.dumps(saved))
     assert run_in_process("bench", *single, "--phase", "patched") == 0
     assert run_in_process("bench", *single, "--phase", "patched", "--sharegpt") == 2
+
+
+def test_depth_rows_are_named_by_their_length_and_the_repeat_command_keeps_them(
+    comparison,
+) -> None:
+    line = (
+        "ROW mode=single data={data} prompt=salted C=1 n=3 in_tok={tokens} out_tok=256 "
+        "decode_tok_s_per_stream={speed} decode_tok_s_total=90.0 e2e_s=3.000 ttft_p50_ms={ttft} "
+        "ttft_p99_ms=60.0 tpot_ms=10.00 tokens_per_step=2.70 cache_hit_pct=0.0 preemptions=0"
+    )
+    measured = (("random", 128, "100.0", "50.0"), ("depth", 131072, "80.0", "9000.0"))
+    rows = [
+        parse_row(line.format(data=data, tokens=tokens, speed=speed, ttft=ttft))
+        for data, tokens, speed, ttft in measured
+    ]
+    figures = side_figures(SideResult("patched", "P", [], "all", "0.26.0", 1.0, 1.0, rows, "log"))
+    assert figures["c1_decode"] == ("tok/s", 100.0)  # the cohort row keeps its name
+    assert figures["depth131072_decode"] == ("tok/s", 80.0)
+    assert figures["depth131072_ttft_p50"] == ("ms", 9000.0)
+    assert figures["depth131072_tokens_per_step"] == ("tokens", 2.7)
+    plan = {**parsed([*comparison, "--depths", "32768,131072"]).recorded(), "cohorts": [1]}
+    words = shlex.split(equivalent_command(plan, "S", "P", {}))
+    assert words[words.index("--depths") + 1] == "32768,131072"
+    assert "--depths" not in shlex.split(equivalent_command({**plan, "depths": []}, "S", "P", {}))
+
+
+def test_a_stock_half_saved_before_the_depths_option_still_serves(comparison, tmp_path):
+    state = tmp_path / "old-state.json"
+    single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
+    single += ["--synthetic-acceptance", RATES, "--state", str(state)]
+    assert run_in_process("bench", *single, "--phase", "stock") == 0
+    saved = json.loads(state.read_text())
+    del saved["plan"]["depths"]  # as a state file of 0216a48 has it
+    state.write_text(json.dumps(saved))
+    assert run_in_process("bench", *single, "--phase", "patched") == 0
+    assert run_in_process("bench", *single, "--phase", "patched", "--depths", "1024") == 2

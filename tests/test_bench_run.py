@@ -393,6 +393,43 @@ def test_single_run_measures_what_the_server_does(server, env_file, tmp_path, ca
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_depth_rows_decode_after_a_cold_prompt_of_each_length(
+    server, env_file, tmp_path, capsys
+) -> None:
+    """--depths: C1 decode rows after salted prompts of each length, --output-len tokens each,
+    --prefill-requests of them; a depth that with the output exceeds max_model_len is skipped."""
+    fake, _ = server
+    fake.reset(speculative=True)
+    out = tmp_path / "depth.json"
+    code = bench_run(
+        "single", env_file, "--cohorts", "1", "--rounds", "1", "--output-len", "21",
+        "--prefill", "none", "--depths", "512,2048,4080", "--prefill-requests", "2",
+        "--random-tokens", "--out", str(out),
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "skipping depth 4080: with --output-len 21 it exceeds max_model_len 4096" in (
+        captured.err
+    )
+    rows = rows_of(captured.out)
+    assert [(row.data, row.C, row.in_tok) for row in rows] == [
+        ("random", 1, 128),
+        ("depth", 1, 512),
+        ("depth", 1, 2048),
+    ]
+    parts = split_by_row(fake.prompts, rows)
+    for row, (warm, measured), (_, sent) in zip(
+        rows[1:], parts[1:], split_by_row(fake.sent, rows)[1:], strict=True
+    ):
+        assert row.prompt == "salted" and row.n == 2 and len(warm) == 1
+        assert row.out_tok == 21 and row.tpot_ms is not None
+        check_row_timing(row, sent)
+        salts = [salt_of(prompt) for prompt in [*warm, *measured]]
+        assert len(set(salts)) == len(salts), salts
+    command = json.loads(out.read_text())["command"]
+    assert command[command.index("--depths") + 1] == "512,2048,4080"
+
+
 def test_a_system_prompt_is_shared_and_the_rest_is_each_requests_own(
     server, env_file, tmp_path, capsys
 ) -> None:

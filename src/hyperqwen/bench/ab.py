@@ -81,8 +81,10 @@ def validate(plan: ABPlan) -> None:
         )
     if plan.stock_model:
         check_same_model(model, Path(plan.stock_model))
-    if min((plan.input_len, *plan.prefill)) <= SALT_TOKENS:
-        raise ABError(f"--input-len and --prefill lengths must be more than {SALT_TOKENS} tokens")
+    if min((plan.input_len, *plan.prefill, *plan.depths)) <= SALT_TOKENS:
+        raise ABError(
+            f"--input-len, --prefill and --depths lengths must be more than {SALT_TOKENS} tokens"
+        )
     try:
         check_system_prompt(plan)
     except BenchError as error:

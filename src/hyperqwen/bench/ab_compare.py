@@ -18,13 +18,17 @@ Figures = dict[str, tuple[str, float | None]]
 
 
 def side_figures(side: SideResult) -> Figures:
-    """Row name -> (unit, value): per cohort, per prefill length, startup and weights."""
+    """Row name -> (unit, value): per cohort, per depth and prefill length, startup and
+    weights."""
     figures: Figures = {}
     for row in side.rows:
         if row.data == "prefill":
             figures[f"prefill{row.in_tok}_ttft_p50"] = ("ms", row.ttft_p50_ms)
             continue
-        prefix = {"copy": "copy_", "sharegpt": "chat_"}.get(row.data, "") + f"c{row.C}"
+        if row.data == "depth":
+            prefix = f"depth{row.in_tok}"
+        else:
+            prefix = {"copy": "copy_", "sharegpt": "chat_"}.get(row.data, "") + f"c{row.C}"
         figures[f"{prefix}_decode"] = ("tok/s", row.decode_tok_s_per_stream)
         figures[f"{prefix}_decode_total"] = ("tok/s", row.decode_tok_s_total)
         figures[f"{prefix}_ttft_p50"] = ("ms", row.ttft_p50_ms)
@@ -100,6 +104,8 @@ def equivalent_command(
     command += ["--cohorts", ",".join(map(str, plan["cohorts"])), "--rounds", str(plan["rounds"])]
     command += ["--prefill", ",".join(map(str, plan["prefill"])) or "none"]
     command += ["--prefill-requests", str(plan["prefill_requests"])]
+    if plan.get("depths"):
+        command += ["--depths", ",".join(map(str, plan["depths"]))]
     if plan.get("system_prompt"):
         command += ["--system-prompt", str(plan["system_prompt"])]
     command += ["--copy"] * bool(plan.get("copy"))

@@ -33,6 +33,7 @@ PLAN_OPTIONS = (
     "rounds",
     "prefill",
     "prefill_requests",
+    "depths",
     "system_prompt",
     "copy",
     "sharegpt",
@@ -68,6 +69,7 @@ class ABPlan:
     rounds: int
     prefill: tuple[int, ...]
     prefill_requests: int
+    depths: tuple[int, ...]
     system_prompt: int
     copy: bool
     sharegpt: bool

@@ -53,6 +53,8 @@ def equivalent_command(args: argparse.Namespace, cohorts: tuple[int, ...], url: 
     command += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     command += ["--prefill", ",".join(map(str, args.prefill)) or "none"]
     command += ["--prefill-requests", str(args.prefill_requests)]
+    if args.depths:
+        command += ["--depths", ",".join(map(str, args.depths))]
     if args.system_prompt:
         command += ["--system-prompt", str(args.system_prompt)]
     command += ["--temperature", f"{args.temperature:g}", "--seed", str(args.seed)]
@@ -64,9 +66,10 @@ def equivalent_command(args: argparse.Namespace, cohorts: tuple[int, ...], url: 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    if min((args.input_len, *args.prefill)) <= SALT_TOKENS:
+    if min((args.input_len, *args.prefill, *args.depths)) <= SALT_TOKENS:
         print(
-            f"--input-len and --prefill lengths must be more than {SALT_TOKENS} tokens (the salt)",
+            f"--input-len, --prefill and --depths lengths must be more than {SALT_TOKENS} tokens "
+            "(the salt)",
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT

@@ -153,7 +153,17 @@ def add_workload_options(parser: argparse.ArgumentParser, cohorts_default: str) 
         metavar="N",
         type=_positive,
         default=3,
-        help="measured requests per prefill row (default 3)",
+        help="measured requests per prefill and per depth row (default 3)",
+    )
+    parser.add_argument(
+        "--depths",
+        metavar="LIST",
+        type=_int_list,
+        default=(),
+        help="prompt lengths of the depth rows: decode at C1 after a cold (salted) random prompt "
+        "of each length, --output-len tokens, e.g. 32768,131072,245760 for decode speed deep "
+        "in a long context; lengths that with --output-len exceed the server's max_model_len "
+        "are skipped (default none)",
     )
     parser.add_argument(
         "--system-prompt",
@@ -195,6 +205,7 @@ class WorkloadOptions(Protocol):
     output_len: int
     prefill: tuple[int, ...]
     prefill_requests: int
+    depths: tuple[int, ...]
     copy: bool
     random_tokens: bool
     shared: bool
@@ -202,9 +213,10 @@ class WorkloadOptions(Protocol):
 
 
 def build_plan(args: WorkloadOptions, max_model_len: int | None) -> BenchPlan:
-    """The rows to run; prefill lengths the server cannot hold are dropped with a note."""
+    """The rows to run; prefill and depth lengths the server cannot hold are dropped with a
+    note."""
     check_system_prompt(args)
-    prefill = args.prefill
+    prefill, depths = args.prefill, args.depths
     if max_model_len:
         if args.input_len + args.output_len > max_model_len:
             raise BenchError(
@@ -214,6 +226,13 @@ def build_plan(args: WorkloadOptions, max_model_len: int | None) -> BenchPlan:
         prefill = tuple(length for length in args.prefill if length < max_model_len)
         for length in sorted(set(args.prefill) - set(prefill)):
             print(f"skipping prefill {length}: max_model_len is {max_model_len}", file=sys.stderr)
+        depths = tuple(depth for depth in args.depths if depth + args.output_len <= max_model_len)
+        for depth in sorted(set(args.depths) - set(depths)):
+            print(
+                f"skipping depth {depth}: with --output-len {args.output_len} it exceeds "
+                f"max_model_len {max_model_len}",
+                file=sys.stderr,
+            )
     return BenchPlan(
         mode=args.mode,
         cohorts=args.cohorts or _int_list(DEFAULT_COHORTS[args.mode]),
@@ -225,6 +244,7 @@ def build_plan(args: WorkloadOptions, max_model_len: int | None) -> BenchPlan:
         shared=args.shared,
         prefill_lens=prefill,
         prefill_requests=args.prefill_requests,
+        depths=depths,
         system_prompt=args.system_prompt,
     )
 

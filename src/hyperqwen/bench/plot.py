@@ -9,6 +9,8 @@ from hyperqwen.bench.rows import Row
 
 Series = dict[str, tuple[list[float], list[float]]]
 """Line label -> (x values, y values)."""
+# Rows of a cohort (decode speed against concurrency); prefill and depth rows are by length.
+COHORT_DATA = frozenset({"sharegpt", "random", "copy"})
 
 
 class PlotUnavailable(Exception):
@@ -31,7 +33,7 @@ def _decode_series(rows: Sequence[Row], key: str) -> Series:
     series: Series = {}
     for row in rows:
         value = getattr(row, key)
-        if row.data != "prefill" and value is not None:
+        if row.data in COHORT_DATA and value is not None:
             xs, ys = series.setdefault(f"{row.data} {row.prompt}", ([], []))
             xs.append(row.C)
             ys.append(value)
@@ -58,7 +60,7 @@ def write_plot(path: Path, rows: Sequence[Row], title: str) -> None:
     from matplotlib import ticker
 
     figure, (per_stream, total, prefill) = pyplot.subplots(1, 3, figsize=(15, 4.5))
-    cohorts = sorted({row.C for row in rows if row.data != "prefill"})
+    cohorts = sorted({row.C for row in rows if row.data in COHORT_DATA})
     for axis, key, label in (
         (per_stream, "decode_tok_s_per_stream", "decode tok/s per stream"),
         (total, "decode_tok_s_total", "decode tok/s, all streams"),

@@ -40,6 +40,8 @@ class BenchPlan:
     prefill_requests: int
     system_prompt: int = 0
     """Tokens of one system prompt that every random-token prompt starts with; 0: none."""
+    depths: tuple[int, ...] = ()
+    """Prompt lengths of the depth rows: C1 decode after a cold prompt that long."""
 
 
 def run_pass(
@@ -83,7 +85,8 @@ def run_bench(
     plan: BenchPlan,
     on_row: Callable[[Row], None],
 ) -> list[Row]:
-    """Every row of the plan, in order: decode rows per dataset and cohort, then prefill."""
+    """Every row of the plan, in order: decode rows per dataset and cohort, depth rows, then
+    prefill."""
     rows = []
     for data in plan.datasets:
         workload = Workload(data, plan.shared, plan.input_len, plan.output_len, plan.system_prompt)
@@ -91,6 +94,10 @@ def run_bench(
             count = concurrency * plan.rounds
             rows.append(measure_row(client, factory, plan.mode, workload, concurrency, count))
             on_row(rows[-1])
+    for depth in plan.depths:
+        workload = Workload("depth", False, depth, plan.output_len)
+        rows.append(measure_row(client, factory, plan.mode, workload, 1, plan.prefill_requests))
+        on_row(rows[-1])
     for prompt_len in plan.prefill_lens:
         # One output token: the request is all prefill, and its latency is its TTFT.
         workload = Workload("prefill", False, prompt_len, 1)

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from hyperqwen.bench.client import BenchClient, BenchError
 
-DataKind = Literal["sharegpt", "random", "prefill", "copy"]
+DataKind = Literal["sharegpt", "random", "prefill", "depth", "copy"]
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 
@@ -60,9 +60,10 @@ class Workload:
     data: DataKind
     shared: bool
     input_len: int
-    """Exact prompt tokens of random and prefill prompts (ShareGPT prompts are what they are)."""
+    """Exact prompt tokens of random, prefill and depth prompts (ShareGPT prompts are what they
+    are)."""
     output_len: int
-    """max_tokens; random and prefill requests ignore EOS, so they make exactly this many."""
+    """max_tokens; random-token requests ignore EOS, so they make exactly this many."""
     system_len: int = 0
     """Tokens of the system prompt every random prompt starts with (part of input_len)."""
 
