@@ -27,6 +27,7 @@ from hyperqwen.capacity import (
     pool_layout,
     state_terms,
 )
+from hyperqwen.capacity_fit import step_budgets
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.engine.features import FEATURES
 from hyperqwen.gpu import NoGpu, list_gpus
@@ -51,7 +52,12 @@ BATCH_CONCURRENCY = (64, 256)
 
 
 def capacity_table(
-    machine: Machine, setup: CacheSetup, gpu_util: float, batched: int, spec: str
+    machine: Machine,
+    setup: CacheSetup,
+    gpu_util: float,
+    batched: int,
+    profile_tokens: int,
+    spec: str,
 ) -> str:
     """A markdown table: per KV choice, the pool's block, the longest request at 1, 2, 4 slots
     and whether it serves with this SPEC (single mode refuses TurboQuant with speculation)."""
@@ -69,20 +75,25 @@ def capacity_table(
         lengths = " | ".join(f"{capacity.max_len(n):,}" for n in SLOT_COUNTS)
         serves = "no: refused" if speculation_refusal(kv, spec) else "yes"
         lines.append(f"| {kv} | {capacity.layout.block_tokens:,} | {lengths} | {serves} |")
-    return "\n".join([*lines, *kvarn_row(machine, setup, gpu_util, batched, spec)])
+    kvarn = kvarn_row(machine, setup, gpu_util, batched, profile_tokens, spec)
+    return "\n".join([*lines, *kvarn])
 
 
 def kvarn_row(
-    machine: Machine, setup: CacheSetup, gpu_util: float, batched: int, spec: str
+    machine: Machine,
+    setup: CacheSetup,
+    gpu_util: float,
+    batched: int,
+    profile_tokens: int,
+    spec: str,
 ) -> list[str]:
     """KV=kvarn's row and its footnote: its pool at the tokens a step it serves with (its
-    blocks are whole 128-token tiles, and a step holds at least one block), less its 16-bit
-    side cache, which grows with the slots."""
+    blocks are whole 128-token tiles, and the launcher's step budgets never go below one
+    block: capacity_fit.step_budgets), less its 16-bit side cache, which grows with the
+    slots."""
     kvarn = replace(setup, kv_cache_dtype=KVARN_CHOICE)
     layout = pool_layout(machine.geometry, kvarn)
-    step = batched
-    while step < layout.block_tokens:  # back up the launcher's halvings to a step that holds one
-        step *= 2
+    step = max(batched, step_budgets(profile_tokens, layout.block_tokens)[-1])
     pool, _ = card_pool_bytes(machine, gpu_util, step, setup.tensor_parallel)
     lengths = []
     for slots in SLOT_COUNTS:
@@ -149,7 +160,12 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         print(residency_table(machine, setup, settings.GPU_UTIL, batched))
     else:
         setup = cache_setup(settings, SINGLE_PROFILES[settings.CTX], machine)
-        print(capacity_table(machine, setup, settings.GPU_UTIL, batched, settings.SPEC))
+        profile_tokens = SINGLE_PROFILES[settings.CTX].max_batched_tokens
+        print(
+            capacity_table(
+                machine, setup, settings.GPU_UTIL, batched, profile_tokens, settings.SPEC
+            )
+        )
     print(f"\n{serve_line}")
     return 0
 
