@@ -355,16 +355,24 @@ def test_sharegpt_rows_are_named_chat_and_a_missing_dataset_stops_before_any_ser
     assert not (tmp_path / "work" / "stock-server.log").exists()  # no server was started
 
 
-def test_a_stock_half_saved_before_the_sharegpt_option_still_serves(comparison, tmp_path):
+# options added after some stock halves were saved: (plan key, options that set it otherwise);
+# sharegpt's halves are 78e5dfa's, depths' 0216a48's
+OPTIONS_ADDED_LATER = [("sharegpt", ["--sharegpt"]), ("depths", ["--depths", "1024"])]
+
+
+@pytest.mark.parametrize(("option", "otherwise"), OPTIONS_ADDED_LATER)
+def test_a_stock_half_saved_before_an_option_existed_still_serves(
+    comparison, tmp_path, option, otherwise
+):
     state = tmp_path / "old-state.json"
     single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
     single += ["--synthetic-acceptance", RATES, "--state", str(state)]
     assert run_in_process("bench", *single, "--phase", "stock") == 0
     saved = json.loads(state.read_text())
-    del saved["plan"]["sharegpt"]  # as a state file of 78e5dfa has it
+    del saved["plan"][option]  # as a state file saved before the option has it
     state.write_text(json.dumps(saved))
     assert run_in_process("bench", *single, "--phase", "patched") == 0
-    assert run_in_process("bench", *single, "--phase", "patched", "--sharegpt") == 2
+    assert run_in_process("bench", *single, "--phase", "patched", *otherwise) == 2
 
 
 def test_depth_rows_are_named_by_their_length_and_the_repeat_command_keeps_them(
@@ -389,15 +397,3 @@ def test_depth_rows_are_named_by_their_length_and_the_repeat_command_keeps_them(
     words = shlex.split(equivalent_command(plan, "S", "P", {}))
     assert words[words.index("--depths") + 1] == "32768,131072"
     assert "--depths" not in shlex.split(equivalent_command({**plan, "depths": []}, "S", "P", {}))
-
-
-def test_a_stock_half_saved_before_the_depths_option_still_serves(comparison, tmp_path):
-    state = tmp_path / "old-state.json"
-    single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
-    single += ["--synthetic-acceptance", RATES, "--state", str(state)]
-    assert run_in_process("bench", *single, "--phase", "stock") == 0
-    saved = json.loads(state.read_text())
-    del saved["plan"]["depths"]  # as a state file of 0216a48 has it
-    state.write_text(json.dumps(saved))
-    assert run_in_process("bench", *single, "--phase", "patched") == 0
-    assert run_in_process("bench", *single, "--phase", "patched", "--depths", "1024") == 2
