@@ -180,6 +180,10 @@ def test_both_phases_in_one_run_without_speculation(
     assert "--system-prompt applies to random-token rows only" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()  # refused before any server started
 
+    assert run_in_process("bench", *argv, "--depths", "4") == 2
+    assert "--depths lengths must be more than 4 tokens (the salt)" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
+
     assert run_in_process("bench", *argv, "--out", str(tmp_path / "batch.json")) == 0
     document, rows = load_result(tmp_path / "batch.json")
     patched_command = document["patched"]["command"]

@@ -455,6 +455,8 @@ def test_a_system_prompt_is_shared_and_the_rest_is_each_requests_own(
                     ("--system-prompt", "100", "--random-tokens", "--shared")):  # fmt: skip
         assert bench_run("batch", env_file, *common, *refused) != 0
         assert "--system-prompt" in capsys.readouterr().err
+    assert bench_run("batch", env_file, *common, "--prefill", "4") == 2  # its salt fills it
+    assert "must be more than 4 tokens (the salt)" in capsys.readouterr().err
 
 
 def test_shared_batch_run_hits_the_cache_and_reports_no_speculation(

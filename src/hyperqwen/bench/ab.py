@@ -52,6 +52,7 @@ from hyperqwen.bench.options import (
     add_server_start_options,
     add_vllm_tree_options,
     add_workload_options,
+    check_lengths_hold_the_salt,
     check_system_prompt,
 )
 from hyperqwen.bench.plot import PlotUnavailable
@@ -63,7 +64,7 @@ from hyperqwen.bench.results import (
     write_ratio_plot,
 )
 from hyperqwen.bench.server_process import HEALTH_POLL_S, ServerStartError
-from hyperqwen.bench.workload import SALT_TOKENS, DatasetMissing, load_sharegpt_prompts
+from hyperqwen.bench.workload import DatasetMissing, load_sharegpt_prompts
 from hyperqwen.engine.features import FEATURES
 from hyperqwen.settings import MODES
 
@@ -81,11 +82,8 @@ def validate(plan: ABPlan) -> None:
         )
     if plan.stock_model:
         check_same_model(model, Path(plan.stock_model))
-    if min((plan.input_len, *plan.prefill, *plan.depths)) <= SALT_TOKENS:
-        raise ABError(
-            f"--input-len, --prefill and --depths lengths must be more than {SALT_TOKENS} tokens"
-        )
     try:
+        check_lengths_hold_the_salt(plan)
         check_system_prompt(plan)
     except BenchError as error:
         raise ABError(str(error)) from None

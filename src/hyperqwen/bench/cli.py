@@ -21,6 +21,7 @@ from hyperqwen.bench.options import (
     _json_object,
     add_workload_options,
     build_plan,
+    check_lengths_hold_the_salt,
     local_server,
 )
 from hyperqwen.bench.pdl import add_subcommand as add_pdl_subcommand
@@ -34,7 +35,6 @@ from hyperqwen.bench.sass import add_subcommand as add_sass_subcommand
 from hyperqwen.bench.soak import add_subcommand as add_soak_subcommand
 from hyperqwen.bench.stepmap_cli import add_subcommand as add_stepmap_subcommand
 from hyperqwen.bench.workload import (
-    SALT_TOKENS,
     DatasetMissing,
     RequestFactory,
     load_sharegpt_prompts,
@@ -66,12 +66,10 @@ def equivalent_command(args: argparse.Namespace, cohorts: tuple[int, ...], url: 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    if min((args.input_len, *args.prefill, *args.depths)) <= SALT_TOKENS:
-        print(
-            f"--input-len, --prefill and --depths lengths must be more than {SALT_TOKENS} tokens "
-            "(the salt)",
-            file=sys.stderr,
-        )
+    try:
+        check_lengths_hold_the_salt(args)
+    except BenchError as error:
+        print(f"hyperqwen bench run: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         loaded = load_settings(env_file=Path(args.env_file) if args.env_file else None)

@@ -249,6 +249,15 @@ def build_plan(args: WorkloadOptions, max_model_len: int | None) -> BenchPlan:
     )
 
 
+def check_lengths_hold_the_salt(args: WorkloadOptions) -> None:
+    """Every prompt length leaves room for the salt that keeps the prefix cache out of a row."""
+    if min((args.input_len, *args.prefill, *args.depths)) <= SALT_TOKENS:
+        raise BenchError(
+            f"--input-len, --prefill and --depths lengths must be more than {SALT_TOKENS} tokens "
+            "(the salt)"
+        )
+
+
 def check_system_prompt(args: WorkloadOptions) -> None:
     """--system-prompt fits in --input-len beside the salt, and only random rows get one."""
     if not args.system_prompt:
