@@ -16,10 +16,11 @@ the first near tie, and under prefix caching each prompt's second answer (its pr
 cache, states the folds wrote) the same as its first; quoting's verify steps on the cycle
 prompt accepted more than one token (else nothing was folded); and vLLM's own log of its
 KV-cache pool shows more concurrent requests with the replay page (one state block per request
-instead of 1 + W). Everything measured goes to $HYPERQWEN_TEST_LOGS/gdn-replay-summary.json.
+instead of 1 + W). Each configuration is its own test (two servers); what it measured goes to
+$HYPERQWEN_TEST_LOGS/gdn-replay-CONFIG-summary.json.
 
 Run on the GPU host: `pytest -m gpu tests/test_engine_gdn_replay_gpu.py` (six tiny servers,
-one after another).
+one after another; `-k align` for the prefix-caching pair alone).
 """
 
 from __future__ import annotations
@@ -71,63 +72,61 @@ def replay_server(model, port: int, speculative: dict, prefix_cache: bool) -> li
     ]
 
 
-def test_replay_verify_keeps_greedy_tokens_and_shrinks_the_state_page(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_replay_verify_keeps_greedy_tokens_and_shrinks_the_state_page(
+    config, tmp_path, tmp_path_factory
+):
     require_gpu()
     logs = log_dir(tmp_path)
     base_env = with_vllm_first(patched_vllm_parent(tmp_path_factory))
     for feature in (GDN_REPLAY, LOOKUP):
         base_env.pop(feature.env, None)
     model, cycle = prepared_with_a_cycle(tmp_path)
+    speculative, engine_env, prefix_cache = CONFIGS[config]
 
     prompts = {"copy": copy_prompt(cycle), "code": CODE_PROMPT}
     prompts.update({f"chat-{i}": prompt for i, prompt in enumerate(CHAT_PROMPTS)})
     results, concurrency = {}, {}
-    repeats = {}  # config side: per prompt, the second answer's agreement with the first
-    for config, (speculative, engine_env, prefix_cache) in CONFIGS.items():
-        for replay in ("0", "1"):
-            side = f"{config}-replay{replay}"
-            port = free_port()
-            log = logs / f"gdn-replay-{side}-server.log"
-            env = {**base_env, **engine_env, GDN_REPLAY.env: replay}
-            command = replay_server(model, port, speculative, prefix_cache)
-            with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
-                results[side] = {name: answer(url, prompt) for name, prompt in prompts.items()}
-                if prefix_cache:
-                    again = {name: answer(url, prompt) for name, prompt in prompts.items()}
-                    repeats[side] = {
-                        name: agreeing_prefix(results[side][name], again[name], NEAR_TIE)
-                        for name in prompts
-                    }
-            found = CONCURRENCY.findall(log.read_text())
-            concurrency[side] = float(found[-1]) if found else None
+    repeats = {}  # per prompt, the second answer's agreement with the first (prefix caching)
+    for replay in ("0", "1"):
+        port = free_port()
+        log = logs / f"gdn-replay-{config}-replay{replay}-server.log"
+        env = {**base_env, **engine_env, GDN_REPLAY.env: replay}
+        command = replay_server(model, port, speculative, prefix_cache)
+        with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
+            results[replay] = {name: answer(url, prompt) for name, prompt in prompts.items()}
+            if prefix_cache:
+                again = {name: answer(url, prompt) for name, prompt in prompts.items()}
+                repeats[replay] = {
+                    name: agreeing_prefix(results[replay][name], again[name], NEAR_TIE)
+                    for name in prompts
+                }
+        found = CONCURRENCY.findall(log.read_text())
+        concurrency[replay] = float(found[-1]) if found else None
 
     summary = {
-        config: {
-            name: {
-                "agreeing_prefix": agreeing_prefix(
-                    results[f"{config}-replay0"][name], results[f"{config}-replay1"][name], NEAR_TIE
-                ),
-                "tokens_per_step": [
-                    results[f"{config}-replay{r}"][name]["tokens_per_step"] for r in "01"
-                ],
-            }
-            for name in prompts
+        name: {
+            "agreeing_prefix": agreeing_prefix(results["0"][name], results["1"][name], NEAR_TIE),
+            "tokens_per_step": [results[r][name]["tokens_per_step"] for r in "01"],
         }
-        for config in CONFIGS
+        for name in prompts
     }
-    summary["concurrency"] = concurrency
-    summary["cached_repeats"] = repeats
-    (logs / "gdn-replay-summary.json").write_text(json.dumps(summary, indent=1))
+    record = {"answers": summary, "concurrency": concurrency, "cached_repeats": repeats}
+    (logs / f"gdn-replay-{config}-summary.json").write_text(json.dumps(record, indent=1))
 
-    for config in CONFIGS:
-        for name, row in summary[config].items():
-            agreed, at_near_tie = row["agreeing_prefix"]
-            assert at_near_tie, f"{config} {name}: greedy output differs at token {agreed}"
-        vllms, ours = concurrency[f"{config}-replay0"], concurrency[f"{config}-replay1"]
-        assert vllms is not None and ours is not None, concurrency
-        assert ours > vllms, f"{config}: concurrency {vllms}x with vLLM's page, {ours}x with ours"
-    for side, rows in repeats.items():
+    for name, row in summary.items():
+        agreed, at_near_tie = row["agreeing_prefix"]
+        assert at_near_tie, f"{config} {name}: greedy output differs at token {agreed}"
+    vllms, ours = concurrency["0"], concurrency["1"]
+    assert vllms is not None and ours is not None, concurrency
+    assert ours > vllms, f"{config}: concurrency {vllms}x with vLLM's page, {ours}x with ours"
+    for replay, rows in repeats.items():
         for name, (agreed, at_near_tie) in rows.items():
-            assert at_near_tie, f"{side} {name}: the cached answer differs at token {agreed}"
-    kept = summary["quoting15"]["copy"]["tokens_per_step"][1]
-    assert kept and kept > 1, f"quoting15 copy: no draft kept ({kept} tokens per step), none folded"
+            assert at_near_tie, (
+                f"{config} replay {replay} {name}: the cached answer differs at token {agreed}"
+            )
+    if config.startswith("quoting"):
+        kept = summary["copy"]["tokens_per_step"][1]
+        assert kept and kept > 1, (
+            f"{config} copy: no draft kept ({kept} tokens per step), none folded"
+        )
