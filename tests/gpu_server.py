@@ -138,13 +138,16 @@ def hyperqwen_server(mode: str, env: dict[str, str], log: Path, server=None):
     """`hyperqwen serve MODE` with these knobs (PORT among them) as a running_server (or as
     `server`, e.g. started_server)."""
     base = f"http://127.0.0.1:{env.get('PORT', '18020')}"
-    # serve emits the series' own flags: a host that keeps stock vLLM first on its path (the GPU
-    # kit) names its patched copy, which goes in front
-    parts = [str(ROOT / "src"), os.environ.get(PATCHED_VLLM_ENV), os.environ.get("PYTHONPATH")]
-    pythonpath = os.pathsep.join(filter(None, parts))
-    full_env = {**os.environ, "PYTHONPATH": pythonpath, **env}
     command = [sys.executable, "-m", "hyperqwen.cli", "serve", mode]
-    return (server or running_server)(command, base, log, full_env)
+    return (server or running_server)(command, base, log, serve_env(env))
+
+
+def serve_env(env: dict[str, str]) -> dict[str, str]:
+    """This process's environment with these knobs, for `hyperqwen serve`: serve emits the
+    series' own flags, so a host that keeps stock vLLM first on its path (the GPU kit) puts the
+    patched copy it names in front."""
+    parts = [str(ROOT / "src"), os.environ.get(PATCHED_VLLM_ENV), os.environ.get("PYTHONPATH")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, parts)), **env}
 
 
 def complete(base: str, prompt: str, timeout: float = 300, **extra) -> dict:

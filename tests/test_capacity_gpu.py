@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from gpu_server import TRITON_GDN, chat, hyperqwen_server, log_dir, require_gpu
+from gpu_server import TRITON_GDN, chat, hyperqwen_server, log_dir, require_gpu, serve_env
 
 from hyperqwen.bench.capacity_serve import (
     AVAILABLE_LINE,
@@ -75,7 +75,7 @@ def served_until_sized(env: dict[str, str], log: Path, mode: str = "single") -> 
     """`hyperqwen serve MODE` with these knobs until vLLM logs its KV-cache size (or exits);
     its log."""
     command = [sys.executable, "-m", "hyperqwen.cli", "serve", mode]
-    return served_until_logged(command, env, log, SIZE_LINE, LOGGED_TIMEOUT_S)
+    return served_until_logged(command, serve_env(env), log, SIZE_LINE, LOGGED_TIMEOUT_S)
 
 
 def knobs(models: Path, **more: str) -> dict[str, str]:
