@@ -51,12 +51,14 @@ What vLLM 0.26.0's source says (vllm/...: function), read for these facts:
   with one (an odd chunk count) skips its cp.async wait and reads shared memory before its copy
   lands (vllm-project/vllm#53167, open for 0.26's kernel). On SmolLM2 (9 query heads of 64 per
   GPU) every answer came out garbage while prompt logprobs held
-  (docs/results/2026-12-04-h200-smollm2-needle-kv.json); that kernel is the likely cause, not
-  confirmed on a GPU. A rotated tensor is an even number of chunks at any token count when its
-  heads per GPU x head_dim is a multiple of 512: head_layout_refusal refuses the rest until
-  patches/int4-hadamard-even-chunks.patch (zero rows padding every call to an even count;
-  CPU-tested with a stand-in kernel) has shown on a GPU that such layouts answer correctly
-  (tests/test_hadacore_gpu.py, then the SmolLM2 needles).
+  (docs/results/2026-12-04-h200-smollm2-needle-kv.json). patches/int4-hadamard-even-chunks.patch
+  pads every call to an even chunk count: with it the answers are no longer garbage
+  (docs/results/2026-12-05-h200-smollm2-needle-kv-int4-kvarn.json) and the 27B's layouts
+  rotate exactly, but one rotation of SmolLM2's 9 heads of 64 over 9,001 tokens was still
+  wrong on the H200 (bench/measurements/2026-12-05-h200-hadacore.json).
+  A rotated tensor is an even number of chunks at any token count when its heads per GPU x
+  head_dim is a multiple of 512: head_layout_refusal refuses the rest until
+  tests/test_hadacore_gpu.py passes on every layout.
 - Prefix caching: Qwen3.5 runs it in "align" mode, which changes the recurrent state's blocks,
   not the attention cache (capacity.py); no backend above refuses it.
 """
@@ -213,8 +215,9 @@ def head_layout_refusal(kv: str, config: Mapping[str, Any], tensor_parallel: int
     return (
         f"KV={kv} with this model's {' and '.join(odd)} per GPU: vLLM 0.26 rotates those "
         "tensors through its hadacore Hadamard kernel, which reads before its copy lands when "
-        "a tensor is an odd number of 256-element chunks (vllm-project/vllm#53167); on SmolLM2 "
-        "every answer came out garbage (docs/results/2026-12-04-h200-smollm2-needle-kv.json). "
+        "a tensor is an odd number of 256-element chunks (vllm-project/vllm#53167); even padded "
+        "to even counts, a rotation of SmolLM2's heads of 64 still went wrong on the H200 "
+        "(bench/measurements/2026-12-05-h200-hadacore.json). "
         "Use KV=int8_per_token_head (as good as bf16 there) or KV=fp8."
     )
 

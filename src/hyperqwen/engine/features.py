@@ -480,9 +480,10 @@ GDN_REPLAY = Feature(
         "of vLLM's state per draft position (1 + DRAFT_TOKENS blocks per request and layer; "
         'src/hyperqwen/engine/quoting.md, "GDN replay"). Frees most of the GDN state memory '
         "at large DRAFT_TOKENS, which `hyperqwen serve` sizes CTX with (`hyperqwen capacity`). "
-        "Lossless on the H200 with a tiny model at 3 and 15 drafts without prefix caching "
-        "(bench/measurements/2026-12-03-h200-gdn-replay-passed.json); with PREFIX_CACHE=1 "
-        "(its state copies as folds) tested on the CPU only; its speed is not measured, so off.",
+        "Lossless on the H200 with a tiny model at 3 and 15 drafts, and at 15 with "
+        "PREFIX_CACHE=1 (its state copies as folds; cached answers equal cold ones) "
+        "(bench/measurements/2026-12-05-h200-gdn-replay-passed.json); its speed is not "
+        "measured, so off.",
         modes=SINGLE_MODE,
     ),
     launch=_gdn_replay_launch,
@@ -498,12 +499,12 @@ GDN_REPLAY = Feature(
     "(vLLM's `align` mode) the runner's two state copies move the conv state alone and fold "
     "the recurrent one (`gdn_replay_align.py`, `quoting.md`, item 4); CPU-tested against "
     "vLLM's classes, its align copies and its per-token-state kernel over multi-step runs; "
-    "on the H200 without prefix caching (CUDA graphs "
-    "included) its greedy answers equal replay off's "
-    "(bench/measurements/2026-12-03-h200-gdn-replay-passed.json), with it not run; not timed; "
+    "on the H200 (CUDA graphs included) its greedy answers equal replay off's at 3 and 15 "
+    "drafts, and at 15 with prefix caching, where each cached answer also equals the cold one "
+    "(bench/measurements/2026-12-05-h200-gdn-replay-passed.json); not timed; "
     "the launcher sizes CTX with its pool (capacity.py: checked against vLLM's own pool "
     "functions on the CPU, `tests/test_capacity.py`; served: `tests/test_capacity_gpu.py -k "
-    "gdn_replay`, not run)",
+    "gdn_replay`: its first run started stock vLLM, a test fault since fixed, so not run)",
 )
 
 # TRITON_CACHE's value that shares one Triton cache across configurations (the default)
