@@ -303,6 +303,18 @@ def test_profile_steps_add_gpu_time_per_step_by_kernel_category(comparison, tmp_
     tpot = by_name["c1_tpot"]
     assert gap.stock == round(tpot.stock - 0.45, 3) and gap.patched == round(tpot.patched - 0.35, 3)
     assert gap.patched > 0  # the stand-in's 16 ms steps hold 0.35 ms of kernels
+    # each stand-in's own processes, read from the OS over 4 unprofiled C1 requests
+    busiest, every = (
+        by_name["c1_host_cpu_ms_per_step"],
+        by_name["c1_host_cpu_all_processes_ms_per_step"],
+    )
+    share = by_name["c1_host_cpu_share_of_step"]
+    for side in ("stock", "patched"):
+        host = document[side]["host_cpu"]
+        assert host["requests"] == 4 and host["output_tokens"] == 4 * 48
+        assert 0 <= host["busiest_cpu_s"] <= host["total_cpu_s"]
+        assert 0 <= getattr(busiest, side) <= getattr(every, side)
+        assert abs(getattr(share, side) - getattr(busiest, side) / getattr(tpot, side)) <= 1e-3
     for side in ("stock", "patched"):
         profile = document[side]["profile"]
         assert profile["steps"] == 4  # the window the profiler config allowed

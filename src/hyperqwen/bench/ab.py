@@ -368,7 +368,9 @@ def add_ab_subcommand(actions) -> None:
         metavar="N",
         help="also profile N decode steps of one C1 request on each side with vLLM's torch "
         "profiler (started with --profiler-config) and add GPU ms per step by kernel category "
-        "as rows; traces stay in WORKDIR/SIDE-trace (default 0: off)",
+        "as rows; traces stay in WORKDIR/SIDE-trace. Before it, 4 unprofiled C1 requests add "
+        "the server processes' host CPU ms per step (c1_host_cpu_*: near the step's wall time, "
+        "the step waits on the host) (default 0: off)",
     )
     ab.add_argument(
         "--turn-lock",

@@ -10,6 +10,7 @@ from pathlib import Path
 from hyperqwen.bench.ab_argv import baseline_note, queue_notes, streams_note
 from hyperqwen.bench.ab_plan import DEFAULT_SERVER_COMMAND, SideResult
 from hyperqwen.bench.header import git_commit, gpu_facts
+from hyperqwen.bench.host_cpu import host_cpu_rows
 from hyperqwen.bench.profile import profile_rows
 from hyperqwen.bench.quality import IFBENCH_ACCURACIES
 from hyperqwen.bench.results import ComparisonRow, comparison_row, result_document
@@ -38,22 +39,26 @@ def side_figures(side: SideResult) -> Figures:
     figures["weight_memory"] = ("GiB", side.weight_gib)
     if side.quality:
         figures.update(quality_figures(side.quality))
+    step_ms = c1_step_ms(figures)
     if side.profile:
         figures.update(profile_rows(side.profile))
-        figures["step_host_gap_ms"] = ("ms", step_host_gap(figures))
+        gap = None if step_ms is None else round(step_ms - figures["step_gpu_ms"][1], 3)
+        # what no kernel accounts for: the GPU waiting on the host (a synchronization,
+        # preparation that does not overlap) or on launch gaps
+        figures["step_host_gap_ms"] = ("ms", gap)
+    if side.host_cpu and step_ms:
+        tokens_per_step = figures.get("c1_tokens_per_step", ("tokens", None))[1]
+        figures.update(host_cpu_rows(side.host_cpu, tokens_per_step, step_ms))
     return figures
 
 
-def step_host_gap(figures: Figures) -> float | None:
-    """A C1 step's wall time (TPOT x tokens per step, from the unprofiled C1 row) less its
-    profiled kernel time: what no kernel accounts for, i.e. the GPU waiting on the host
-    (a synchronization, preparation that does not overlap) or on launch gaps. None without a
-    C1 row."""
+def c1_step_ms(figures: Figures) -> float | None:
+    """A C1 decode step's wall time from the unprofiled C1 row: TPOT x tokens per step (one
+    token where nothing is drafted); None without a C1 row."""
     tpot = figures.get("c1_tpot", ("ms", None))[1]
     if tpot is None:
         return None
-    per_step = figures.get("c1_tokens_per_step", ("tokens", None))[1] or 1.0  # none: 1 token
-    return round(tpot * per_step - figures["step_gpu_ms"][1], 3)
+    return tpot * (figures.get("c1_tokens_per_step", ("tokens", None))[1] or 1.0)
 
 
 def quality_figures(document: dict) -> Figures:

@@ -146,6 +146,8 @@ class SideResult:
     log: str
     quality: dict | None = None  # the `bench quality` document, with --quality
     profile: dict | None = None  # GPU time per decode step (bench/profile.py), --profile-steps
+    # the server processes' host CPU over a few C1 requests (bench/host_cpu.py), with a profile
+    host_cpu: dict | None = None
     # The profile's knobs taken from the environment (patched side), part of the command.
     knobs: dict[str, str] = field(default_factory=dict)
 

@@ -26,6 +26,7 @@ from hyperqwen.bench.ab_plan import ABError, ABPlan, SideResult
 from hyperqwen.bench.client import BenchClient
 from hyperqwen.bench.copy_tasks import copy_prompts
 from hyperqwen.bench.header import server_version
+from hyperqwen.bench.host_cpu import measure_host_cpu
 from hyperqwen.bench.options import DATE_FORMAT, build_plan
 from hyperqwen.bench.profile import load_trace, profile_one_request, summarize
 from hyperqwen.bench.quality import (
@@ -209,7 +210,17 @@ def run_side(side: str, plan: ABPlan, sharegpt_prompts: Sequence[str] | None) ->
                 print(format_row(row), flush=True)
 
             run_bench(client, factory, build_plan(plan, max_model_len), keep)
-            profile = profile_side(client, factory, plan, side) if plan.profile_steps else None
+            host_cpu = profile = None
+            if plan.profile_steps:  # the host's CPU first: the profiler costs CPU of its own
+                host_cpu = measure_host_cpu(
+                    client, factory, healthy.process.pid, plan.input_len, plan.output_len
+                )
+                print(
+                    f"   host CPU over {host_cpu['output_tokens']} C1 tokens: busiest process "
+                    f"{host_cpu['busiest_cpu_s']:.2f} s, all {host_cpu['total_cpu_s']:.2f} s",
+                    flush=True,
+                )
+                profile = profile_side(client, factory, plan, side)
             quality = side_quality(side, plan, base, model, max_model_len) if plan.quality else None
     return SideResult(
         side=side,
@@ -223,6 +234,7 @@ def run_side(side: str, plan: ABPlan, sharegpt_prompts: Sequence[str] | None) ->
         log=str(log),
         quality=quality,
         profile=profile,
+        host_cpu=host_cpu,
         knobs=environment_knobs(Path(plan.model), plan.env_file) if side == "patched" else {},
     )
 

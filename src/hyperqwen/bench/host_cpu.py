@@ -1,0 +1,69 @@
+"""A server's host CPU per decode step: the processor time each of its processes spends while
+it decodes a few unprofiled C1 requests. When the busiest process (vLLM's engine core, which
+schedules, prepares inputs and launches the step) is on a CPU for about a whole step's wall
+time, the step waits on the host, and a shorter GPU step will not show in TPOT."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import psutil
+
+from hyperqwen.bench.client import BenchClient
+from hyperqwen.bench.workload import RequestFactory, Workload
+
+HOST_CPU_REQUESTS = 4  # one after another, as the C1 row sends them
+
+
+def tree_cpu_seconds(pid: int) -> dict[int, float]:
+    """User plus system CPU seconds of the process `pid` and each of its descendants, by pid;
+    a process that ends between the listing and the read is left out."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    spent = {}
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            times = process.cpu_times()
+            spent[process.pid] = times.user + times.system
+    return spent
+
+
+def cpu_spent(before: Mapping[int, float], after: Mapping[int, float]) -> dict[str, float]:
+    """The busiest process's CPU seconds between two readings, and all processes' together (a
+    process that started in between counts from zero)."""
+    deltas = [seconds - before.get(pid, 0.0) for pid, seconds in after.items()]
+    return {"busiest_cpu_s": max(deltas, default=0.0), "total_cpu_s": sum(deltas)}
+
+
+def measure_host_cpu(
+    client: BenchClient, factory: RequestFactory, pid: int, input_len: int, output_len: int
+) -> dict[str, float | int]:
+    """HOST_CPU_REQUESTS C1 requests of random tokens against the server whose process tree is
+    rooted at `pid`: the output tokens they made and the CPU seconds its processes spent."""
+    workload = Workload("random", False, input_len, output_len)
+    before = tree_cpu_seconds(pid)
+    results, _ = client.stream_many(factory.requests(workload, HOST_CPU_REQUESTS), 1)
+    spent = cpu_spent(before, tree_cpu_seconds(pid))
+    tokens = sum(result.output_tokens for result in results)
+    return {"requests": HOST_CPU_REQUESTS, "output_tokens": tokens, **spent}
+
+
+def host_cpu_rows(
+    measured: Mapping[str, float | int], tokens_per_step: float | None, wall_ms_per_step: float
+) -> dict[str, tuple[str, float | None]]:
+    """bench ab figures: CPU ms per decode step of the busiest process and of all of them, and
+    the busiest one's share of the step's wall time (near 1: the step waits on the host)."""
+    tokens = measured["output_tokens"]
+    if not tokens:
+        return {}
+    per_step = (tokens_per_step or 1.0) / tokens * 1000
+    busiest, total = measured["busiest_cpu_s"] * per_step, measured["total_cpu_s"] * per_step
+    return {
+        "c1_host_cpu_ms_per_step": ("ms", round(busiest, 3)),
+        "c1_host_cpu_all_processes_ms_per_step": ("ms", round(total, 3)),
+        "c1_host_cpu_share_of_step": ("fraction", round(busiest / wall_ms_per_step, 3)),
+    }
