@@ -315,8 +315,15 @@ def test_profile_steps_add_gpu_time_per_step_by_kernel_category(comparison, tmp_
         assert 0 <= host["busiest_cpu_s"] <= host["total_cpu_s"]
         assert 0 <= getattr(busiest, side) <= getattr(every, side)
         assert abs(getattr(share, side) - getattr(busiest, side) / getattr(tpot, side)) <= 1e-3
+    # the profiled host thread: the stand-in's trace opens a 900 us step range every 1000 us
+    # and records nothing else, so 3 windows (the 4th range has none after it) of 1 ms each
+    for name, value in (("window", 1.0), ("other_recorded", 0.9), ("unrecorded", 0.1)):
+        row = by_name[f"profiled_host_{name}_ms"]
+        assert (row.stock, row.patched, row.unit) == (value, value, "ms")
+    assert by_name["profiled_host_waiting_on_gpu_ms"].patched == 0.0
     for side in ("stock", "patched"):
         profile = document[side]["profile"]
+        assert profile["host"]["windows"] == 3
         assert profile["steps"] == 4  # the window the profiler config allowed
         config = document[side]["command"][document[side]["command"].index("--profiler-config") + 1]
         assert json.loads(config)["max_iterations"] == 4

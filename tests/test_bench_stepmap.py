@@ -360,7 +360,16 @@ def test_the_command_maps_a_saved_trace(tmp_path, capsys, config_folders):
     assert main(argv) == 0
     rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
     assert rows["step_gpu_ms"]["patched"] == 0.101 and rows["steps"]["patched"] == 3
-    assert "body_mlp_gate_up" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "body_mlp_gate_up" in printed.out
+    # one CPU step range in this trace: no host window, the GPU's map stands alone
+    assert "no host map" in printed.err and "profiled_host_window_ms" not in rows
+    with gzip.open(trace, "wt") as handle:  # CPU ranges every 175 us, launches in them
+        json.dump({"traceEvents": trace_events_without_gpu_ranges()}, handle)
+    assert main(argv) == 0
+    rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["profiled_host_window_ms"]["patched"] == STEP_US / 1000
+    assert "host step thread, per step (3 windows)" in capsys.readouterr().out
     assert main(["bench", "stepmap", "--trace", str(trace)]) == 2  # no --model-dir
     nowhere = ["--model-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "no.json")]
     assert main(["bench", "stepmap", "--trace", str(trace), *nowhere]) == 1

@@ -370,7 +370,9 @@ def add_ab_subcommand(actions) -> None:
         "profiler (started with --profiler-config) and add GPU ms per step by kernel category "
         "as rows; traces stay in WORKDIR/SIDE-trace. Before it, 4 unprofiled C1 requests add "
         "the server processes' host CPU ms per step (c1_host_cpu_*: near the step's wall time, "
-        "the step waits on the host) (default 0: off)",
+        "the step waits on the host), and the profiled trace splits the host thread's step "
+        "into waiting on the GPU, launching, other recorded ops and untraced Python "
+        "(profiled_host_*) (default 0: off)",
     )
     ab.add_argument(
         "--turn-lock",

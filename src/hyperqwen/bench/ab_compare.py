@@ -14,6 +14,7 @@ from hyperqwen.bench.host_cpu import host_cpu_rows
 from hyperqwen.bench.profile import profile_rows
 from hyperqwen.bench.quality import IFBENCH_ACCURACIES
 from hyperqwen.bench.results import ComparisonRow, comparison_row, result_document
+from hyperqwen.bench.stephost import host_rows
 
 Figures = dict[str, tuple[str, float | None]]
 
@@ -46,6 +47,8 @@ def side_figures(side: SideResult) -> Figures:
         # what no kernel accounts for: the GPU waiting on the host (a synchronization,
         # preparation that does not overlap) or on launch gaps
         figures["step_host_gap_ms"] = ("ms", gap)
+        if side.profile.get("host"):
+            figures.update(host_rows(side.profile["host"]))
     if side.host_cpu and step_ms:
         tokens_per_step = figures.get("c1_tokens_per_step", ("tokens", None))[1]
         figures.update(host_cpu_rows(side.host_cpu, tokens_per_step, step_ms))

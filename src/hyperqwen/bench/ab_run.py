@@ -28,7 +28,7 @@ from hyperqwen.bench.copy_tasks import copy_prompts
 from hyperqwen.bench.header import server_version
 from hyperqwen.bench.host_cpu import measure_host_cpu
 from hyperqwen.bench.options import DATE_FORMAT, build_plan
-from hyperqwen.bench.profile import load_trace, profile_one_request, summarize
+from hyperqwen.bench.profile import ProfileError, load_trace, profile_one_request, summarize
 from hyperqwen.bench.quality import (
     QUALITY_SCHEMA,
     battery_options,
@@ -45,6 +45,7 @@ from hyperqwen.bench.server_process import (
     running_server,
     weight_gib,
 )
+from hyperqwen.bench.stephost import host_lines, host_summary
 from hyperqwen.bench.workload import RequestFactory, served_token_ids
 from hyperqwen.patches.series import PatchSeriesError, load_series
 from hyperqwen.patches.tree import PatchState, check_series, series_status
@@ -244,12 +245,20 @@ def profile_side(client: BenchClient, factory: RequestFactory, plan: ABPlan, sid
     trace = profile_one_request(
         client, factory, plan.input_len, plan.profile_steps, trace_dir(plan, side)
     )
-    summary = {"trace": str(trace), **summarize(load_trace(trace))}
+    events = load_trace(trace)
+    summary = {"trace": str(trace), **summarize(events)}
     print(
         f"   profile: {summary['steps']} steps, {summary['gpu_ms_per_step']} GPU ms per step: "
         + ", ".join(f"{name} {ms}" for name, ms in summary["categories"].items()),
         flush=True,
     )
+    try:
+        summary["host"] = host_summary(events)
+    except ProfileError as reason:  # the GPU rows stand without the host's
+        summary["host_error"] = str(reason)
+        print(f"   profile: no host rows ({reason})", flush=True)
+    else:
+        print(f"   {host_lines(summary['host'])[0]}", flush=True)
     return summary
 
 

@@ -155,7 +155,8 @@ def gpu_ops(events: list[dict]) -> list[GpuOp]:
     return sorted(ops, key=lambda op: op.start)
 
 
-def _named_ranges(events: list[dict], cat: str) -> list[dict]:
+def step_ranges_of(events: list[dict], cat: str) -> list[dict]:
+    """The step ranges (execute_context_...) of one category: the CPU's or the GPU's copy."""
     return [
         e
         for e in events
@@ -168,7 +169,7 @@ def _named_ranges(events: list[dict], cat: str) -> list[dict]:
 def _ranges_from_launches(events: list[dict]) -> list[dict]:
     """Each CPU step range's extent on the GPU, from the ops whose launches (CUDA runtime calls,
     matched by correlation id) lie inside it: what the profiler's GPU copy of a range spans."""
-    cpu_ranges = sorted(_named_ranges(events, CPU_RANGE), key=lambda e: float(e["ts"]))
+    cpu_ranges = sorted(step_ranges_of(events, CPU_RANGE), key=lambda e: float(e["ts"]))
     starts = [float(e["ts"]) for e in cpu_ranges]
     launched_at = {
         e["args"]["correlation"]: float(e["ts"])
@@ -196,7 +197,7 @@ def _step_ranges(events: list[dict]) -> list[dict]:
     """The step ranges on the GPU timeline: the profiler's GPU copies on the stream that holds
     most of them (it draws one per stream that ran work of the range; the compute stream has
     every step), else derived from the CPU ranges' launches."""
-    ranges = _named_ranges(events, GPU_RANGE)
+    ranges = step_ranges_of(events, GPU_RANGE)
     if ranges:
         streams = Counter((e.get("pid"), e.get("tid")) for e in ranges)
         stream = max(streams, key=streams.get)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.results import ComparisonRow, ResultFileError, comparison_row, load_result
+from hyperqwen.bench.stephost import host_lines, host_rows, host_summary
 from hyperqwen.bench.stepmap import (
     GAP_SPLIT_US,
     LM_HEAD,
@@ -72,6 +73,8 @@ def figures(summary: dict, copy_gbps: float | None) -> list[tuple[str, str, floa
             rows.append((f"{prefix}_bw_fraction_m{m}", "fraction", fraction))
     if copy_gbps is not None:
         rows.append(("copy_bandwidth", "GB/s", round(copy_gbps)))
+    if summary.get("host"):
+        rows += [(name, unit, value) for name, (unit, value) in host_rows(summary["host"]).items()]
     return rows
 
 
@@ -146,6 +149,8 @@ def format_stepmap(summary: dict, copy_gbps: float | None) -> list[str]:
             f"  {g['ms_per_step']:.4f} ms, {g['count_per_step']:g}x  {g['before']} -> {g['after']}"
             for g in summary["long_gaps"]
         ]
+    if summary.get("host"):
+        lines += host_lines(summary["host"])
     return lines
 
 
@@ -239,6 +244,11 @@ def result_document(summary: dict, rows: list[ComparisonRow], facts: dict, trace
         f"{summary['gap_split_us']:g} us (kernel to kernel inside a graph), long ones the "
         "host's share. graph_* = ops a cudaGraphLaunch ran (matched by correlation id) and the "
         "gaps between two ops of one replay; outside_graphs_* = eager ops and every other gap.",
+        "profiled_host_* = the host thread that opens the step ranges, from one decode step "
+        "range's start to the next (bench/stephost.py): waiting on the GPU (blocking CUDA "
+        "calls), launching, other recorded ops, and time in no recorded op (untraced Python: "
+        "scheduling, output processing). The profiler slows the host, so these describe the "
+        "profiled steps; bench ab's c1_host_cpu_* rows measure unprofiled ones.",
     ]
     return checked_document(facts, rows, notes=notes, stepmap=summary, trace=str(trace))
 
@@ -262,11 +272,16 @@ def cmd_stepmap(args: argparse.Namespace) -> int:
         else:
             trace, model_dir, vllm, served = profile_server(args)
         facts: ModelFacts = model_facts(json.loads((model_dir / "config.json").read_text()))
-        steps, left_out = segment(load_trace(trace))
+        events = load_trace(trace)
+        steps, left_out = segment(events)
     except (BenchError, ProfileError, ResultFileError, ValueError, OSError) as error:
         print(f"bench stepmap: {error}", file=sys.stderr)
         return EXIT_FAILED
     summary = summarize_steps(steps, facts, args.gap_split_us, left_out)
+    try:
+        summary["host"] = host_summary(events)
+    except ProfileError as reason:  # the GPU's map stands without the host's
+        print(f"bench stepmap: no host map ({reason})", file=sys.stderr)
     copy_gbps = args.copy_gbps or measured_copy_gbps()
     rows = stepmap_rows(summary, copy_gbps, before)
     command = ["hyperqwen", "bench", "stepmap", *sys.argv[3:]]
@@ -296,8 +311,9 @@ Map one served C1 decode step kernel by kernel: per class (the body's weight-onl
 kind and M, lm_head, attention, GDN, dense GEMMs, norms and activations, splits and copies,
 sampling and rejection, the MTP drafter, other) the launches and GPU time per step; per GEMM
 the bytes it moves (from the model's config.json) and its bandwidth, also as a fraction of the
-copy bandwidth; and the GPU's idle time inside the step, in gaps between kernels (below
---gap-split-us) and the host's.
+copy bandwidth; the GPU's idle time inside the step, in gaps between kernels (below
+--gap-split-us) and the host's; and where the host thread's time goes from one step's start to
+the next (waiting on the GPU, launching, other recorded ops, untraced Python).
 
 The server must run with vLLM's torch profiler, writing to --trace-dir on this machine:
   hyperqwen bench stepmap --server-flags --trace-dir /tmp/stepmap-trace
