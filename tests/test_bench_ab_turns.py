@@ -216,6 +216,7 @@ def test_the_gpu_host_recipe_starts_stock_and_variants_together(comparison, tmp_
         "AB_MODEL": model,
         "AB_STOCK_MODEL": model,
         "AB_KV_MEM": "1G",
+        "AB_STOCK_ENV": "VLLM_USE_V2_MODEL_RUNNER=1",
     }
     command = [
         "bash",
@@ -230,6 +231,7 @@ def test_the_gpu_host_recipe_starts_stock_and_variants_together(comparison, tmp_
     logs = "\n".join(f"== {log.name}\n{log.read_text()}" for log in sorted(out.glob("*.log")))
     assert done.returncode == 0, done.stdout + done.stderr + logs
     assert (out / "variants.txt").read_text().splitlines() == [
+        "stock: env VLLM_USE_V2_MODEL_RUNNER=1; flags (none)",
         "v1: the profile defaults",
         "v2: DRAFT_VOCAB=off",
     ]

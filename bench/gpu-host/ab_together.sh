@@ -4,7 +4,9 @@
 # patched run per VARIANT (the profile's knobs as NAME=VALUE words, '' for its defaults) started
 # together under one --turn-lock, so one cold start is paid for all; they measure one at a time.
 # Each pool is fixed (AB_KV_MEM, default 16G) and each server gets AB_GPU_UTIL (default 0.9
-# shared out); AB_STOCK_ARGS adds vLLM flags to the stock side (e.g. --kv-cache-dtype fp8).
+# shared out); AB_STOCK_ARGS adds vLLM flags to the stock side (e.g. --kv-cache-dtype fp8),
+# AB_STOCK_ENV variables as NAME=VALUE words (e.g. VLLM_USE_V2_MODEL_RUNNER=1; variants.txt
+# records them, the stock result does not).
 # AB_OPTIONS are the comparison's options (mode, cohorts, rounds, acceptance ...), the same
 # for every run. A variant word TREE=DIR serves that variant from another checkout (DIR holds its
 # src/ and patches/, e.g. `git archive COMMIT src patches`): its patches on a copy of the stock
@@ -56,8 +58,10 @@ for variant in "$@"; do # every TREE's vLLM before any server starts
   done
 done
 bash bench/gpu-host/host_state.sh "$out/host-state-start.txt"
-VLLM_CACHE_ROOT=$work/stock/cache python3 -m hyperqwen.cli bench ab "${common[@]}" \
-  --phase stock --workdir "$work/stock" > "$out/stock.log" 2>&1 &
+read -ra stock_env <<< "${AB_STOCK_ENV:-}"
+echo "stock: env ${AB_STOCK_ENV:-(none)}; flags ${AB_STOCK_ARGS:-(none)}" >> "$out/variants.txt"
+env VLLM_CACHE_ROOT="$work/stock/cache" "${stock_env[@]}" python3 -m hyperqwen.cli bench ab \
+  "${common[@]}" --phase stock --workdir "$work/stock" > "$out/stock.log" 2>&1 &
 index=0
 for variant in "$@"; do
   index=$((index + 1))

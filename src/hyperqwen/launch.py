@@ -24,8 +24,10 @@ from hyperqwen.capacity_fit import (
 from hyperqwen.engine.features import (
     FEATURES,
     MTP_DRAFTS,
+    OFF,
     ON,
     OUR_LINEAR_BACKEND,
+    V2_RUNNER,
     launch_env,
 )
 from hyperqwen.kv_choices import KV_CHOICES, speculation_refusal
@@ -91,6 +93,43 @@ def ssm_cache_dtype(settings: Settings, profile: Profile) -> str:
 
 class KvRefusal(SettingsError):
     """A KV choice that cannot serve with the other knobs; the message names both and the fix."""
+
+
+class RunnerRefusal(SettingsError):
+    """MODEL_RUNNER=v2 with a knob that needs vLLM's V1 runner; the message names both."""
+
+
+# MODEL_RUNNER -> vLLM's VLLM_USE_V2_MODEL_RUNNER (auto: unset, vLLM's choice)
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+RUNNER_ENV_VALUES = {"v1": "0", V2_RUNNER: "1"}
+
+
+def model_runner(settings: Settings, mode: Mode, explicit: frozenset[str]) -> list[str]:
+    """MODEL_RUNNER=v2's notices: the engine features the V1 runner alone calls, which
+    would run by default here and stay off. Raises RunnerRefusal where a knob set to turn on
+    such a feature, or a SPEC only the V1 runner drafts with, meets it."""
+    if settings.MODEL_RUNNER != V2_RUNNER:
+        return []
+    if mode == "single" and settings.SPEC in ("ngram", "lookup"):
+        raise RunnerRefusal(
+            f"SPEC={settings.SPEC} needs vLLM's V1 model runner (vLLM 0.26's V2 runner has no "
+            "n-gram drafting): set MODEL_RUNNER=auto, or SPEC=mtp or off."
+        )
+    as_v1 = settings.model_copy(update={"MODEL_RUNNER": "v1"})
+    dropped = []
+    for feature in FEATURES:
+        if not feature.needs_v1_runner or feature.env_for(as_v1, mode) in (None, OFF):
+            continue
+        if feature.knob in explicit and getattr(settings, feature.knob) == ON:
+            raise RunnerRefusal(
+                f"{feature.knob}=1 needs vLLM's V1 model runner ({feature.name} is called from "
+                "its seams in the V1 runner, which MODEL_RUNNER=v2 does not run): set "
+                f"{feature.knob}=0, or MODEL_RUNNER=auto."
+            )
+        dropped.append(feature.name)
+    if not dropped:
+        return []
+    return [f"MODEL_RUNNER=v2: {', '.join(dropped)} stay off (vLLM's V1 runner alone calls them)."]
 
 
 @dataclass(frozen=True)
@@ -264,6 +303,7 @@ def build_launch(
     refusal = speculation_refusal(kv_dtype, settings.SPEC, settings.DRAFT_TOKENS)
     if mode == "single" and refusal:
         raise KvRefusal(refusal)
+    notices += model_runner(settings, mode, loaded.explicit)
     split = settings.GPU_SPLIT or profile.gpu_split
     tensor_parallel = settings.GPU_COUNT if split == "tp" else 1
     spec = speculative_config(settings, kv_dtype) if mode == "single" else None
@@ -353,6 +393,8 @@ def build_launch(
     warnings += _ignored_knob_warnings(settings, mode, loaded.explicit)
 
     env = {"VLLM_API_KEY": api_key} if api_key else {}
+    if settings.MODEL_RUNNER in RUNNER_ENV_VALUES:
+        env[RUNNER_ENV] = RUNNER_ENV_VALUES[settings.MODEL_RUNNER]
     env.update(launch_env(settings, mode))
     return LaunchPlan(
         argv, env, warnings, notices, host, path, served_name, tensor_parallel, fit=fit

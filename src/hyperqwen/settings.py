@@ -37,6 +37,8 @@ Switch = Literal["0", "1"]
 # hyperqwen: engine.features.OUR_LINEAR_BACKEND (vLLM gets marlin)
 LinearBackend = Literal["auto", "marlin", "machete", "hyperqwen"]
 GpuSplit = Literal["tp", "dp"]
+# vLLM 0.26's model runners: auto = vLLM's choice (V1 for this hybrid model)
+ModelRunner = Literal["auto", "v1", "v2"]
 # GDN recurrent-state dtypes vLLM 0.26 takes (config/cache.py: MambaDType, less its "auto" = the
 # model dtype). Its GDN kernels load the state, update it in float32 and store it back in the
 # cache's own dtype (FLA's fused_recurrent / chunk_delta_h, FlashInfer's prefill via a float32
@@ -240,6 +242,16 @@ class ServingKnobs(BaseModel):
         "against 1.01x with Machete), batch auto (Machete wins at 64).",
         f"--linear-backend (hyperqwen: marlin, and env {_switched_by('LINEAR_BACKEND')} for the "
         "patched vLLM)",
+    )
+    MODEL_RUNNER: ModelRunner = knob(
+        "auto",
+        "vLLM's GPU model runner. auto: vLLM's choice, V1 for this hybrid model; v1; v2: vLLM "
+        "0.26's experimental V2 runner, which prepares each step's inputs on the GPU (MTP "
+        "drafting and prefix caching's align mode included; speed and exactness here not "
+        "measured yet). The engine features that hook the V1 runner (their seams in "
+        "src/hyperqwen/engine/README.md's table say 'V1 runner') stay off under v2; one of "
+        "their knobs set to 1, or SPEC=ngram/lookup (V2 has no n-gram drafting), is refused.",
+        "env VLLM_USE_V2_MODEL_RUNNER (v1: 0, v2: 1, auto: unset)",
     )
     VISION: Switch = knob(
         "0",

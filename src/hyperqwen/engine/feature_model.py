@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any
 
 ON, OFF = "1", "0"
+V2_RUNNER = "v2"  # MODEL_RUNNER's value for vLLM's V2 model runner (settings.py)
 SWITCH = (OFF, ON)
 BOTH_MODES = ("single", "batch")
 SINGLE_MODE = ("single",)
@@ -45,6 +46,8 @@ class Seam:
     patch: str
     where: str
     """Where in vLLM, in words (engine/README.md's table)."""
+    v1_runner: bool = False
+    """Whether only vLLM's V1 model runner reaches it: with MODEL_RUNNER=v2 nothing calls it."""
 
 
 GDN_MODULE_LOADED = Seam("gdn_module_loaded", "gdn-layer.patch", "the GDN layer module loads")
@@ -62,7 +65,10 @@ LINEAR_KERNELS = Seam(
 PROPOSER_LOADED = Seam(
     "proposer_loaded", "proposer-loaded.patch", "a speculative proposer's model is loaded, V1/V2"
 )
-NGRAM_DRAFTS = Seam("ngram_drafts", "ngram-drafts.patch", "vLLM's CPU n-gram proposer")
+# vLLM 0.26's V2 runner has no n-gram drafting
+NGRAM_DRAFTS = Seam(
+    "ngram_drafts", "ngram-drafts.patch", "V1 runner: vLLM's CPU n-gram proposer", v1_runner=True
+)
 ATTENTION_KV_SPEC = Seam(
     "attention_kv_spec",
     "attention-kv-spec.patch",
@@ -81,7 +87,7 @@ COMPILE_CACHE_INITIALIZED = Seam(
 
 def _v1_runner_seam(name: str, where: str) -> Seam:
     """A seam of the V1 runner (v1-runner.patch)."""
-    return Seam(name, "v1-runner.patch", f"V1 runner: {where}")
+    return Seam(name, "v1-runner.patch", f"V1 runner: {where}", v1_runner=True)
 
 
 RUNNER_DRAFTER_BUILT = _v1_runner_seam("runner_drafter_built", "drafter built")
@@ -164,8 +170,16 @@ class Feature:
     before vLLM starts, why the variable's value cannot serve on these GPUs (hyperqwen.gpu.Gpu)
     and this model folder (None: it can). Only a feature whose variable is set is asked."""
 
+    @property
+    def needs_v1_runner(self) -> bool:
+        """Whether a seam of it lies where only vLLM's V1 model runner goes."""
+        return any(seam.v1_runner for seam in self.seams)
+
     def env_for(self, settings: Any, mode: str) -> str | None:
-        """The variable's value in `hyperqwen serve MODE`'s environment; None: unset."""
+        """The variable's value in `hyperqwen serve MODE`'s environment; None: unset (a
+        feature the V1 runner alone calls stays unset under MODEL_RUNNER=v2)."""
+        if self.needs_v1_runner and getattr(settings, "MODEL_RUNNER", None) == V2_RUNNER:
+            return None
         if self.launch is None:
             return ON if getattr(settings, self.knob) == ON else None
         return self.launch(settings, mode)

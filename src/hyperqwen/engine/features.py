@@ -55,6 +55,7 @@ from hyperqwen.engine.feature_model import (  # re-exported: features.X is the A
     SCHEDULER_MAMBA_SPLIT as SCHEDULER_MAMBA_SPLIT,
     SINGLE_MODE as SINGLE_MODE,
     SWITCH as SWITCH,
+    V2_RUNNER as V2_RUNNER,
     Feature as Feature,
     FeatureSwitchError as FeatureSwitchError,
     Knob as Knob,

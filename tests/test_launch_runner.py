@@ -1,0 +1,92 @@
+"""MODEL_RUNNER: vLLM's model runner as a knob, and the engine features only the V1 runner calls
+(their seams in patches/v1-runner.patch and the V1 n-gram proposer) kept off or refused under v2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hyperqwen.engine.features import (
+    ALIGN_OVERLAP,
+    DRAFT_VOCAB,
+    FEATURES,
+    GDN_REPLAY,
+    KVARN,
+    LOOKUP,
+    SPLIT_QKV,
+)
+from hyperqwen.launch import RUNNER_ENV, RunnerRefusal, build_launch
+from hyperqwen.settings import LoadedSettings, Settings, SettingsError, load_settings
+
+
+def loaded(**values: str) -> LoadedSettings:
+    return LoadedSettings(Settings.model_validate(values), frozenset(values))
+
+
+@pytest.mark.parametrize("mode", ["single", "batch"])
+@pytest.mark.parametrize(("runner", "variable"), [("auto", None), ("v1", "0"), ("v2", "1")])
+def test_the_runner_reaches_vllm_through_its_variable(monkeypatch, mode, runner, variable):
+    import vllm.envs
+
+    env = build_launch(loaded(MODEL_RUNNER=runner), mode, None).env
+    assert env.get(RUNNER_ENV) == variable
+    if variable is None:
+        monkeypatch.delenv(RUNNER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(RUNNER_ENV, variable)
+    # what vLLM 0.26 reads from it: None lets vLLM choose (V1 for a hybrid model)
+    assert (
+        vllm.envs.environment_variables[RUNNER_ENV]()
+        == {None: None, "0": False, "1": True}[variable]
+    )
+
+
+def test_a_runner_vllm_does_not_have_is_refused_by_name(tmp_path: Path):
+    with pytest.raises(SettingsError, match=r"MODEL_RUNNER='v3'.*auto \| v1 \| v2"):
+        load_settings(environ={"MODEL_RUNNER": "v3"}, env_file=tmp_path / "none.env")
+
+
+def test_the_features_only_the_v1_runner_calls_are_those_with_a_v1_runner_seam():
+    needs = {feature.name for feature in FEATURES if feature.needs_v1_runner}
+    assert {LOOKUP.name, ALIGN_OVERLAP.name, GDN_REPLAY.name} <= needs
+    assert not {DRAFT_VOCAB.name, SPLIT_QKV.name, KVARN.name} & needs
+    for feature in FEATURES:
+        in_v1_patch = any(seam.patch == "v1-runner.patch" for seam in feature.seams)
+        assert feature.needs_v1_runner >= in_v1_patch, feature.name
+
+
+def test_v2_keeps_the_v1_runner_features_off_and_says_which():
+    on_v1 = build_launch(loaded(), "single", None)
+    assert on_v1.env[LOOKUP.env] == "auto" and on_v1.env[ALIGN_OVERLAP.env] == "1"
+    assert not any("MODEL_RUNNER" in notice for notice in on_v1.notices)
+    plan = build_launch(loaded(MODEL_RUNNER="v2"), "single", None)
+    assert LOOKUP.env not in plan.env and ALIGN_OVERLAP.env not in plan.env
+    assert plan.env[DRAFT_VOCAB.env] == "auto"  # the V2 runner's speculator loads it too
+    (notice,) = [notice for notice in plan.notices if "MODEL_RUNNER=v2" in notice]
+    assert LOOKUP.name in notice and ALIGN_OVERLAP.name in notice
+    # batch mode runs neither: nothing to say
+    batch = build_launch(loaded(MODEL_RUNNER="v2"), "batch", None)
+    assert not any("MODEL_RUNNER" in notice for notice in batch.notices)
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"SPEC": "ngram"}, "SPEC=ngram"),
+        ({"SPEC": "lookup"}, "SPEC=lookup"),
+        ({"LOOKUP": "1"}, "LOOKUP=1"),
+        ({"PREFIX_CACHE_OVERLAP": "1"}, "PREFIX_CACHE_OVERLAP=1"),
+        ({"GDN_REPLAY": "1"}, "GDN_REPLAY=1"),
+    ],
+)
+def test_v2_refuses_a_knob_set_to_what_only_the_v1_runner_runs(values, named):
+    with pytest.raises(RunnerRefusal, match=f"{named} needs vLLM's V1 model runner.*MODEL_RUNNER"):
+        build_launch(loaded(MODEL_RUNNER="v2", **values), "single", None)
+    build_launch(loaded(MODEL_RUNNER="v1", **values), "single", None)  # the same on V1 serves
+
+
+def test_v2_takes_an_auto_or_off_knob_of_such_a_feature():
+    for values in ({"LOOKUP": "auto"}, {"LOOKUP": "0"}, {"PREFIX_CACHE_OVERLAP": "0"}):
+        plan = build_launch(loaded(MODEL_RUNNER="v2", **values), "single", None)
+        assert LOOKUP.env not in plan.env
