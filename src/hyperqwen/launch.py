@@ -194,14 +194,23 @@ def speculative_config(settings: Settings, kv: str | None = None) -> dict | None
 PREFILL_GRAPH_TOKENS = 512
 
 
-def compilation_config(max_graph_tokens: int) -> dict:
+# torch Inductor's config key for programmatic dependent launch in the Triton kernels it
+# generates (torch/_inductor/config.py, class triton: enable_pdl; sm90 and newer only)
+INDUCTOR_PDL_KEY = "triton.enable_pdl"
+
+
+def compilation_config(max_graph_tokens: int, inductor_pdl: bool = False) -> dict:
     # Full CUDA graphs for decode-only batches (GDN layers need them to be fast), piecewise for
     # mixed ones, up to max_graph_tokens tokens per step; larger steps (long prefills, which
     # are compute-bound) run without graphs.
-    return {
+    config: dict = {
         "cudagraph_mode": "FULL_AND_PIECEWISE",
         "max_cudagraph_capture_size": max_graph_tokens,
     }
+    if inductor_pdl:
+        # part of vLLM's compilation config, so of its compile cache key
+        config["inductor_compile_config"] = {INDUCTOR_PDL_KEY: True}
+    return config
 
 
 def vllm_linear_backend(backend: str) -> str:
@@ -375,7 +384,10 @@ def build_launch(
     flags.append(
         (
             "--compilation-config",
-            json.dumps(compilation_config(graph_tokens), separators=(",", ":")),
+            json.dumps(
+                compilation_config(graph_tokens, settings.INDUCTOR_PDL == ON),
+                separators=(",", ":"),
+            ),
             f"mode {mode}",
         )
     )

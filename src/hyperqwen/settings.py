@@ -253,6 +253,16 @@ class ServingKnobs(BaseModel):
         "their knobs set to 1, or SPEC=ngram/lookup (V2 has no n-gram drafting), is refused.",
         "env VLLM_USE_V2_MODEL_RUNNER (v1: 0, v2: 1, auto: unset)",
     )
+    INDUCTOR_PDL: Switch = knob(
+        "0",
+        "1: the Triton kernels torch.compile generates for the model (its fused norms, "
+        "activations, residual adds) launch with programmatic dependent launch, each starting "
+        "while its predecessor drains and waiting before it reads that kernel's output (torch "
+        "Inductor's triton.enable_pdl). Only sm90 and newer (H100/H200, RTX 5090) have it; "
+        "Inductor leaves it out below, so 3090/4090 kernels are unchanged. Part of the compile "
+        "cache key. Speed and exactness not measured yet.",
+        "--compilation-config inductor_compile_config triton.enable_pdl",
+    )
     VISION: Switch = knob(
         "0",
         "Load the vision tower and accept images. 0 serves text only and frees its memory.",

@@ -1,5 +1,6 @@
-"""MODEL_RUNNER: vLLM's model runner as a knob, and the engine features only the V1 runner calls
-(their seams in patches/v1-runner.patch and the V1 n-gram proposer) kept off or refused under v2."""
+"""Knobs of how vLLM runs a step: MODEL_RUNNER (vLLM's model runner; the engine features only the
+V1 runner calls, their seams in patches/v1-runner.patch and the V1 n-gram proposer, kept off or
+refused under v2) and INDUCTOR_PDL (torch Inductor's kernels with dependent launch)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from hyperqwen.engine.features import (
     LOOKUP,
     SPLIT_QKV,
 )
-from hyperqwen.launch import RUNNER_ENV, RunnerRefusal, build_launch
+from hyperqwen.launch import INDUCTOR_PDL_KEY, RUNNER_ENV, RunnerRefusal, build_launch
 from hyperqwen.settings import LoadedSettings, Settings, SettingsError, load_settings
 
 
@@ -90,3 +91,22 @@ def test_v2_takes_an_auto_or_off_knob_of_such_a_feature():
     for values in ({"LOOKUP": "auto"}, {"LOOKUP": "0"}, {"PREFIX_CACHE_OVERLAP": "0"}):
         plan = build_launch(loaded(MODEL_RUNNER="v2", **values), "single", None)
         assert LOOKUP.env not in plan.env
+
+
+def test_inductor_pdl_reaches_vllm_s_compilation_config_and_its_cache_key(vllm_serve):
+    import torch._inductor.config as inductor
+    from vllm.config import CompilationConfig
+
+    configs = {}
+    for value in ("0", "1"):
+        args = vllm_serve(build_launch(loaded(INDUCTOR_PDL=value), "single", None).argv)
+        configs[value] = args.compilation_config
+        assert isinstance(configs[value], CompilationConfig)
+    assert configs["1"].inductor_compile_config[INDUCTOR_PDL_KEY] is True
+    assert INDUCTOR_PDL_KEY not in configs["0"].inductor_compile_config
+    # a graph compiled without it is not loaded with it: vLLM's config hash differs
+    assert configs["0"].compute_hash() != configs["1"].compute_hash()
+    # the key is Inductor's own (a misspelt one would be refused here)
+    assert inductor.triton.enable_pdl is False
+    with inductor.patch({INDUCTOR_PDL_KEY: True}):
+        assert inductor.triton.enable_pdl is True
