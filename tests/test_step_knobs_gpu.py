@@ -1,9 +1,10 @@
 """MODEL_RUNNER=v2 and INDUCTOR_PDL=1 on a GPU: the same tokens as vLLM's V1 runner without them.
 
 The tiny synthetic checkpoint is served compiled (CUDA graphs, torch.compile: what both knobs
-change) with prefix caching and MTP k=3 at high synthetic acceptance, three times: vLLM's V1
-runner, the V2 runner (VLLM_USE_V2_MODEL_RUNNER=1, what MODEL_RUNNER=v2 sets), and Inductor's
-kernels with programmatic dependent launch (the compilation config INDUCTOR_PDL=1 passes). Every
+change) with prefix caching and MTP k=3 at high synthetic acceptance (the prefix-caching
+overlap test's speculation and continuations), three times: vLLM's V1 runner, the V2 runner
+(VLLM_USE_V2_MODEL_RUNNER=1, what MODEL_RUNNER=v2 sets), and Inductor's kernels with
+programmatic dependent launch (the compilation config INDUCTOR_PDL=1 passes). Every
 continuation must be the same token ids; each server must show its knob took effect (the V2
 runner's log line; Inductor's wait instruction in the kernels it generated, and none without).
 
@@ -15,15 +16,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from gpu_server import (
-    complete,
-    log_dir,
-    patched_vllm_parent,
-    require_gpu,
-    running_server,
-    with_vllm_first,
-)
+from gpu_server import log_dir, patched_vllm_parent, require_gpu, running_server, with_vllm_first
 from local_server import free_port
+from test_engine_align_overlap_gpu import SPECULATION, TOKENS, continuations
 from test_prepare_gpu import PROMPTS, tiny_server
 
 from hyperqwen.checkpoint.geometry import PRESETS
@@ -32,13 +27,6 @@ from hyperqwen.launch import RUNNER_ENV, RUNNER_ENV_VALUES, compilation_config
 
 pytestmark = pytest.mark.gpu
 
-SPECULATION = {
-    "method": "mtp",
-    "num_speculative_tokens": 3,
-    "rejection_sample_method": "synthetic",
-    "synthetic_acceptance_rates": [0.9, 0.8, 0.7],
-}
-TOKENS = 200
 GRAPH_TOKENS = 64
 V2_LOG_LINE = "Using V2 Model Runner"  # vllm/v1/worker/gpu_worker.py
 GDC_WAIT = "gdc_wait"  # what Inductor writes into a Triton kernel with PDL on
@@ -73,12 +61,7 @@ def test_v2_runner_and_inductor_pdl_change_no_token(tmp_path, tmp_path_factory):
         env = {**base_env, **variables, "VLLM_CACHE_ROOT": str(cache)}
         command = compiled_server(model, port, inductor_pdl)
         with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
-            tokens[name] = {
-                prompt: complete(
-                    url, prompt, max_tokens=TOKENS, min_tokens=TOKENS, return_token_ids=True
-                )["token_ids"]
-                for prompt in PROMPTS
-            }
+            tokens[name] = continuations(url)
         server_logs[name] = log.read_text()
         waits[name] = generated_kernels_wait(cache)
     (logs / "step-knobs-summary.json").write_text(json.dumps({"tokens": tokens, "waits": waits}))
