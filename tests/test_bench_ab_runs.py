@@ -315,6 +315,13 @@ def test_profile_steps_add_gpu_time_per_step_by_kernel_category(comparison, tmp_
         assert 0 <= host["busiest_cpu_s"] <= host["total_cpu_s"]
         assert 0 <= getattr(busiest, side) <= getattr(every, side)
         assert abs(getattr(share, side) - getattr(busiest, side) / getattr(tpot, side)) <= 1e-3
+    # the GPU's window: the stand-in's two kernels start together, so the busy time is the
+    # longer one's (overlapping ops count once) where the kernel sum adds both
+    busy = by_name["step_gpu_busy_ms"]
+    assert (busy.stock, busy.patched) == (0.4, 0.3)
+    window = by_name["profiled_step_window_ms"]
+    assert (window.stock, window.patched) == (1.0, 1.0)
+    assert by_name["step_graph_idle_ms"].patched == 0.0  # no CUDA graph in it
     # the profiled host thread: the stand-in's trace opens a 900 us step range every 1000 us
     # and records nothing else, so 3 windows (the 4th range has none after it) of 1 ms each
     for name, value in (("window", 1.0), ("other_recorded", 0.9), ("unrecorded", 0.1)):

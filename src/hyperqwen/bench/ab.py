@@ -367,8 +367,9 @@ def add_ab_subcommand(actions) -> None:
         default=0,
         metavar="N",
         help="also profile N decode steps of one C1 request on each side with vLLM's torch "
-        "profiler (started with --profiler-config) and add GPU ms per step by kernel category "
-        "as rows; traces stay in WORKDIR/SIDE-trace. Before it, 4 unprofiled C1 requests add "
+        "profiler (started with --profiler-config) and add GPU ms per step by kernel category, "
+        "the GPU's busy and in-graph idle time per step, as rows; traces stay in "
+        "WORKDIR/SIDE-trace. Before it, 4 unprofiled C1 requests add "
         "the server processes' host CPU ms per step (c1_host_cpu_*: near the step's wall time, "
         "the step waits on the host), and the profiled trace splits the host thread's step "
         "into waiting on the GPU, launching, other recorded ops and untraced Python "

@@ -15,6 +15,7 @@ from hyperqwen.bench.profile import profile_rows
 from hyperqwen.bench.quality import IFBENCH_ACCURACIES
 from hyperqwen.bench.results import ComparisonRow, comparison_row, result_document
 from hyperqwen.bench.stephost import host_rows
+from hyperqwen.bench.stepmap import window_rows
 
 Figures = dict[str, tuple[str, float | None]]
 
@@ -47,6 +48,8 @@ def side_figures(side: SideResult) -> Figures:
         # what no kernel accounts for: the GPU waiting on the host (a synchronization,
         # preparation that does not overlap) or on launch gaps
         figures["step_host_gap_ms"] = ("ms", gap)
+        if side.profile.get("window"):
+            figures.update(window_rows(side.profile["window"]))
         if side.profile.get("host"):
             figures.update(host_rows(side.profile["host"]))
     if side.host_cpu and step_ms:

@@ -46,6 +46,7 @@ from hyperqwen.bench.server_process import (
     weight_gib,
 )
 from hyperqwen.bench.stephost import host_lines, host_summary
+from hyperqwen.bench.stepmap import segment, window_figures
 from hyperqwen.bench.workload import RequestFactory, served_token_ids
 from hyperqwen.patches.series import PatchSeriesError, load_series
 from hyperqwen.patches.tree import PatchState, check_series, series_status
@@ -252,6 +253,11 @@ def profile_side(client: BenchClient, factory: RequestFactory, plan: ABPlan, sid
         + ", ".join(f"{name} {ms}" for name, ms in summary["categories"].items()),
         flush=True,
     )
+    try:
+        summary["window"] = window_figures(segment(events)[0])
+    except ProfileError as reason:  # the kernel sums stand without the window's
+        summary["window_error"] = str(reason)
+        print(f"   profile: no window rows ({reason})", flush=True)
     try:
         summary["host"] = host_summary(events)
     except ProfileError as reason:  # the GPU rows stand without the host's

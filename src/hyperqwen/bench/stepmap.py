@@ -305,6 +305,53 @@ def _ms(us: float, steps: int) -> float:
     return round(us / 1000.0 / steps, 4)
 
 
+def window_figures(steps: list[Step], split_us: float = GAP_SPLIT_US) -> dict:
+    """Per-step means of the GPU's window (one step range's start to the next's), which need no
+    model facts: busy time (the union of its ops, overlapping ones once), idle in short and
+    long gaps, and both split by CUDA graph replays."""
+    n = len(steps)
+    totals: Counter[str] = Counter()
+    for step in steps:
+        found = gaps(step, split_us)
+        totals["span"] += step.end - step.start
+        totals["busy"] += found.busy_us
+        totals["short"] += found.short_us
+        totals["long"] += found.long_us
+        totals["graph_busy"] += found.graph_busy_us
+        totals["graph_idle"] += found.graph_idle_us
+        totals["replays"] += len({op.graph for op in step.ops} - {None})
+        totals["gaps"] += found.count
+        totals["ops"] += len(step.ops)
+    return {
+        "step_span_ms": _ms(totals["span"], n),
+        "step_busy_ms": _ms(totals["busy"], n),
+        "idle_ms": _ms(totals["span"] - totals["busy"], n),
+        "idle_short_gaps_ms": _ms(totals["short"], n),
+        "idle_long_gaps_ms": _ms(totals["long"], n),
+        "gap_split_us": split_us,
+        # the window split by CUDA graphs: a replay's span is its ops and the gaps between
+        # them; the rest is eager ops and the host's gaps around them
+        "graph_replays_per_step": round(totals["replays"] / n, 2),
+        "graph_busy_ms": _ms(totals["graph_busy"], n),
+        "graph_idle_ms": _ms(totals["graph_idle"], n),
+        "outside_graphs_busy_ms": _ms(totals["busy"] - totals["graph_busy"], n),
+        "outside_graphs_idle_ms": _ms(totals["span"] - totals["busy"] - totals["graph_idle"], n),
+        "gaps_per_step": round(totals["gaps"] / n, 2),
+        "launches_per_step": round(totals["ops"] / n, 2),
+    }
+
+
+def window_rows(window: dict) -> dict[str, tuple[str, float]]:
+    """bench ab's rows of a profile's window_figures: the GPU's busy time per step (overlapping
+    ops once, so a kernel that starts early under PDL does not count its wait), the idle time
+    inside CUDA graph replays (kernel to kernel) and the profiled step's whole window."""
+    return {
+        "step_gpu_busy_ms": ("ms", window["step_busy_ms"]),
+        "step_graph_idle_ms": ("ms", window["graph_idle_ms"]),
+        "profiled_step_window_ms": ("ms", window["step_span_ms"]),
+    }
+
+
 def summarize_steps(
     steps: list[Step], facts: ModelFacts, split_us: float = GAP_SPLIT_US, left_out: int = 0
 ) -> dict:
@@ -336,17 +383,7 @@ def summarize_steps(
             if name == LM_HEAD or name.startswith(BODY_PREFIX):
                 gemm_us[step.tokens][name.removeprefix(BODY_PREFIX)] += duration
                 gemm_count[step.tokens][name.removeprefix(BODY_PREFIX)] += 1
-        found = gaps(step, split_us)
-        totals["span"] += step.end - step.start
-        totals["busy"] += found.busy_us
-        totals["short"] += found.short_us
-        totals["long"] += found.long_us
-        totals["graph_busy"] += found.graph_busy_us
-        totals["graph_idle"] += found.graph_idle_us
-        totals["replays"] += len({op.graph for op in step.ops} - {None})
-        totals["gaps"] += found.count
-        totals["ops"] += len(step.ops)
-        for before, after, idle in found.long_gaps:
+        for before, after, idle in gaps(step, split_us).long_gaps:
             gap_pairs_us[before, after] += idle
             gap_pairs_count[before, after] += 1
     shapes = facts.shapes()
@@ -372,21 +409,7 @@ def summarize_steps(
         "gemm_order_matched_steps": matched_steps,
         "forward_gemms_expected": len(facts.forward_gemms()),
         "step_gpu_ms": _ms(totals["gpu"], n),
-        "step_span_ms": _ms(totals["span"], n),
-        "step_busy_ms": _ms(totals["busy"], n),
-        "idle_ms": _ms(totals["span"] - totals["busy"], n),
-        "idle_short_gaps_ms": _ms(totals["short"], n),
-        "idle_long_gaps_ms": _ms(totals["long"], n),
-        "gap_split_us": split_us,
-        # the window split by CUDA graphs: a replay's span is its ops and the gaps between
-        # them; the rest is eager ops and the host's gaps around them
-        "graph_replays_per_step": round(totals["replays"] / n, 2),
-        "graph_busy_ms": _ms(totals["graph_busy"], n),
-        "graph_idle_ms": _ms(totals["graph_idle"], n),
-        "outside_graphs_busy_ms": _ms(totals["busy"] - totals["graph_busy"], n),
-        "outside_graphs_idle_ms": _ms(totals["span"] - totals["busy"] - totals["graph_idle"], n),
-        "gaps_per_step": round(totals["gaps"] / n, 2),
-        "launches_per_step": round(totals["ops"] / n, 2),
+        **window_figures(steps, split_us),
         "classes": {
             name: {
                 "launches_per_step": round(class_count[name] / n, 3),
