@@ -343,8 +343,8 @@ def window_figures(steps: list[Step], split_us: float = GAP_SPLIT_US) -> dict:
 
 def window_rows(window: dict) -> dict[str, tuple[str, float]]:
     """bench ab's rows of a profile's window_figures: the GPU's busy time per step (overlapping
-    ops once, so a kernel that starts early under PDL does not count its wait), the idle time
-    inside CUDA graph replays (kernel to kernel) and the profiled step's whole window."""
+    ops once, so a kernel that starts before its predecessor ends does not count its wait), the
+    idle time inside CUDA graph replays (kernel to kernel) and the profiled step's whole window."""
     return {
         "step_gpu_busy_ms": ("ms", window["step_busy_ms"]),
         "step_graph_idle_ms": ("ms", window["graph_idle_ms"]),
