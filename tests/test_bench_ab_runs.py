@@ -339,6 +339,29 @@ def test_profile_steps_add_gpu_time_per_step_by_kernel_category(comparison, tmp_
     assert words[words.index("--profile-steps") + 1] == "4"
 
 
+def test_a_profile_of_a_cohort_names_its_rows_after_it(comparison, tmp_path, capsys) -> None:
+    unprofiled = [*comparison, "--mode", "batch", "--cohorts", "1,2", "--prefill", "none"]
+    argv = [*unprofiled, "--profile-steps", "4"]
+    out = tmp_path / "profiled-c2.json"
+    assert run_in_process("bench", *argv, "--profile-cohort", "2", "--out", str(out)) == 0
+    document, rows = load_result(out)
+    by_name = {row.name: row for row in rows}
+    assert (by_name["c2_step_gpu_ms"].stock, by_name["c2_step_gpu_ms"].patched) == (0.45, 0.35)
+    assert "step_gpu_ms" not in by_name and "c2_profiled_step_window_ms" in by_name
+    # the gap is against the profiled cohort's own unprofiled step (batch: one token a step)
+    gap, tpot = by_name["c2_step_host_gap_ms"], by_name["c2_tpot"]
+    assert gap.patched == round(tpot.patched - 0.35, 3)
+    assert document["patched"]["profile"]["cohort"] == 2
+    words = shlex.split(document["command"])
+    assert words[words.index("--profile-cohort") + 1] == "2"
+    # refused before any server starts: a cohort without its row, or without a profile
+    capsys.readouterr()
+    assert run_in_process("bench", *argv, "--profile-cohort", "3") == 2
+    assert "--profile-cohort 3 is not among the cohorts (1,2)" in capsys.readouterr().err
+    assert run_in_process("bench", *unprofiled, "--profile-cohort", "2") == 2
+    assert "--profile-cohort 2 needs --profile-steps N" in capsys.readouterr().err
+
+
 def test_copy_rows_get_their_own_names_and_the_repeat_command_keeps_copy(comparison) -> None:
     line = (
         "ROW mode=single data={data} prompt=salted C=1 n=3 in_tok=300 out_tok=280 "

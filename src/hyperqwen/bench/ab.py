@@ -114,7 +114,23 @@ def settled(plan: ABPlan) -> ABPlan:
     notes on screen where they matter."""
     plan = settled_stock_spec(plan)
     check_synthetic_acceptance(plan)
-    return settled_cohorts(plan)
+    plan = settled_cohorts(plan)
+    check_profile_cohort(plan)
+    return plan
+
+
+def check_profile_cohort(plan: ABPlan) -> None:
+    """--profile-cohort needs --profile-steps and a row of its own (its unprofiled step)."""
+    if plan.profile_cohort == 1:
+        return
+    if not plan.profile_steps:
+        raise ABError(f"--profile-cohort {plan.profile_cohort} needs --profile-steps N")
+    if plan.profile_cohort not in (plan.cohorts or ()):
+        cohorts = ",".join(map(str, plan.cohorts or ()))
+        raise ABError(
+            f"--profile-cohort {plan.profile_cohort} is not among the cohorts ({cohorts}): add it "
+            "to --cohorts, whose row gives the profiled step's unprofiled time"
+        )
 
 
 def compare_sides(plan: ABPlan) -> tuple[dict, list[ComparisonRow]] | None:
@@ -374,6 +390,15 @@ def add_ab_subcommand(actions) -> None:
         "the step waits on the host), and the profiled trace splits the host thread's step "
         "into waiting on the GPU, launching, other recorded ops and untraced Python "
         "(profiled_host_*) (default 0: off)",
+    )
+    ab.add_argument(
+        "--profile-cohort",
+        type=int,
+        default=1,
+        metavar="C",
+        help="with --profile-steps: profile C concurrent requests instead of one (one of "
+        "--cohorts, whose row gives the unprofiled step time); the profile's rows are then "
+        "named cC_step_..., cC_profiled_... (default 1: rows step_..., profiled_...)",
     )
     ab.add_argument(
         "--turn-lock",

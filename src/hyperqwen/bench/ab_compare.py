@@ -41,30 +41,41 @@ def side_figures(side: SideResult) -> Figures:
     figures["weight_memory"] = ("GiB", side.weight_gib)
     if side.quality:
         figures.update(quality_figures(side.quality))
-    step_ms = c1_step_ms(figures)
+    step_ms = cohort_step_ms(figures, 1)
     if side.profile:
-        figures.update(profile_rows(side.profile))
-        gap = None if step_ms is None else round(step_ms - figures["step_gpu_ms"][1], 3)
-        # what no kernel accounts for: the GPU waiting on the host (a synchronization,
-        # preparation that does not overlap) or on launch gaps
-        figures["step_host_gap_ms"] = ("ms", gap)
-        if side.profile.get("window"):
-            figures.update(window_rows(side.profile["window"]))
-        if side.profile.get("host"):
-            figures.update(host_rows(side.profile["host"]))
+        figures.update(profiled_figures(side.profile, figures))
     if side.host_cpu and step_ms:
         tokens_per_step = figures.get("c1_tokens_per_step", ("tokens", None))[1]
         figures.update(host_cpu_rows(side.host_cpu, tokens_per_step, step_ms))
     return figures
 
 
-def c1_step_ms(figures: Figures) -> float | None:
-    """A C1 decode step's wall time from the unprofiled C1 row: TPOT x tokens per step (one
-    token where nothing is drafted); None without a C1 row."""
-    tpot = figures.get("c1_tpot", ("ms", None))[1]
+def cohort_step_ms(figures: Figures, cohort: int) -> float | None:
+    """A decode step's wall time at a cohort from its unprofiled row: TPOT x tokens per step
+    (one token where nothing is drafted); None without that row."""
+    tpot = figures.get(f"c{cohort}_tpot", ("ms", None))[1]
     if tpot is None:
         return None
-    return tpot * (figures.get("c1_tokens_per_step", ("tokens", None))[1] or 1.0)
+    return tpot * (figures.get(f"c{cohort}_tokens_per_step", ("tokens", None))[1] or 1.0)
+
+
+def profiled_figures(profile: dict, figures: Figures) -> Figures:
+    """The rows of one side's profile: kernel time by category, the GPU's window, the host
+    thread's split and the gap to the unprofiled step of the profiled cohort; named cC_... where
+    the profile ran C requests at once (--profile-cohort), unprefixed for one."""
+    cohort = profile.get("cohort", 1)
+    rows = profile_rows(profile)
+    step_ms = cohort_step_ms(figures, cohort)
+    gap = None if step_ms is None else round(step_ms - rows["step_gpu_ms"][1], 3)
+    # what no kernel accounts for: the GPU waiting on the host (a synchronization,
+    # preparation that does not overlap) or on launch gaps
+    rows["step_host_gap_ms"] = ("ms", gap)
+    if profile.get("window"):
+        rows.update(window_rows(profile["window"]))
+    if profile.get("host"):
+        rows.update(host_rows(profile["host"]))
+    prefix = "" if cohort == 1 else f"c{cohort}_"
+    return {f"{prefix}{name}": value for name, value in rows.items()}
 
 
 def quality_figures(document: dict) -> Figures:
@@ -138,6 +149,8 @@ def equivalent_command(
         command.append(f"--quality={plan['quality']}")
     if plan["profile_steps"]:
         command += ["--profile-steps", str(plan["profile_steps"])]
+    if plan.get("profile_cohort", 1) != 1:  # results from before the option have none
+        command += ["--profile-cohort", str(plan["profile_cohort"])]
     # NAME='a b' (not 'NAME=a b', which the shell would take for the command's name).
     assignments = [f"{name}={shlex.quote(value)}" for name, value in knob_values.items()]
     return " ".join([*assignments, shlex.join(command)])

@@ -46,6 +46,7 @@ PLAN_OPTIONS = (
     "server_command",
     "quality",
     "profile_steps",
+    "profile_cohort",
 )
 
 
@@ -83,6 +84,8 @@ class ABPlan:
     server_command: str
     quality: str | None
     profile_steps: int
+    profile_cohort: int
+    """The concurrent requests of the profiled window (1: one C1 request)."""
     phase: str
     stock_vllm: str | None
     patched_vllm: str | None

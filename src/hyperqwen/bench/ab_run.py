@@ -242,12 +242,18 @@ def run_side(side: str, plan: ABPlan, sharegpt_prompts: Sequence[str] | None) ->
 
 
 def profile_side(client: BenchClient, factory: RequestFactory, plan: ABPlan, side: str) -> dict:
-    """One C1 request between /start_profile and /stop_profile; the trace's step summary."""
+    """One C1 request (--profile-cohort: that many) between /start_profile and /stop_profile;
+    the trace's step summary."""
     trace = profile_one_request(
-        client, factory, plan.input_len, plan.profile_steps, trace_dir(plan, side)
+        client,
+        factory,
+        plan.input_len,
+        plan.profile_steps,
+        trace_dir(plan, side),
+        plan.profile_cohort,
     )
     events = load_trace(trace)
-    summary = {"trace": str(trace), **summarize(events)}
+    summary = {"trace": str(trace), "cohort": plan.profile_cohort, **summarize(events)}
     print(
         f"   profile: {summary['steps']} steps, {summary['gpu_ms_per_step']} GPU ms per step: "
         + ", ".join(f"{name} {ms}" for name, ms in summary["categories"].items()),

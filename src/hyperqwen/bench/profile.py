@@ -164,15 +164,21 @@ def newest_trace(trace_dir: Path, since: float, wait_s: float = TRACE_WAIT_S) ->
 
 
 def profile_one_request(
-    client: BenchClient, factory: RequestFactory, input_len: int, steps: int, trace_dir: Path
+    client: BenchClient,
+    factory: RequestFactory,
+    input_len: int,
+    steps: int,
+    trace_dir: Path,
+    concurrency: int = 1,
 ) -> Path:
-    """One C1 request between /start_profile and /stop_profile against a server started with
-    profiler_flags(trace_dir, steps, PROFILE_DELAY_STEPS); the trace it wrote."""
+    """One C1 request (or `concurrency` at once) between /start_profile and /stop_profile
+    against a server started with profiler_flags(trace_dir, steps, PROFILE_DELAY_STEPS); the
+    trace it wrote."""
     output_len = (PROFILE_DELAY_STEPS + steps + 2) * TOKENS_PER_STEP_BOUND
     workload = Workload("random", False, input_len, output_len)
     since = time.time()
     client.post("/start_profile")
-    client.stream_many(factory.requests(workload, 1), 1)
+    client.stream_many(factory.requests(workload, concurrency), concurrency)
     client.post("/stop_profile")
     return newest_trace(trace_dir, since)
 
