@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cli_runner import hyperqwen
 
 from hyperqwen.engine.features import (
     ALIGN_OVERLAP,
@@ -17,7 +18,14 @@ from hyperqwen.engine.features import (
     LOOKUP,
     SPLIT_QKV,
 )
-from hyperqwen.launch import INDUCTOR_PDL_KEY, RUNNER_ENV, RunnerRefusal, build_launch
+from hyperqwen.gpu import parse_smi_line
+from hyperqwen.launch import (
+    INDUCTOR_PDL_KEY,
+    RUNNER_ENV,
+    RunnerRefusal,
+    build_launch,
+    inductor_pdl_refusal,
+)
 from hyperqwen.settings import LoadedSettings, Settings, SettingsError, load_settings
 
 
@@ -110,3 +118,26 @@ def test_inductor_pdl_reaches_vllm_s_compilation_config_and_its_cache_key(vllm_s
     assert inductor.triton.enable_pdl is False
     with inductor.patch({INDUCTOR_PDL_KEY: True}):
         assert inductor.triton.enable_pdl is True
+
+
+def test_inductor_pdl_is_refused_by_name_on_a_card_that_would_leave_it_out(tmp_path):
+    rtx_3090 = parse_smi_line("0, NVIDIA GeForce RTX 3090, 8.6, 24576, 560.35, 350.00")
+    h200 = parse_smi_line("0, NVIDIA H200, 9.0, 143771, 580.95, 700.00")
+    on = loaded(INDUCTOR_PDL="1").settings
+    message = inductor_pdl_refusal(on, [h200, rtx_3090])
+    assert "INDUCTOR_PDL=1 needs compute capability 9.0" in message
+    assert "NVIDIA GeForce RTX 3090 (sm86)" in message and "Set INDUCTOR_PDL=0." in message
+    assert inductor_pdl_refusal(on, [h200]) is None
+    assert inductor_pdl_refusal(loaded().settings, [rtx_3090]) is None
+    # through `hyperqwen serve`, before vLLM: a stand-in nvidia-smi answering as a 3090
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '0, NVIDIA GeForce RTX 3090, 8.6, 24576, 560.35, 350.00'\n")
+    smi.chmod(0o755)
+    env = {"INDUCTOR_PDL": "1", "PRINT_ARGV": "1", "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    done = hyperqwen("serve", "single", env=env, cwd=tmp_path)
+    assert done.returncode == 2
+    assert "refusing to start: INDUCTOR_PDL=1 needs compute capability 9.0" in done.stderr
+    env["INDUCTOR_PDL"] = "0"
+    assert hyperqwen("serve", "single", env=env, cwd=tmp_path).returncode == 0

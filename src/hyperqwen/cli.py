@@ -15,7 +15,13 @@ from hyperqwen.drafter import cli as drafter_cli
 from hyperqwen.engine.features import serve_refusal as feature_refusal
 from hyperqwen.gpu import REQUIREMENT, NoGpu, list_gpus
 from hyperqwen.kv_choices import capability_refusal, head_layout_refusal
-from hyperqwen.launch import build_launch, effective_config_lines, model_path, redact_argv
+from hyperqwen.launch import (
+    build_launch,
+    effective_config_lines,
+    inductor_pdl_refusal,
+    model_path,
+    redact_argv,
+)
 from hyperqwen.parallel import tensor_parallel_refusal
 from hyperqwen.patches import cli as patches_cli
 from hyperqwen.prepare import cli as prepare_cli
@@ -50,8 +56,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except NoGpu as reason:
         gpus, no_gpu = [], reason
     kv, serving_gpus = loaded.settings.KV, gpus[: loaded.settings.GPU_COUNT]
-    refusal = (kv and capability_refusal(kv, serving_gpus)) or feature_refusal(
-        loaded.settings, args.mode, serving_gpus, model_path(loaded.settings)
+    refusal = (
+        (kv and capability_refusal(kv, serving_gpus))
+        or inductor_pdl_refusal(loaded.settings, serving_gpus)
+        or feature_refusal(loaded.settings, args.mode, serving_gpus, model_path(loaded.settings))
     )
     if refusal:
         print(f"hyperqwen serve {args.mode}: refusing to start: {refusal}", file=sys.stderr)

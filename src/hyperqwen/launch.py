@@ -199,6 +199,26 @@ PREFILL_GRAPH_TOKENS = 512
 INDUCTOR_PDL_KEY = "triton.enable_pdl"
 
 
+INDUCTOR_PDL_MIN_CAPABILITY = (9, 0)  # torch 2.11: Inductor emits it from sm90 on
+
+
+def inductor_pdl_refusal(settings: Settings, gpus: list) -> str | None:
+    """Why INDUCTOR_PDL=1 cannot take effect on these GPUs (hyperqwen.gpu.Gpu), or None:
+    below sm90 Inductor would leave it out without a word, so 1 is refused there by name."""
+    if settings.INDUCTOR_PDL != ON:
+        return None
+    short = [
+        f"{g.name} ({g.sm})" for g in gpus if g.compute_capability < INDUCTOR_PDL_MIN_CAPABILITY
+    ]
+    if not short:
+        return None
+    return (
+        "INDUCTOR_PDL=1 needs compute capability 9.0 or newer (H100/H200, RTX 5090), where "
+        f"torch Inductor emits programmatic dependent launch; this machine has "
+        f"{', '.join(short)}. Set INDUCTOR_PDL=0."
+    )
+
+
 def compilation_config(max_graph_tokens: int, inductor_pdl: bool = False) -> dict:
     # Full CUDA graphs for decode-only batches (GDN layers need them to be fast), piecewise for
     # mixed ones, up to max_graph_tokens tokens per step; larger steps (long prefills, which

@@ -258,9 +258,9 @@ class ServingKnobs(BaseModel):
         "1: the Triton kernels torch.compile generates for the model (its fused norms, "
         "activations, residual adds) launch with programmatic dependent launch, each starting "
         "while its predecessor drains and waiting before it reads that kernel's output (torch "
-        "Inductor's triton.enable_pdl). Only sm90 and newer (H100/H200, RTX 5090) have it; "
-        "Inductor leaves it out below, so 3090/4090 kernels are unchanged. Part of the compile "
-        "cache key. Speed and exactness not measured yet.",
+        "Inductor's triton.enable_pdl). Only sm90 and newer (H100/H200, RTX 5090) have it: "
+        "below, where Inductor would leave it out, `hyperqwen serve` refuses 1. Part of the "
+        "compile cache key. Speed and exactness not measured yet.",
         "--compilation-config inductor_compile_config triton.enable_pdl",
     )
     VISION: Switch = knob(
