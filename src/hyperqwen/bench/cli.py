@@ -34,6 +34,7 @@ from hyperqwen.bench.run import run_bench, served_model, write_results
 from hyperqwen.bench.sass import add_subcommand as add_sass_subcommand
 from hyperqwen.bench.soak import add_subcommand as add_soak_subcommand
 from hyperqwen.bench.stepmap_cli import add_subcommand as add_stepmap_subcommand
+from hyperqwen.bench.table import add_subcommand as add_table_subcommand
 from hyperqwen.bench.workload import (
     DatasetMissing,
     RequestFactory,
@@ -218,3 +219,4 @@ def add_subcommand(subparsers) -> None:
     add_quoting_subcommands(actions)
     add_ceiling_subcommands(actions)
     add_needle_subcommand(actions)
+    add_table_subcommand(actions)
