@@ -71,6 +71,7 @@ def test_blocking_calls_are_the_synchronizations_and_synchronous_copies() -> Non
     assert blocks_host(runtime("cudaMemcpy"))
     assert blocks_host(runtime("cuMemcpyDtoH_v2", "cuda_driver"))
     assert not blocks_host(runtime("cudaMemcpyAsync"))
+    assert not blocks_host(runtime("cuMemcpyDtoHAsync_v2", "cuda_driver"))
     assert not blocks_host(runtime("cudaLaunchKernel"))
     assert not blocks_host(runtime("cudaGraphLaunch"))
     assert not blocks_host(runtime("cudaStreamSynchronize", "cpu_op"))  # not a CUDA call

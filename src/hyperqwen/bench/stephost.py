@@ -31,13 +31,14 @@ from hyperqwen.bench.stepmap import (
 
 # Calls that return only once the GPU (or a copy to pageable memory) is done.
 BLOCKING_CALLS = ("Synchronize", "cudaMemcpy", "cuMemcpyDtoH", "cuMemcpyHtoD")
-ASYNC_SUFFIX = "Async"
+ASYNC_MARK = "Async"
 TOP_HOST_RANGES = 12
 
 
 def blocks_host(event: dict) -> bool:
     name = str(event.get("name", ""))
-    if event.get("cat") not in LAUNCHES or name.endswith(ASYNC_SUFFIX):
+    # "Async" anywhere: the driver's names carry a version suffix (cuMemcpyDtoHAsync_v2)
+    if event.get("cat") not in LAUNCHES or ASYNC_MARK in name:
         return False
     return any(part in name for part in BLOCKING_CALLS)
 
