@@ -25,6 +25,17 @@ def hyperqwen(*args: str, env: dict[str, str], cwd: Path) -> subprocess.Complete
     )
 
 
+def path_with_nvidia_smi(folder: Path, csv_line: str) -> str:
+    """A PATH whose `nvidia-smi` is a stand-in answering one card's CSV line (gpu.list_gpus
+    reads it), so `hyperqwen serve` sees that card; the rest of PATH is the system's."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho '{csv_line}'\n")
+    smi.chmod(0o755)
+    return f"{bin_dir}:/usr/bin:/bin"
+
+
 def run_in_process(*args: str) -> int:
     """`hyperqwen ARGS` through the real parser in this process; the exit code."""
     from hyperqwen.cli import build_parser

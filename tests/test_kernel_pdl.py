@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import ROOT, hyperqwen
+from cli_runner import ROOT, hyperqwen, path_with_nvidia_smi
 
 from hyperqwen.engine import pdl as knob
 from hyperqwen.engine.features import PDL, FeatureSwitchError
@@ -92,13 +92,8 @@ def test_serve_refuses_pdl_1_on_a_card_below_sm90_by_name():
 
 
 def test_the_refusal_comes_before_vllm_through_the_cli(tmp_path):
-    # a stand-in nvidia-smi answering as a 4090 would (gpu.list_gpus reads its CSV)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho '0, NVIDIA GeForce RTX 4090, 8.9, 24564, 560.35, 450.00'\n")
-    smi.chmod(0o755)
-    env = {"PDL": "1", "PRINT_ARGV": "1", "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    path = path_with_nvidia_smi(tmp_path, "0, NVIDIA GeForce RTX 4090, 8.9, 24564, 560.35, 450.00")
+    env = {"PDL": "1", "PRINT_ARGV": "1", "PATH": path}
     done = hyperqwen("serve", "single", env=env, cwd=tmp_path)
     assert done.returncode == 2
     assert "refusing to start: PDL=1 needs compute capability 9.0" in done.stderr

@@ -10,7 +10,7 @@ import json
 from typing import get_args
 
 import pytest
-from cli_runner import ROOT, hyperqwen
+from cli_runner import ROOT, hyperqwen, path_with_nvidia_smi
 
 from hyperqwen import docs
 from hyperqwen.capacity import TURBOQUANT_BITS
@@ -124,13 +124,8 @@ def test_fp8_per_token_head_needs_ada_or_hopper():
 
 
 def test_the_gpu_check_refuses_before_vllm_through_the_cli(tmp_path):
-    # a stand-in nvidia-smi answering as a 3090 would (gpu.list_gpus reads its CSV)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho '0, NVIDIA GeForce RTX 3090, 8.6, 24576, 560.35, 350.00'\n")
-    smi.chmod(0o755)
-    env = {"KV": "fp8_per_token_head", "PRINT_ARGV": "1", "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    path = path_with_nvidia_smi(tmp_path, "0, NVIDIA GeForce RTX 3090, 8.6, 24576, 560.35, 350.00")
+    env = {"KV": "fp8_per_token_head", "PRINT_ARGV": "1", "PATH": path}
     done = hyperqwen("serve", "batch", env=env, cwd=tmp_path)
     assert done.returncode == 2
     assert "refusing to start: KV=fp8_per_token_head needs compute capability 8.9" in done.stderr

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cli_runner import hyperqwen
+from cli_runner import hyperqwen, path_with_nvidia_smi
 
 from hyperqwen.engine.features import (
     ALIGN_OVERLAP,
@@ -129,13 +129,9 @@ def test_inductor_pdl_is_refused_by_name_on_a_card_that_would_leave_it_out(tmp_p
     assert "NVIDIA GeForce RTX 3090 (sm86)" in message and "Set INDUCTOR_PDL=0." in message
     assert inductor_pdl_refusal(on, [h200]) is None
     assert inductor_pdl_refusal(loaded().settings, [rtx_3090]) is None
-    # through `hyperqwen serve`, before vLLM: a stand-in nvidia-smi answering as a 3090
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho '0, NVIDIA GeForce RTX 3090, 8.6, 24576, 560.35, 350.00'\n")
-    smi.chmod(0o755)
-    env = {"INDUCTOR_PDL": "1", "PRINT_ARGV": "1", "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    # through `hyperqwen serve`, before vLLM, on a stand-in 3090
+    path = path_with_nvidia_smi(tmp_path, "0, NVIDIA GeForce RTX 3090, 8.6, 24576, 560.35, 350.00")
+    env = {"INDUCTOR_PDL": "1", "PRINT_ARGV": "1", "PATH": path}
     done = hyperqwen("serve", "single", env=env, cwd=tmp_path)
     assert done.returncode == 2
     assert "refusing to start: INDUCTOR_PDL=1 needs compute capability 9.0" in done.stderr
