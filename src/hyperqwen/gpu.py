@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # vLLM's GPTQ/Marlin W4A16 kernels and FlashAttention 2 need Ampere (sm80) or newer.
@@ -30,6 +31,11 @@ class Gpu:
     @property
     def sm(self) -> str:
         return f"sm{self.compute_capability[0]}{self.compute_capability[1]}"
+
+
+def cards_below(gpus: Iterable[Gpu], capability: tuple[int, int]) -> list[str]:
+    """The cards older than `capability`, as a refusal names them: "NAME (smXY)"."""
+    return [f"{gpu.name} ({gpu.sm})" for gpu in gpus if gpu.compute_capability < capability]
 
 
 class NoGpu(Exception):

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from hyperqwen.checkpoint.geometry import text_config
-from hyperqwen.gpu import Gpu
+from hyperqwen.gpu import Gpu, cards_below
 
 KvCacheDtype = Literal[
     "auto",
@@ -225,7 +225,7 @@ def head_layout_refusal(kv: str, config: Mapping[str, Any], tensor_parallel: int
 def capability_refusal(kv: str, gpus: list[Gpu]) -> str | None:
     """Why KV cannot serve on these GPUs, or None."""
     needed = KV_CHOICES[kv].min_capability
-    short = [f"{gpu.name} ({gpu.sm})" for gpu in gpus if gpu.compute_capability < needed]
+    short = cards_below(gpus, needed)
     if not short:
         return None
     return (

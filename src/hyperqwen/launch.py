@@ -30,6 +30,7 @@ from hyperqwen.engine.features import (
     V2_RUNNER,
     launch_env,
 )
+from hyperqwen.gpu import cards_below
 from hyperqwen.kv_choices import KV_CHOICES, speculation_refusal
 from hyperqwen.settings import (
     NO_REASONING_PARSER,
@@ -195,11 +196,9 @@ PREFILL_GRAPH_TOKENS = 512
 
 
 # torch Inductor's config key for programmatic dependent launch in the Triton kernels it
-# generates (torch/_inductor/config.py, class triton: enable_pdl; sm90 and newer only)
+# generates (torch/_inductor/config.py, class triton: enable_pdl), which it emits from sm90 on
 INDUCTOR_PDL_KEY = "triton.enable_pdl"
-
-
-INDUCTOR_PDL_MIN_CAPABILITY = (9, 0)  # torch 2.11: Inductor emits it from sm90 on
+INDUCTOR_PDL_MIN_CAPABILITY = (9, 0)
 
 
 def inductor_pdl_refusal(settings: Settings, gpus: list) -> str | None:
@@ -207,9 +206,7 @@ def inductor_pdl_refusal(settings: Settings, gpus: list) -> str | None:
     below sm90 Inductor would leave it out without a word, so 1 is refused there by name."""
     if settings.INDUCTOR_PDL != ON:
         return None
-    short = [
-        f"{g.name} ({g.sm})" for g in gpus if g.compute_capability < INDUCTOR_PDL_MIN_CAPABILITY
-    ]
+    short = cards_below(gpus, INDUCTOR_PDL_MIN_CAPABILITY)
     if not short:
         return None
     return (

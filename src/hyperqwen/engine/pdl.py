@@ -35,7 +35,9 @@ def serve_refusal(setting: str, gpus: Iterable[Any], model_dir: Path) -> str | N
     """Why PDL=`setting` cannot serve on these GPUs (hyperqwen.gpu.Gpu), or None; any model."""
     if setting != ON:
         return None
-    short = [f"{gpu.name} ({gpu.sm})" for gpu in gpus if gpu.compute_capability < MIN_CAPABILITY]
+    from hyperqwen.gpu import cards_below  # `hyperqwen serve`'s side only: not in vLLM's
+
+    short = cards_below(gpus, MIN_CAPABILITY)
     if not short:
         return None
     return (
