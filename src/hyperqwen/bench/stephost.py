@@ -24,8 +24,8 @@ from hyperqwen.bench.profile import ProfileError
 from hyperqwen.bench.stepmap import (
     CPU_RANGE,
     LAUNCHES,
-    STEP_NAME,
     STEP_RANGE_PREFIX,
+    decode_tokens,
     step_ranges_of,
 )
 
@@ -72,13 +72,15 @@ def _clipped(event: dict, start: float, end: float) -> tuple[float, float] | Non
     return (first, last) if last > first else None
 
 
-def _outermost(events: list[dict]) -> list[dict]:
-    """Events no other event of the list contains (one thread's events nest)."""
+def _outermost(spans: list[tuple[dict, tuple[float, float]]]):
+    """The (event, span) pairs no other pair's event contains (one thread's events nest)."""
     outer, reach = [], float("-inf")
-    for event in sorted(events, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0)))):
+    for event, span in sorted(
+        spans, key=lambda pair: (float(pair[0]["ts"]), -float(pair[0].get("dur", 0.0)))
+    ):
         end = float(event["ts"]) + float(event.get("dur", 0.0))
         if float(event["ts"]) >= reach:
-            outer.append(event)
+            outer.append((event, span))
             reach = end
         else:
             reach = max(reach, end)
@@ -105,9 +107,8 @@ def host_summary(events: list[dict]) -> dict:
     count_by_name: Counter[str] = Counter()
     windows = 0
     for current, following in itertools.pairwise(ranges):
-        match = STEP_NAME.match(str(current["name"]))
-        if not match or int(match[1]) or not int(match[3]):
-            continue  # a step with prefill in it, or none generating: not a decode step
+        if decode_tokens(current) is None:
+            continue
         windows += 1
         start, end = float(current["ts"]), float(following["ts"])
         totals["window"] += end - start
@@ -123,8 +124,7 @@ def host_summary(events: list[dict]) -> dict:
         totals["launching"] += _union_us(
             [span for e, span in inside if e.get("cat") in LAUNCHES and not blocks_host(e)]
         )
-        for event in _outermost([event for event, _ in inside]):
-            first, last = _clipped(event, start, end)
+        for event, (first, last) in _outermost(inside):
             by_name[str(event.get("name", "?"))] += last - first
             count_by_name[str(event.get("name", "?"))] += 1
     if not windows:

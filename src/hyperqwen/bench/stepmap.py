@@ -213,6 +213,15 @@ def _step_ranges(events: list[dict]) -> list[dict]:
     return sorted(ranges, key=lambda e: float(e["ts"]))
 
 
+def decode_tokens(step_range: dict) -> int | None:
+    """The target's tokens of a step range that is a decode step (no prefill in it, at least
+    one generating request): its GEMMs' M; None for any other step."""
+    match = STEP_NAME.match(str(step_range["name"]))
+    if not match or int(match[1]) or not int(match[3]):
+        return None
+    return int(match[4])
+
+
 def segment(events: list[dict]) -> tuple[list[Step], int]:
     """The decode steps of a trace (no prefill in them, at least one generating request) and
     how many other complete steps were left out."""
@@ -220,14 +229,14 @@ def segment(events: list[dict]) -> tuple[list[Step], int]:
     ops = gpu_ops(events)
     steps, left_out = [], 0
     for current, following in itertools.pairwise(ranges):
-        match = STEP_NAME.match(str(current["name"]))
-        if not match or int(match[1]) or not int(match[3]):
+        tokens = decode_tokens(current)
+        if tokens is None:
             left_out += 1
             continue
         start, end = float(current["ts"]), float(following["ts"])
         inside = tuple(op for op in ops if start <= op.start < end)
         forward_end = start + float(current["dur"])
-        steps.append(Step(int(match[4]), start, forward_end, end, inside))
+        steps.append(Step(tokens, start, forward_end, end, inside))
     if not steps:
         raise ProfileError(
             f"none of the trace's {len(ranges)} step range(s) is a complete decode step (one "
