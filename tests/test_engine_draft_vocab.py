@@ -42,6 +42,22 @@ def test_reads_the_prepared_head_rows_of_the_draft_ids(prepared):
     assert torch.equal(head.token_ids, torch.arange(len(ids)) + head.offsets)
 
 
+def test_int8_rows_are_the_prepared_rows_before_dequantization(prepared, tmp_path):
+    path = prepared / folder.DRAFT_HEAD_FILE
+    args = (GEOMETRY.vocab_size, GEOMETRY.hidden_size)
+    token_ids, codes, scales = draft_vocab.load_int8_rows(path, *args, fix="the fix")
+    head = draft_vocab.load_draft_head(path, *args, torch.float32)
+    assert torch.equal(token_ids, head.token_ids)
+    assert codes.dtype == torch.int8 and codes.shape == (40_960, GEOMETRY.hidden_size)
+    assert codes.abs().max() > 100  # group-scaled codes span the int8 range
+    assert scales.shape == (40_960, GEOMETRY.hidden_size // 128)
+    rows = codes.float() * scales.float().repeat_interleave(128, dim=1)
+    assert torch.allclose(rows, head.weight, rtol=1 / 128, atol=0)  # bf16 rounding of load
+    bf16 = write_head(tmp_path / folder.DRAFT_HEAD_FILE, token_ids, head.weight.bfloat16())
+    with pytest.raises(draft_vocab.DraftVocabError, match=r"holds 16-bit rows.*; the fix"):
+        draft_vocab.load_int8_rows(bf16, *args, fix="the fix")
+
+
 def test_greedy_remap_and_full_logits_pick_what_the_draft_rows_pick():
     gen = torch.Generator().manual_seed(5)
     vocab_size = 1000

@@ -10,6 +10,7 @@ import pytest
 
 from hyperqwen.engine.features import (
     ALIGN_OVERLAP,
+    DRAFT_HEAD_INT8,
     DRAFT_VOCAB,
     GDN_BA,
     GDN_RECURRENT,
@@ -320,6 +321,25 @@ def test_overlap_asked_for_without_prefix_caching_warns():
 def test_draft_vocab_reaches_the_patched_vllm_through_its_env(mode, values, expected):
     plan = build_launch(loaded(**values), mode, None)
     assert plan.env.get(DRAFT_VOCAB.env) == expected
+
+
+@pytest.mark.parametrize(
+    ("mode", "values", "expected", "warning"),
+    [
+        ("single", {}, None, None),  # off by default
+        ("single", {"DRAFT_HEAD_INT8": "1"}, "1", None),
+        ("single", {"DRAFT_HEAD_INT8": "1", "DRAFT_VOCAB": "off"}, None, "with DRAFT_VOCAB=off"),
+        ("single", {"DRAFT_HEAD_INT8": "1", "SPEC": "ngram"}, None, "with SPEC=ngram"),
+        ("batch", {"DRAFT_HEAD_INT8": "1"}, None, "single-mode knob"),
+    ],
+)
+def test_int8_draft_head_is_set_only_where_mtp_drafts_from_the_draft_vocabulary(
+    mode, values, expected, warning
+):
+    plan = build_launch(loaded(**values), mode, None)
+    assert plan.env.get(DRAFT_HEAD_INT8.env) == expected
+    named = [w for w in plan.warnings if "DRAFT_HEAD_INT8" in w]
+    assert (warning is None and not named) or (len(named) == 1 and warning in named[0])
 
 
 @pytest.mark.parametrize(

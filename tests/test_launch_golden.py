@@ -42,6 +42,9 @@ SWITCH_VARIANTS: dict[str, dict[str, str]] = {
     "prefix-cache-off": {"PREFIX_CACHE": "0"},
     "prefix-cache-off-overlap-asked": {"PREFIX_CACHE": "0", "PREFIX_CACHE_OVERLAP": "1"},
     "draft-vocab-off": {"DRAFT_VOCAB": "off"},
+    # DRAFT_HEAD_INT8 (issue 27) added this case; it differs from its base case only in its
+    # own variable or a warning
+    "draft-head-int8": {"DRAFT_HEAD_INT8": "1"},
     "split-qkv-off": {"GDN_SPLIT_QKV": "0"},
     # INT8_ACT (issue 26) added this case; a batch-mode knob, single mode only warns
     "int8-act-mlp": {"INT8_ACT": "mlp"},

@@ -103,10 +103,10 @@ def add_subcommand(subparsers) -> None:
     parser.add_argument(
         "--draft-head",
         action="store_true",
-        help="with --config-only: also write hyperqwen-draft-head.safetensors, random bf16 rows "
-        "for the default draft vocabulary (40,960 ids), so the patched vLLM's MTP draft "
-        "vocabulary runs (and can be timed) with --load-format dummy; real models get theirs "
-        "from `hyperqwen prepare`",
+        help="with --config-only: also write hyperqwen-draft-head.safetensors, random rows "
+        "for the default draft vocabulary (40,960 ids) stored int8 as prepare stores them, "
+        "so the patched vLLM's MTP draft vocabulary runs (and can be timed) with --load-format "
+        "dummy; real models get theirs from `hyperqwen prepare`",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="random seed; same seed, same weights [0]"
@@ -144,11 +144,13 @@ def prepared_quantization_edit(geometry):
 
 
 def write_synthetic_draft_head(model_dir: Path, geometry, seed: int) -> int:
-    """Random bf16 rows for the default draft vocabulary, in the file prepare writes (written
+    """Random rows for the default draft vocabulary, in the file prepare writes from an int8
+    lm_head (int8 group-128 codes and scales, as `hyperqwen prepare` leaves the head; written
     atomically); returns its size."""
     import torch
     from safetensors.torch import save_file
 
+    from hyperqwen.checkpoint import w4a16 as checkpoint_format
     from hyperqwen.checkpoint.shards import atomic_file
     from hyperqwen.drafter.head import PREFIX
     from hyperqwen.drafter.vocab import DEFAULT_DRAFT_SIZE, DEFAULT_RANKING, cut, read_ranking
@@ -157,12 +159,11 @@ def write_synthetic_draft_head(model_dir: Path, geometry, seed: int) -> int:
     ids = cut(read_ranking(DEFAULT_RANKING), DEFAULT_DRAFT_SIZE, geometry.vocab_size)
     generator = torch.Generator().manual_seed(seed)
     rows = torch.randn((len(ids), geometry.hidden_size), generator=generator) * 0.02
+    packed = checkpoint_format.pack(rows.to(torch.bfloat16), num_bits=8)
     target = model_dir / DRAFT_HEAD_FILE
     with atomic_file(target) as temporary:
-        tensors = {
-            f"{PREFIX}.token_ids": torch.tensor(ids, dtype=torch.int64),
-            f"{PREFIX}.weight": rows.to(torch.bfloat16),
-        }
+        tensors = {f"{PREFIX}.token_ids": torch.tensor(ids, dtype=torch.int64)}
+        tensors |= {f"{PREFIX}.{suffix}": tensor for suffix, tensor in packed.items()}
         save_file(tensors, str(temporary))
     return target.stat().st_size
 

@@ -7,7 +7,7 @@ concurrency, results JSON), options (the workload options `run` and `ab` share),
 `bench ab`: ab (the command), ab_plan (its frozen options), ab_argv (each side's vLLM argv),
 ab_run (one side measured), server_process (a server's start, health and stop), ab_compare
 (ratio rows, the result document), ab_state (the stock half between phases), results (the
-result schema, publish, docs). Kernel benchmarks: kernels, gdn, on timing's harness.
+result schema, publish, docs). Kernel benchmarks: kernels, gdn, draft-head, on timing's harness.
 """
 
 from hyperqwen.bench.cli import add_subcommand

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from compressed_tensors.compressors.pack_quantized.base import unpack_from_int32
 from safetensors import safe_open
 
 from hyperqwen.checkpoint import w4a16 as checkpoint_format
@@ -54,16 +55,13 @@ class DraftHead:
         return self.token_ids - torch.arange(len(self.token_ids), device=self.token_ids.device)
 
 
-def load_draft_head(path: Path, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> DraftHead:
-    """Read and check a draft head file; the int8 rows of a prepared head come back in `dtype`."""
-    fix = (
-        f"rerun `hyperqwen prepare` to rewrite it, or set {DRAFT_VOCAB.knob}=off "
-        f"({DRAFT_VOCAB.env}=off)"
-    )
+def _read(path: Path, vocab_size: int, hidden_size: int) -> tuple[torch.Tensor, dict]:
+    """A draft head file's token ids and its stored rows (`weight`, or the packed tensors by
+    suffix), checked."""
     with safe_open(path, framework="pt") as handle:
         names = set(handle.keys())
         if f"{PREFIX}.token_ids" not in names:
-            raise DraftVocabError(f"{path}: no {PREFIX}.token_ids tensor; {fix}")
+            raise DraftVocabError(f"{path}: no {PREFIX}.token_ids tensor; {_fix()}")
         token_ids = handle.get_tensor(f"{PREFIX}.token_ids").to(torch.int64)
         stored = {
             name.removeprefix(f"{PREFIX}."): handle.get_tensor(name)
@@ -71,13 +69,13 @@ def load_draft_head(path: Path, vocab_size: int, hidden_size: int, dtype: torch.
             if name != f"{PREFIX}.token_ids"
         }
     if "weight" in stored:
-        weight = stored["weight"]
+        shape = tuple(stored["weight"].shape)
     elif set(checkpoint_format.PACKED_SUFFIXES) <= stored.keys():
-        weight = checkpoint_format.unpack(stored)
+        shape = tuple(stored["weight_shape"].tolist())
     else:
         raise DraftVocabError(
             f"{path}: holds {sorted(stored)}, neither {PREFIX}.weight nor the packed "
-            f"{'/'.join(checkpoint_format.PACKED_SUFFIXES)}; {fix}"
+            f"{'/'.join(checkpoint_format.PACKED_SUFFIXES)}; {_fix()}"
         )
     problems = []
     if token_ids.ndim != 1 or len(token_ids) == 0:
@@ -89,13 +87,62 @@ def load_draft_head(path: Path, vocab_size: int, hidden_size: int, dtype: torch.
             f"token_ids span {int(token_ids[0])}..{int(token_ids[-1])}, outside the model's "
             f"vocabulary of {vocab_size}"
         )
-    if tuple(weight.shape) != (len(token_ids), hidden_size):
+    if shape != (len(token_ids), hidden_size):
         problems.append(
-            f"rows have shape {list(weight.shape)}, expected [{len(token_ids)}, {hidden_size}]"
+            f"rows have shape {list(shape)}, expected [{len(token_ids)}, {hidden_size}]"
         )
     if problems:
-        raise DraftVocabError(f"{path}: " + "; ".join(problems) + f"; {fix}")
+        raise DraftVocabError(f"{path}: " + "; ".join(problems) + f"; {_fix()}")
+    return token_ids, stored
+
+
+def _fix() -> str:
+    return (
+        f"rerun `hyperqwen prepare` to rewrite it, or set {DRAFT_VOCAB.knob}=off "
+        f"({DRAFT_VOCAB.env}=off)"
+    )
+
+
+def load_draft_head(path: Path, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> DraftHead:
+    """Read and check a draft head file; the int8 rows of a prepared head come back in `dtype`."""
+    token_ids, stored = _read(path, vocab_size, hidden_size)
+    weight = stored["weight"] if "weight" in stored else checkpoint_format.unpack(stored)
     return DraftHead(token_ids, weight.to(dtype))
+
+
+def load_int8_rows(
+    path: Path, vocab_size: int, hidden_size: int, fix: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prepared draft head's token ids [N], int8 codes [N, hidden] and group scales
+    [N, hidden / 128], as stored (no dequantization); a file of other rows is refused with
+    `fix`, the caller's way out."""
+    token_ids, stored = _read(path, vocab_size, hidden_size)
+    bits = checkpoint_format.packed_bits(stored) if "weight" not in stored else 16
+    if bits != 8:
+        raise DraftVocabError(
+            f"{path}: holds {bits}-bit rows, not the int8 rows `hyperqwen prepare` writes from "
+            f"an int8 lm_head; {fix}"
+        )
+    codes = unpack_from_int32(stored["weight_packed"], 8, torch.Size((len(token_ids), hidden_size)))
+    return token_ids, codes.contiguous(), stored["weight_scale"].contiguous()
+
+
+# set on a drafter given the draft vocabulary: the vocabulary its draft ids map into
+_TARGET_VOCAB = "hyperqwen_target_vocab_size"
+
+
+def installed(model) -> bool:
+    """Whether `install` gave this drafter the draft vocabulary."""
+    return getattr(model, _TARGET_VOCAB, None) is not None
+
+
+def target_vocab_size(model) -> int:
+    return getattr(model, _TARGET_VOCAB)
+
+
+def head_path(config) -> Path:
+    """The draft head file of the model vLLM serves."""
+    return Path(config.model_config.model) / DRAFT_HEAD_FILE
 
 
 def full_vocab_logits(draft_logits: torch.Tensor, token_ids: torch.Tensor, vocab_size: int):
@@ -119,7 +166,7 @@ def install(proposer) -> bool:
     config = proposer.vllm_config
     if config.speculative_config.method != "mtp":
         return False
-    path = Path(config.model_config.model) / DRAFT_HEAD_FILE
+    path = head_path(config)
     if not path.is_file():
         log.info("draft vocabulary: %s not found; the drafter scores the full vocabulary", path)
         return False
@@ -155,6 +202,7 @@ def install(proposer) -> bool:
     model.logits_processor = draft_logits
     model.draft_id_to_target_id = torch.nn.Parameter(head.offsets.to(device), requires_grad=False)
     model.compute_logits = compute_logits
+    setattr(model, _TARGET_VOCAB, vocab_size)
     # greedy drafts: argmax over the draft rows and remap (LocalArgmaxMixin.get_top_tokens)
     proposer.use_local_argmax_reduction = True
     log.info(

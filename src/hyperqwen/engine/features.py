@@ -264,6 +264,52 @@ DRAFT_VOCAB = Feature(
     "--config-only --draft-head`",
 )
 
+
+def _draft_head_int8_ignored(settings: Any, mode: str) -> str | None:
+    if mode != "single" or settings.DRAFT_HEAD_INT8 != ON:
+        return None
+    if settings.SPEC != "mtp":
+        return f"DRAFT_HEAD_INT8 is ignored with SPEC={settings.SPEC} (it scores MTP's drafts)."
+    if settings.DRAFT_VOCAB == "off":
+        return "DRAFT_HEAD_INT8 is ignored with DRAFT_VOCAB=off (it reads the draft head's rows)."
+    return None
+
+
+DRAFT_HEAD_INT8 = Feature(
+    name="draft_head_int8",
+    seams=(PROPOSER_LOADED,),
+    env="HYPERQWEN_DRAFT_HEAD_INT8",
+    own_files=("src/hyperqwen/kernels/draft_argmax.py", "src/hyperqwen/bench/draft_head.py"),
+    knob="DRAFT_HEAD_INT8",
+    owned_knob=Knob(
+        "0",
+        "With SPEC=mtp and the draft vocabulary: MTP's greedy drafts score the draft head's "
+        "int8 rows (as prepare stores them) in one fused launch, GEMV, argmax and id map "
+        "(src/hyperqwen/kernels/draft_argmax.py), instead of its rows dequantized to bf16 "
+        "through cuBLAS and three small launches (0.30 ms of a 9.76 ms 27B MTP step on the "
+        "H200: docs/results/2026-12-05-h200-27b-single-step-head.json). Output unchanged "
+        "(every draft is verified); the int8 copy adds 0.2 GiB for the 27B. Not timed yet, so "
+        "off by default.",
+        modes=SINGLE_MODE,
+    ),
+    launch=lambda settings, mode: (
+        ON
+        if mode == "single"
+        and settings.DRAFT_HEAD_INT8 == ON
+        and settings.SPEC == "mtp"
+        and settings.DRAFT_VOCAB != "off"
+        else None
+    ),
+    ignored=_draft_head_int8_ignored,
+    # it replaces a method the proposer calls outside the drafter's compiled graph
+    changes_compiled_graph=False,
+    status="off; MTP's greedy drafts from the draft head's int8 rows in one launch of "
+    "`../kernels/draft_argmax.py` (GEMV, argmax over the rows, map to vocabulary ids) in place "
+    "of vLLM's LocalArgmaxMixin.get_top_tokens over the bf16 rows; CPU-tested (kernel against "
+    "float64 at the 27B's head, the drafter's method against the bf16 path's ids); compiles "
+    "for sm80-sm120; not run on a GPU yet",
+)
+
 ALIGN_OVERLAP = Feature(
     name="align_overlap",
     seams=(RUNNER_STEP_BEGINS, RUNNER_COUNTS_ON_GPU),
@@ -549,6 +595,7 @@ FEATURES: tuple[Feature, ...] = (
     W4A16_LINEAR,
     W4A8_LINEAR,
     DRAFT_VOCAB,
+    DRAFT_HEAD_INT8,  # after DRAFT_VOCAB: it reads the rows that one installs
     ALIGN_OVERLAP,
     ALIGN_WHOLE_PROMPT,
     LOOKUP,

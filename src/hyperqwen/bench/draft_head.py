@@ -1,0 +1,214 @@
+"""`hyperqwen bench draft-head`: a greedy MTP draft from the draft head, vLLM's way against the
+fused int8 kernel (src/hyperqwen/kernels/draft_argmax.py).
+
+For the geometry's hidden size and the default draft vocabulary (40,960 rows), at each batch of
+hidden rows a draft pass scores (1, 2, 4, 8, 16), times what vLLM's proposer runs with the draft
+vocabulary (LocalArgmaxMixin.get_top_tokens over the bf16 rows: the GEMM, the max and the id
+remap) and the fused kernel over the same rows stored int8:
+- graph: each replayed from a CUDA graph (two copies of the head, so no replay finds the rows
+  in L2), the GPU's time;
+- eager: launched one after another from Python and synchronized at the end, as the proposer
+  launches them outside its graphs: the host's launch cost shows here when it exceeds the GPU's.
+The fused ids are checked against float64 first (a batch where one is not the best row to fp32
+rounding stops the run); how often they equal the bf16 path's (which rounds each logit to bf16
+before its max) is recorded.
+
+Writes one result file in `bench ab`'s row schema: per batch, `draft_head_b<B>` and
+`draft_head_eager_b<B>` in us (stock = vLLM's path, patched = the kernel) and
+`draft_head_moved_b<B>` in GB/s (the rows' bytes over the graph time); timings under "raw".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from hyperqwen.bench.timing import add_timing_parser, copy_bandwidth_gbps, gpu_label, graph_time_us
+from hyperqwen.checkpoint.geometry import PRESETS
+
+BATCHES = (1, 2, 4, 8, 16)
+EAGER_CALLS = 200
+COPIES = 2  # each copy of the bf16 head is 419 MB for the 27B, far beyond L2
+
+
+def make_heads(rows: int, hidden: int, copies: int = COPIES, device: str = "cuda"):
+    """`copies` random int8 heads (codes, scales, sorted ids) and the bf16 rows they dequantize
+    to, as the draft vocabulary loads them."""
+    import torch
+
+    from hyperqwen.kernels.draft_argmax import GROUP
+
+    generator = torch.Generator(device=device).manual_seed(rows)
+    token_ids = torch.sort(torch.randperm(3 * rows, generator=generator, device=device)[:rows])[0]
+    heads = []
+    for _ in range(copies):
+        codes = torch.randint(
+            -128, 128, (rows, hidden), generator=generator, device=device, dtype=torch.int8
+        )
+        scales = torch.rand((rows, hidden // GROUP), generator=generator, device=device) * 1e-3
+        scales = scales.to(torch.bfloat16)
+        bf16 = (codes.float() * scales.float().repeat_interleave(GROUP, dim=1)).to(torch.bfloat16)
+        heads.append((codes, scales, bf16))
+    return token_ids, heads
+
+
+def vllm_path(bf16, offsets):
+    """LocalArgmaxMixin.get_top_tokens with the draft vocabulary, at one tensor-parallel rank."""
+    import torch
+
+    def top_tokens(hidden):
+        top = torch.nn.functional.linear(hidden, bf16).max(dim=-1).indices
+        return top + offsets[top]
+
+    return top_tokens
+
+
+def eager_us(call, hidden, calls: int = EAGER_CALLS) -> float:
+    """Wall time per call of `calls` back-to-back eager calls, synchronized once at the end."""
+    import torch
+
+    call(hidden)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call(hidden)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e6 / calls
+
+
+def measure_batch(
+    token_ids, heads, batch: int, log, timer=graph_time_us, eager=eager_us, device="cuda"
+) -> dict:
+    """Both paths checked, then timed: `timer` takes a list of launches and returns us per
+    launch (graph_time_us), `eager` a call and its input (eager_us)."""
+    import torch
+
+    from hyperqwen.kernels.draft_argmax import Int8DraftHead
+
+    rows, hidden_size = heads[0][0].shape
+    offsets = token_ids - torch.arange(rows, device=token_ids.device)
+    hidden = torch.randn((batch, hidden_size), device=device).to(torch.bfloat16)
+    fused = [Int8DraftHead(codes, scales, token_ids).top_tokens for codes, scales, _ in heads]
+    stock = [vllm_path(bf16, offsets) for _, _, bf16 in heads]
+    ids = fused[0](hidden)[0]
+    codes, scales, _ = heads[0]
+    # the rows the kernel scores, exactly (the bf16 path's are these rounded to bf16)
+    exact = codes.double() * scales.double().repeat_interleave(codes.shape[1] // scales.shape[1], 1)
+    reference = hidden.double() @ exact.T
+    del exact
+    chosen = reference.gather(1, torch.searchsorted(token_ids, ids)[:, None]).squeeze(1)
+    worst_gap = (reference.max(dim=1).values - chosen).max().item()
+    if worst_gap > 1e-4 * reference.abs().max().item():
+        raise RuntimeError(f"B={batch}: a fused draft is {worst_gap:.3g} below the best logit")
+    agree = (ids == stock[0](hidden)).float().mean().item()
+    entry = {
+        "batch": batch,
+        "worst_gap_to_float64_best": worst_gap,
+        "agree_with_vllm_path": agree,
+        "vllm_us": timer([lambda s=s: s(hidden) for s in stock]),
+        "fused_us": timer([lambda f=f: f(hidden)[0] for f in fused]),
+        "vllm_eager_us": statistics.median(eager(stock[0], hidden) for _ in range(5)),
+        "fused_eager_us": statistics.median(
+            eager(lambda h: fused[0](h)[0], hidden) for _ in range(5)
+        ),
+        "fused_bytes": codes.numel() + scales.numel() * scales.element_size(),
+    }
+    log(
+        f"B={batch}: vLLM {entry['vllm_us']:.1f} us (eager {entry['vllm_eager_us']:.1f}), fused "
+        f"{entry['fused_us']:.1f} us (eager {entry['fused_eager_us']:.1f}); agree {agree:.2f}"
+    )
+    return entry
+
+
+def result_rows(raw: dict) -> list[dict]:
+    from hyperqwen.bench.results import comparison_row
+
+    rows = []
+    for entry in raw["batches"]:
+        b = entry["batch"]
+        rows.append(comparison_row(f"draft_head_b{b}", "us", entry["vllm_us"], entry["fused_us"]))
+        rows.append(
+            comparison_row(
+                f"draft_head_eager_b{b}", "us", entry["vllm_eager_us"], entry["fused_eager_us"]
+            )
+        )
+        bf16_bytes = 2 * raw["rows"] * raw["hidden"]
+
+        def gbps(nbytes: int, us: float) -> float:
+            return round(nbytes / (us * 1e-6) / 1e9, 1)
+
+        rows.append(
+            comparison_row(
+                f"draft_head_moved_b{b}",
+                "GB/s",
+                gbps(bf16_bytes, entry["vllm_us"]),
+                gbps(entry["fused_bytes"], entry["fused_us"]),
+            )
+        )
+    copy = round(raw["copy_gbps"])
+    rows.append(comparison_row("copy_bandwidth", "GB/s", copy, copy))
+    return [asdict(row) for row in rows]
+
+
+def cmd_draft_head(args: argparse.Namespace) -> int:
+    import torch
+
+    from hyperqwen.bench.header import git_commit
+    from hyperqwen.bench.results import RESULT_SCHEMA
+    from hyperqwen.drafter.vocab import DEFAULT_DRAFT_SIZE
+
+    if not torch.cuda.is_available():
+        print("bench draft-head: needs a CUDA GPU (it times kernels on one)", file=sys.stderr)
+        return 3
+    import vllm
+
+    geometry = PRESETS[args.preset]
+    raw = {
+        "gpu": gpu_label(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "rows": DEFAULT_DRAFT_SIZE,
+        "hidden": geometry.hidden_size,
+        "copy_gbps": copy_bandwidth_gbps(),
+        "batches": [],
+    }
+    document = {
+        "schema": RESULT_SCHEMA,
+        "gpu": raw["gpu"],
+        "vllm": f"vLLM {vllm.__version__}: LocalArgmaxMixin's ops called directly (no server)",
+        "commit": args.commit or git_commit(),
+        "date": raw["date"],
+        "command": shlex.join(["hyperqwen", "bench", "draft-head", *sys.argv[3:]]),
+        "model": f"{args.preset} geometry draft head ({DEFAULT_DRAFT_SIZE} rows), random rows",
+        "notes": [
+            "stock = what vLLM's MTP proposer runs for a greedy draft with the draft vocabulary "
+            "(bf16 GEMM, max, id remap); patched = src/hyperqwen/kernels/draft_argmax.py over "
+            "the same rows stored int8 (DRAFT_HEAD_INT8=1). Graph rows: median of 15 replays of "
+            f"a CUDA graph over {COPIES} copies of the head; eager rows: {EAGER_CALLS} eager "
+            "calls synchronized once, median of 5, so the host's launch cost counts.",
+        ],
+    }
+    token_ids, heads = make_heads(raw["rows"], raw["hidden"])
+    out = Path(args.out)
+    for batch in BATCHES:
+        raw["batches"].append(measure_batch(token_ids, heads, batch, print))
+        document.update(rows=result_rows(raw), raw=raw)
+        out.write_text(json.dumps(document, indent=1) + "\n")  # after each batch: a kill keeps some
+    print(f"bench draft-head: wrote {out} (publish: hyperqwen bench publish {out} --name NAME)")
+    return 0
+
+
+def add_subcommand(actions) -> None:
+    parser = add_timing_parser(
+        actions,
+        "draft-head",
+        "time a greedy MTP draft from the draft head, vLLM's path against the int8 kernel (GPU)",
+        __doc__,
+        "draft-head-result.json",
+    )
+    parser.set_defaults(func=cmd_draft_head)

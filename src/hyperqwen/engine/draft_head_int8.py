@@ -1,0 +1,63 @@
+"""MTP's greedy drafts from the draft head's int8 rows in one launch (DRAFT_HEAD_INT8=1).
+
+At the proposer_loaded seam (seams.py), after the draft vocabulary has given the drafter its
+bf16 rows (engine/draft_vocab.py, earlier in FEATURES' order), this reads the same file's int8
+rows and group scales and replaces the drafter's `get_top_tokens` (vLLM's LocalArgmaxMixin,
+which the proposer calls for every greedy draft) with kernels/draft_argmax.py: the GEMV, the
+argmax and the map to vocabulary ids in one launch, from half the bytes and without the bf16
+logits. Sampled drafts (DRAFT_SAMPLE=probabilistic, for a request that samples) still score
+the bf16 rows through `compute_logits`, which stay loaded: the int8 copy adds its bytes
+(N x hidden, 0.2 GiB for the 27B's 40,960 rows) to the weights.
+
+Verification is untouched, so the output is what it is without it; a draft can differ only
+where two rows' logits tie to bf16 rounding (the kernel compares them in fp32).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hyperqwen.engine import draft_vocab
+from hyperqwen.engine.features import DRAFT_HEAD_INT8
+from hyperqwen.kernels.draft_argmax import Int8DraftHead
+
+log = logging.getLogger("vllm.hyperqwen.draft_head_int8")
+
+
+def proposer_loaded(proposer) -> None:
+    install(proposer)
+
+
+def install(proposer) -> bool:
+    """Give a loaded MTP proposer, whose drafter has the draft vocabulary, the fused int8
+    argmax. Returns whether it was installed; logs why not."""
+    model = proposer.model
+    if not draft_vocab.installed(model):
+        log.warning(
+            "int8 draft head: the drafter has no draft vocabulary (SPEC=mtp with "
+            "hyperqwen-draft-head.safetensors in the model folder); its drafts keep vLLM's path"
+        )
+        return False
+    config = proposer.vllm_config
+    token_ids, codes, scales = draft_vocab.load_int8_rows(
+        draft_vocab.head_path(config),
+        draft_vocab.target_vocab_size(model),
+        config.model_config.hf_text_config.hidden_size,
+        fix=f"set {DRAFT_HEAD_INT8.knob}=0 ({DRAFT_HEAD_INT8.env}=0), or write the head again "
+        "with `hyperqwen prepare`",
+    )
+    device = model.draft_id_to_target_id.device
+    head = Int8DraftHead(codes.to(device), scales.to(device), token_ids.to(device))
+
+    def get_top_tokens(hidden_states: torch.Tensor) -> torch.Tensor:
+        return head.top_tokens(hidden_states)[0]
+
+    model.get_top_tokens = get_top_tokens
+    log.info(
+        "int8 draft head: greedy drafts score %d int8 rows in one fused launch (%.2f GiB)",
+        len(token_ids),
+        (codes.numel() + scales.numel() * scales.element_size()) / 2**30,
+    )
+    return True

@@ -1,0 +1,33 @@
+"""DRAFT_HEAD_INT8's engine side on the CPU: its variable, and a drafter it cannot serve.
+
+The install into vLLM's real Qwen3_5MTP (drafts against the bf16 rows') is in
+tests/test_synth.py, the kernel in tests/test_kernel_draft_argmax.py, the served greedy output
+in tests/test_engine_draft_vocab_gpu.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from hyperqwen.engine import draft_head_int8
+from hyperqwen.engine.features import DRAFT_HEAD_INT8, FeatureSwitchError, env_value
+
+
+def test_variable_is_off_unset_and_refuses_other_words(monkeypatch):
+    monkeypatch.delenv(DRAFT_HEAD_INT8.env, raising=False)
+    assert env_value(DRAFT_HEAD_INT8) == "0"
+    monkeypatch.setenv(DRAFT_HEAD_INT8.env, "true")
+    with pytest.raises(FeatureSwitchError, match=f"{DRAFT_HEAD_INT8.env}='true': expected one of"):
+        env_value(DRAFT_HEAD_INT8)
+
+
+def test_a_drafter_without_the_draft_vocabulary_keeps_vllms_path(caplog):
+    drafter = SimpleNamespace(get_top_tokens="vLLM's")
+    proposer = SimpleNamespace(model=drafter, vllm_config=None)
+    with caplog.at_level(logging.WARNING, logger="vllm.hyperqwen.draft_head_int8"):
+        assert not draft_head_int8.install(proposer)
+    assert drafter.get_top_tokens == "vLLM's"
+    assert "has no draft vocabulary" in caplog.text
