@@ -384,15 +384,14 @@ def test_draft_vocabulary_installs_into_vllms_own_mtp_drafter(
 def test_int8_draft_head_drafts_what_the_bf16_rows_draft(vllm_cpu, tiny, tmp_path, monkeypatch):
     """The real Qwen3_5MTP, weights loaded, then the proposer_loaded seam with the draft
     vocabulary and DRAFT_HEAD_INT8=1: greedy drafts come from the fused int8 kernel (under
-    Triton's interpreter here) and are the ids LocalArgmaxMixin picks from the bf16 rows,
-    except where two rows tie to bf16 rounding; sampled drafts keep the bf16 rows."""
+    Triton's interpreter here) and are the ids LocalArgmaxMixin picked from the bf16 rows,
+    except where two rows tie to bf16 rounding; with greedy drafts the bf16 rows are freed."""
     from types import SimpleNamespace
 
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    from vllm.model_executor.models.interfaces import LocalArgmaxMixin
 
-    from hyperqwen.engine import draft_vocab, seams
+    from hyperqwen.engine import draft_head_int8, draft_vocab, seams
     from hyperqwen.engine.features import DRAFT_HEAD_INT8, DRAFT_VOCAB
     from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
     from hyperqwen.synth import write_synthetic_draft_head
@@ -403,6 +402,7 @@ def test_int8_draft_head_drafts_what_the_bf16_rows_draft(vllm_cpu, tiny, tmp_pat
     vllm_config = engine_config(
         model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2}
     )
+    assert vllm_config.speculative_config.draft_sample_method == "greedy"
     draft_config = vllm_config.speculative_config.draft_model_config
     hidden = torch.randn((6, PRESETS["tiny"].hidden_size), dtype=torch.bfloat16)
     with set_current_vllm_config(vllm_config):
@@ -412,12 +412,15 @@ def test_int8_draft_head_drafts_what_the_bf16_rows_draft(vllm_cpu, tiny, tmp_pat
             model=draft, vllm_config=vllm_config, use_local_argmax_reduction=False
         )
         monkeypatch.setenv(DRAFT_VOCAB.env, "auto")
-        monkeypatch.setenv(DRAFT_HEAD_INT8.env, "1")
-        seams.proposer_loaded(proposer)  # the draft vocabulary, then the int8 rows
+        monkeypatch.setenv(DRAFT_HEAD_INT8.env, "0")
+        seams.proposer_loaded(proposer)  # the draft vocabulary alone: vLLM's bf16 path
+        bf16 = draft.get_top_tokens(hidden)
+        assert draft_head_int8.install(proposer)  # as the seam calls it with the knob at 1
         fused = draft.get_top_tokens(hidden)
-        bf16 = LocalArgmaxMixin.get_top_tokens(draft, hidden)  # vLLM's path, bf16 rows
-        sampled = draft.compute_logits(hidden)
+        with pytest.raises(RuntimeError, match="freed the drafter's bf16 rows"):
+            draft.compute_logits(hidden)
 
+    assert draft.lm_head.weight.numel() == 0  # greedy drafts: the bf16 rows are gone
     head = draft_vocab.load_draft_head(
         model_dir / DRAFT_HEAD_FILE, 248_320, PRESETS["tiny"].hidden_size, torch.float32
     )
@@ -431,7 +434,6 @@ def test_int8_draft_head_drafts_what_the_bf16_rows_draft(vllm_cpu, tiny, tmp_pat
     bf16_chosen = reference.gather(1, bf16_rows[:, None]).squeeze(1)
     # the same draft, or a row the bf16 logits could not tell from it
     assert ((fused == bf16) | ((chosen - bf16_chosen).abs() < 1e-2)).all()
-    assert torch.equal(sampled.argmax(dim=-1), bf16)  # sampled drafts: the bf16 rows
 
 
 def _zero_stride_weights(specs, corrupt=None):

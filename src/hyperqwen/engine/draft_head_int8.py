@@ -6,8 +6,9 @@ rows and group scales and replaces the drafter's `get_top_tokens` (vLLM's LocalA
 which the proposer calls for every greedy draft) with kernels/draft_argmax.py: the GEMV, the
 argmax and the map to vocabulary ids in one launch, from half the bytes and without the bf16
 logits. Sampled drafts (DRAFT_SAMPLE=probabilistic, for a request that samples) still score
-the bf16 rows through `compute_logits`, which stay loaded: the int8 copy adds its bytes
-(N x hidden, 0.2 GiB for the 27B's 40,960 rows) to the weights.
+the bf16 rows through `compute_logits`, which then stay loaded beside the int8 copy (N x
+hidden bytes, 0.2 GiB for the 27B's 40,960 rows); with greedy drafts (the default) nothing
+reads them again and they are freed, a net 0.2 GiB less than the bf16 rows alone.
 
 Verification is untouched, so the output is what it is without it; a draft can differ only
 where two rows' logits tie to bf16 rounding (the kernel compares them in fp32).
@@ -30,6 +31,10 @@ def proposer_loaded(proposer) -> None:
     install(proposer)
 
 
+def _graph_sizes(config) -> list[int]:
+    return list(config.compilation_config.cudagraph_capture_sizes or [0])
+
+
 def install(proposer) -> bool:
     """Give a loaded MTP proposer, whose drafter has the draft vocabulary, the fused int8
     argmax. Returns whether it was installed; logs why not."""
@@ -49,15 +54,39 @@ def install(proposer) -> bool:
         "with `hyperqwen prepare`",
     )
     device = model.draft_id_to_target_id.device
-    head = Int8DraftHead(codes.to(device), scales.to(device), token_ids.to(device))
+    # a draft pass scores at most one row per running request (V2 pads to its graph sizes)
+    max_batch = max(config.scheduler_config.max_num_seqs, *_graph_sizes(config))
+    head = Int8DraftHead(codes.to(device), scales.to(device), token_ids.to(device), max_batch)
 
     def get_top_tokens(hidden_states: torch.Tensor) -> torch.Tensor:
         return head.top_tokens(hidden_states)[0]
 
     model.get_top_tokens = get_top_tokens
+    kept = "kept for sampled drafts"
+    if config.speculative_config.draft_sample_method == "greedy":
+        _drop_bf16_rows(model)
+        kept = "freed: every draft is greedy"
     log.info(
-        "int8 draft head: greedy drafts score %d int8 rows in one fused launch (%.2f GiB)",
+        "int8 draft head: greedy drafts score %d int8 rows in one fused launch (%.2f GiB; the "
+        "bf16 rows %s)",
         len(token_ids),
         (codes.numel() + scales.numel() * scales.element_size()) / 2**30,
+        kept,
     )
     return True
+
+
+def _drop_bf16_rows(model) -> None:
+    """With draft_sample_method greedy neither of vLLM's runners asks the drafter for logits
+    (only sampled drafts do), so the draft vocabulary's bf16 rows are not read again: their
+    memory goes back, and a call for logits says why there are none."""
+    model.lm_head.weight.data = model.lm_head.weight.data.new_empty(0)
+
+    def compute_logits(hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        raise RuntimeError(
+            f"{DRAFT_HEAD_INT8.env}=1 with greedy drafts freed the drafter's bf16 rows, yet "
+            "vLLM asked it for logits (sampled drafts); set DRAFT_SAMPLE=probabilistic to keep "
+            f"them, or {DRAFT_HEAD_INT8.knob}=0"
+        )
+
+    model.compute_logits = compute_logits

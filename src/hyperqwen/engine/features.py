@@ -288,8 +288,9 @@ DRAFT_HEAD_INT8 = Feature(
         "(src/hyperqwen/kernels/draft_argmax.py), instead of its rows dequantized to bf16 "
         "through cuBLAS and three small launches (0.30 ms of a 9.76 ms 27B MTP step on the "
         "H200: docs/results/2026-12-05-h200-27b-single-step-head.json). Output unchanged "
-        "(every draft is verified); the int8 copy adds 0.2 GiB for the 27B. Not timed yet, so "
-        "off by default.",
+        "(every draft is verified). With DRAFT_SAMPLE=greedy the bf16 rows are freed (0.2 GiB "
+        "less for the 27B); probabilistic keeps them beside the int8 copy (0.2 GiB more). Not "
+        "timed yet, so off by default.",
         modes=SINGLE_MODE,
     ),
     launch=lambda settings, mode: (
@@ -306,8 +307,8 @@ DRAFT_HEAD_INT8 = Feature(
     status="off; MTP's greedy drafts from the draft head's int8 rows in one launch of "
     "`../kernels/draft_argmax.py` (GEMV, argmax over the rows, map to vocabulary ids) in place "
     "of vLLM's LocalArgmaxMixin.get_top_tokens over the bf16 rows; CPU-tested (kernel against "
-    "float64 at the 27B's head, the drafter's method against the bf16 path's ids); compiles "
-    "for sm80-sm120; not run on a GPU yet",
+    "float64 at the 27B's head, the drafter's method against the bf16 path's ids, the bf16 rows "
+    "freed under greedy drafts); compiles for sm80-sm120; not run on a GPU yet",
 )
 
 ALIGN_OVERLAP = Feature(

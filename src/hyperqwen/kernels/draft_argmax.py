@@ -104,9 +104,16 @@ def _draft_argmax_kernel(
 class Int8DraftHead:
     """The draft head's int8 rows, their group scales and their vocabulary ids on one device,
     with the scratch its launches share (partial winners, one ticket per column of BLOCK_B
-    hidden rows). Launches on one stream at a time, as vLLM's proposer makes them."""
+    hidden rows), sized for batches of up to `max_batch` rows before any graph is captured.
+    Launches on one stream at a time, as vLLM's proposer makes them."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, token_ids: torch.Tensor):
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        token_ids: torch.Tensor,
+        max_batch: int = BLOCK_B,
+    ):
         rows, hidden = codes.shape
         problems = []
         if codes.dtype != torch.int8 or not codes.is_contiguous():
@@ -123,16 +130,21 @@ class Int8DraftHead:
             raise ValueError("Int8DraftHead: " + "; ".join(problems))
         self.codes, self.scales, self.token_ids = codes, scales, token_ids
         self.n_blocks = triton.cdiv(rows, BLOCK_N)
-        self._part_val = torch.empty(0, dtype=torch.float32, device=codes.device)
-        self._part_row = torch.empty(0, dtype=torch.int32, device=codes.device)
         self._tickets = torch.zeros(0, dtype=torch.int32, device=codes.device)
+        self._scratch(triton.cdiv(max_batch, BLOCK_B))
 
     def _scratch(self, columns: int) -> None:
         """Partials and tickets for `columns` columns of hidden rows (grown, never shrunk;
-        a new ticket starts at zero, as each launch leaves its own)."""
+        a new ticket starts at zero, as each launch leaves its own). Never grown while a CUDA
+        graph is captured: a graph captured before would keep the freed buffers."""
         if self._tickets.numel() >= columns:
             return
         device = self.codes.device
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"Int8DraftHead: a batch of over {self._tickets.numel() * BLOCK_B} hidden rows "
+                "while a CUDA graph is captured; build it with max_batch covering the largest"
+            )
         partials = columns * BLOCK_B * self.n_blocks
         self._part_val = torch.empty(partials, dtype=torch.float32, device=device)
         self._part_row = torch.empty(partials, dtype=torch.int32, device=device)
