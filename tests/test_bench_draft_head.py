@@ -23,6 +23,9 @@ def test_the_timed_vllm_path_picks_what_the_full_vocabulary_argmax_picks():
     assert torch.equal(picked, full.argmax(dim=-1))
 
 
+RAW = {"rows": 200, "hidden": 256, "copy_gbps": 4000.0}
+
+
 def test_rows_compare_each_batch_and_count_each_paths_bytes():
     entry = {"batch": 4, "vllm_us": 100.0, "fused_us": 50.0, "vllm_eager_us": 120.0,
              "fused_eager_us": 60.0, "fused_bytes": 1_000_000}  # fmt: skip
@@ -44,10 +47,16 @@ def test_a_batch_is_checked_then_timed_on_both_paths():
         timed.append([launch() for launch in launches])  # each copy's launch runs
         return 10.0
 
+    offsets = token_ids - torch.arange(len(token_ids))
+    # Marlin needs a GPU: the bf16 path stands in for it, to run the third path's plumbing
+    other = [draft_head.vllm_path(bf16, offsets) for _, _, bf16 in heads]
     entry = draft_head.measure_batch(
-        token_ids, heads, 3, lambda line: None, timer, lambda call, hidden: 2.0, device="cpu"
+        token_ids, heads, 3, lambda line: None, timer, lambda call, hidden: 2.0, "cpu", other
     )
-    assert len(timed) == 2 and all(len(copies) == draft_head.COPIES for copies in timed)
+    assert len(timed) == 3 and all(len(copies) == draft_head.COPIES for copies in timed)
+    assert entry["marlin_agree_with_vllm_path"] == 1.0 and entry["marlin_eager_us"] == 2.0
+    names = {row["name"] for row in draft_head.result_rows({**RAW, "batches": [entry]})}
+    assert {"draft_head_marlin_b3", "draft_head_marlin_eager_b3"} <= names
     assert entry["worst_gap_to_float64_best"] <= 1e-6 and entry["agree_with_vllm_path"] > 0.5
     assert entry["fused_bytes"] == 200 * 256 + 200 * 2 * 2
     assert entry["vllm_us"] == entry["fused_us"] == 10.0 and entry["fused_eager_us"] == 2.0

@@ -14,8 +14,10 @@ rounding stops the run); how often they equal the bf16 path's (which rounds each
 before its max) is recorded.
 
 Writes one result file in `bench ab`'s row schema: per batch, `draft_head_b<B>` and
-`draft_head_eager_b<B>` in us (stock = vLLM's path, patched = the kernel) and
-`draft_head_moved_b<B>` in GB/s (the rows' bytes over the graph time); timings under "raw".
+`draft_head_eager_b<B>` in us (stock = vLLM's path, patched = the kernel), the same two for
+the int8 rows through vLLM's Marlin GEMM and the same max and remap (`draft_head_marlin_b<B>`,
+`draft_head_marlin_eager_b<B>`: the other way to read int8 rows, as an int8 lm_head is served),
+and `draft_head_moved_b<B>` in GB/s (the rows' bytes over the graph time); timings under "raw".
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 from hyperqwen.bench.timing import add_timing_parser, copy_bandwidth_gbps, gpu_label, graph_time_us
 from hyperqwen.checkpoint.geometry import PRESETS
@@ -69,6 +72,36 @@ def vllm_path(bf16, offsets):
     return top_tokens
 
 
+def marlin_paths(heads, offsets) -> list:
+    """The same int8 rows through vLLM's Marlin (as a prepared int8 lm_head is served: weights
+    uint8b128 in groups of 128), then the max and the id remap: the other way to read int8."""
+    from compressed_tensors.compressors.pack_quantized.base import pack_to_int32
+
+    from hyperqwen.bench.kernels import init_vllm_single_rank, vllm_layers
+
+    init_vllm_single_rank()
+    rows, hidden = heads[0][0].shape
+    weights = SimpleNamespace(
+        n=rows,
+        k=hidden,
+        bits=8,
+        packed=[pack_to_int32(codes, 8) for codes, _, _ in heads],
+        scales=[scales for _, scales, _ in heads],
+    )
+    built, reason = vllm_layers("marlin", weights)
+    if built is None:
+        raise RuntimeError(f"Marlin cannot serve the draft head: {reason}")
+
+    def path(kernel, layer):
+        def top_tokens(hidden_states):
+            top = kernel.apply_weights(layer, hidden_states).max(dim=-1).indices
+            return top + offsets[top]
+
+        return top_tokens
+
+    return [path(kernel, layer) for kernel, layer in built]
+
+
 def eager_us(call, hidden, calls: int = EAGER_CALLS) -> float:
     """Wall time per call of `calls` back-to-back eager calls, synchronized once at the end."""
     import torch
@@ -83,10 +116,12 @@ def eager_us(call, hidden, calls: int = EAGER_CALLS) -> float:
 
 
 def measure_batch(
-    token_ids, heads, batch: int, log, timer=graph_time_us, eager=eager_us, device="cuda"
-) -> dict:
-    """Both paths checked, then timed: `timer` takes a list of launches and returns us per
-    launch (graph_time_us), `eager` a call and its input (eager_us)."""
+    token_ids, heads, batch: int, log, timer=graph_time_us, eager=eager_us, device="cuda",
+    marlin=None,
+) -> dict:  # fmt: skip
+    """The paths checked, then timed: `timer` takes a list of launches and returns us per
+    launch (graph_time_us), `eager` a call and its input (eager_us); `marlin`: marlin_paths'
+    calls, one per copy of the head, or None to leave that path out."""
     import torch
 
     from hyperqwen.kernels.draft_argmax import Int8DraftHead
@@ -106,7 +141,8 @@ def measure_batch(
     worst_gap = (reference.max(dim=1).values - chosen).max().item()
     if worst_gap > 1e-4 * reference.abs().max().item():
         raise RuntimeError(f"B={batch}: a fused draft is {worst_gap:.3g} below the best logit")
-    agree = (ids == stock[0](hidden)).float().mean().item()
+    stock_ids = stock[0](hidden)
+    agree = (ids == stock_ids).float().mean().item()
     entry = {
         "batch": batch,
         "worst_gap_to_float64_best": worst_gap,
@@ -119,6 +155,14 @@ def measure_batch(
         ),
         "fused_bytes": codes.numel() + scales.numel() * scales.element_size(),
     }
+    if marlin:
+        # Marlin rounds each logit to bf16, as vLLM's bf16 path does: ties may differ
+        agreed = marlin[0](hidden) == stock_ids
+        entry["marlin_agree_with_vllm_path"] = agreed.float().mean().item()
+        entry["marlin_us"] = timer([lambda m=m: m(hidden) for m in marlin])
+        entry["marlin_eager_us"] = statistics.median(eager(marlin[0], hidden) for _ in range(5))
+        eager_marlin = entry["marlin_eager_us"]
+        log(f"B={batch}: Marlin int8 {entry['marlin_us']:.1f} us (eager {eager_marlin:.1f})")
     log(
         f"B={batch}: vLLM {entry['vllm_us']:.1f} us (eager {entry['vllm_eager_us']:.1f}), fused "
         f"{entry['fused_us']:.1f} us (eager {entry['fused_eager_us']:.1f}); agree {agree:.2f}"
@@ -138,6 +182,14 @@ def result_rows(raw: dict) -> list[dict]:
                 f"draft_head_eager_b{b}", "us", entry["vllm_eager_us"], entry["fused_eager_us"]
             )
         )
+        if "marlin_us" in entry:
+            for suffix, key in (("", "us"), ("_eager", "eager_us")):
+                rows.append(
+                    comparison_row(
+                        f"draft_head_marlin{suffix}_b{b}", "us", entry[f"vllm_{key}"],
+                        entry[f"marlin_{key}"],
+                    )
+                )  # fmt: skip
         bf16_bytes = 2 * raw["rows"] * raw["hidden"]
 
         def gbps(nbytes: int, us: float) -> float:
@@ -188,15 +240,19 @@ def cmd_draft_head(args: argparse.Namespace) -> int:
         "notes": [
             "stock = what vLLM's MTP proposer runs for a greedy draft with the draft vocabulary "
             "(bf16 GEMM, max, id remap); patched = src/hyperqwen/kernels/draft_argmax.py over "
-            "the same rows stored int8 (DRAFT_HEAD_INT8=1). Graph rows: median of 15 replays of "
-            f"a CUDA graph over {COPIES} copies of the head; eager rows: {EAGER_CALLS} eager "
-            "calls synchronized once, median of 5, so the host's launch cost counts.",
+            "the same rows stored int8 (DRAFT_HEAD_INT8=1); draft_head_marlin_* rows: patched = "
+            "those int8 rows through vLLM's Marlin, then the same max and remap. Graph rows: "
+            f"median of 15 replays of a CUDA graph over {COPIES} copies of the head; eager rows: "
+            f"{EAGER_CALLS} eager calls synchronized once, median of 5, so the host's launch cost "
+            "counts.",
         ],
     }
     token_ids, heads = make_heads(raw["rows"], raw["hidden"])
+    offsets = token_ids - torch.arange(len(token_ids), device=token_ids.device)
+    marlin = marlin_paths(heads, offsets)
     out = Path(args.out)
     for batch in BATCHES:
-        raw["batches"].append(measure_batch(token_ids, heads, batch, print))
+        raw["batches"].append(measure_batch(token_ids, heads, batch, print, marlin=marlin))
         document.update(rows=result_rows(raw), raw=raw)
         out.write_text(json.dumps(document, indent=1) + "\n")  # after each batch: a kill keeps some
     print(f"bench draft-head: wrote {out} (publish: hyperqwen bench publish {out} --name NAME)")
