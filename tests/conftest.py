@@ -7,6 +7,7 @@ function is defined, its own library's included, so it is set here, before anyth
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -183,3 +184,21 @@ def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("models")
     synthesize(root / "tiny", PRESETS["tiny"], config_only=True, progress=False)
     return root
+
+
+@pytest.fixture
+def engine_log(caplog):
+    """caplog for the engine's loggers ("vllm.hyperqwen.*") at INFO: once vLLM has set up its
+    logging its "vllm" logger stops propagation, so caplog's root handler alone would miss
+    them, depending on whether an earlier test imported vLLM. vLLM's logging is set up first
+    (its import reconfigures the loggers), so a test that imports vLLM keeps this handler."""
+    import vllm.logger  # noqa: F401
+
+    logger = logging.getLogger("vllm.hyperqwen")
+    saved = logger.level, logger.propagate
+    logger.addHandler(caplog.handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # caught here once, not again at the root
+    yield caplog
+    logger.removeHandler(caplog.handler)
+    logger.level, logger.propagate = saved

@@ -99,7 +99,7 @@ def test_it_takes_a_plain_bf16_layer_only():
     assert not gdn_ba.takes(layer)
 
 
-def test_the_built_layer_calls_the_op_only_when_it_takes_the_layer(monkeypatch):
+def test_the_built_layer_calls_the_op_only_when_it_takes_the_layer(monkeypatch, engine_log):
     """The gdn_layer_built seam: the forward's hyperqwen_ba_projection is None (vLLM's GEMM,
     split and copies) unless GDN_BA=1 and the op takes the layer."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
@@ -113,8 +113,11 @@ def test_the_built_layer_calls_the_op_only_when_it_takes_the_layer(monkeypatch):
     seams.gdn_layer_built(layer)
     assert layer.hyperqwen_ba_projection is None
     monkeypatch.setenv(GDN_BA.env, "1")
+    monkeypatch.setattr(gdn_ba, "_announced", [])  # as in a fresh vLLM process
+    seams.gdn_layer_built(layer)
     seams.gdn_layer_built(layer)
     assert layer.hyperqwen_ba_projection is torch.ops.hyperqwen.gdn_ba
+    assert engine_log.text.count("GDN b/a projection: HyperQwen's kernel") == 1  # once a process
     split_across_ranks = SimpleNamespace(**{**vars(layer), "tp_size": 2})
     seams.gdn_layer_built(split_across_ranks)
     assert split_across_ranks.hyperqwen_ba_projection is None

@@ -294,6 +294,15 @@ def test_the_engine_choice_leaves_batches_and_plain_decode_to_vllm() -> None:
     assert calls == [MAX_SEQUENCES + 1, 2]  # ours took only the verify of MAX_SEQUENCES
 
 
+def test_the_choice_says_so_in_the_server_log(engine_log) -> None:
+    from hyperqwen.engine import gdn_recurrent
+
+    namespace = {gdn_recurrent.VLLMS_UPDATE: print}
+    gdn_recurrent.gdn_module_loaded(namespace)
+    assert namespace[gdn_recurrent.VLLMS_UPDATE] is not print
+    assert "GDN recurrent update: HyperQwen's kernel for verify steps" in engine_log.text
+
+
 def test_the_patched_layer_module_binds_the_choice_when_it_loads() -> None:
     probe = (
         "from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as m; "

@@ -12,8 +12,11 @@ yet. Host work only: shapes, never tensor values, so CUDA graphs capture it.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
+
+log = logging.getLogger("vllm.hyperqwen.gdn_recurrent")
 
 MAX_TOKENS_PER_PASS = 16
 MAX_SEQUENCES = 2  # more go to vLLM's kernel: at four it was no faster (see above)
@@ -30,6 +33,10 @@ def tokens_per_pass(total_tokens: int, sequences: int) -> int:
 def gdn_module_loaded(namespace: dict) -> None:
     """The GDN layer module's recurrent update becomes `chosen`'s."""
     namespace[VLLMS_UPDATE] = chosen(namespace[VLLMS_UPDATE])
+    log.info(
+        "GDN recurrent update: HyperQwen's kernel for verify steps of up to %d sequences",
+        MAX_SEQUENCES,
+    )
 
 
 def chosen(vllms: Callable) -> Callable:
