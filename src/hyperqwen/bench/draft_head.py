@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
-from hyperqwen.bench.timing import add_timing_parser, copy_bandwidth_gbps, gpu_label, graph_time_us
+from hyperqwen.bench.timing import add_timing_parser, copy_row, graph_time_us, kernel_run
 from hyperqwen.checkpoint.geometry import PRESETS
 
 BATCHES = (1, 2, 4, 8, 16)
@@ -203,41 +201,19 @@ def result_rows(raw: dict) -> list[dict]:
                 gbps(entry["fused_bytes"], entry["fused_us"]),
             )
         )
-    copy = round(raw["copy_gbps"])
-    rows.append(comparison_row("copy_bandwidth", "GB/s", copy, copy))
+    rows.append(copy_row(raw))
     return [asdict(row) for row in rows]
 
 
 def cmd_draft_head(args: argparse.Namespace) -> int:
-    import torch
-
-    from hyperqwen.bench.header import git_commit
-    from hyperqwen.bench.results import RESULT_SCHEMA
     from hyperqwen.drafter.vocab import DEFAULT_DRAFT_SIZE
 
-    if not torch.cuda.is_available():
-        print("bench draft-head: needs a CUDA GPU (it times kernels on one)", file=sys.stderr)
-        return 3
-    import vllm
-
-    geometry = PRESETS[args.preset]
-    raw = {
-        "gpu": gpu_label(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "rows": DEFAULT_DRAFT_SIZE,
-        "hidden": geometry.hidden_size,
-        "copy_gbps": copy_bandwidth_gbps(),
-        "batches": [],
-    }
-    document = {
-        "schema": RESULT_SCHEMA,
-        "gpu": raw["gpu"],
-        "vllm": f"vLLM {vllm.__version__}: LocalArgmaxMixin's ops called directly (no server)",
-        "commit": args.commit or git_commit(),
-        "date": raw["date"],
-        "command": shlex.join(["hyperqwen", "bench", "draft-head", *sys.argv[3:]]),
-        "model": f"{args.preset} geometry draft head ({DEFAULT_DRAFT_SIZE} rows), random rows",
-        "notes": [
+    run = kernel_run(
+        "draft-head",
+        args,
+        "LocalArgmaxMixin's ops called directly (no server)",
+        f"{args.preset} geometry draft head ({DEFAULT_DRAFT_SIZE} rows), random rows",
+        [
             "stock = what vLLM's MTP proposer runs for a greedy draft with the draft vocabulary "
             "(bf16 GEMM, max, id remap); patched = src/hyperqwen/kernels/draft_argmax.py over "
             "the same rows stored int8 (DRAFT_HEAD_INT8=1); draft_head_marlin_* rows: patched = "
@@ -246,7 +222,13 @@ def cmd_draft_head(args: argparse.Namespace) -> int:
             f"{EAGER_CALLS} eager calls synchronized once, median of 5, so the host's launch cost "
             "counts.",
         ],
-    }
+    )
+    if run is None:
+        return 3
+    import torch
+
+    raw, document = run
+    raw |= {"rows": DEFAULT_DRAFT_SIZE, "hidden": PRESETS[args.preset].hidden_size, "batches": []}
     token_ids, heads = make_heads(raw["rows"], raw["hidden"])
     offsets = token_ids - torch.arange(len(token_ids), device=token_ids.device)
     marlin = marlin_paths(heads, offsets)

@@ -18,18 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
-import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 from hyperqwen.bench.timing import (
     L2_ROTATION_BYTES,
     add_timing_parser,
-    copy_bandwidth_gbps,
-    gpu_label,
+    copy_row,
     graph_time_us,
+    kernel_run,
 )
 from hyperqwen.checkpoint.geometry import PRESETS
 
@@ -202,46 +199,32 @@ def result_rows(raw: dict) -> list[dict]:
         served = entry["ours"].get(served_label(entry["sequences"], entry["tokens"], v_heads, dim))
         if served and "us" in served:  # what the serving path runs for this batch
             rows.append(comparison_row(f"gdn_{name}_served", "us", stock, round(served["us"], 2)))
-    copy = round(raw["copy_gbps"])
-    rows.append(comparison_row("copy_bandwidth", "GB/s", copy, copy))
+    rows.append(copy_row(raw))
     return [asdict(row) for row in rows]
 
 
 def cmd_gdn(args: argparse.Namespace) -> int:
-    import torch
-
-    from hyperqwen.bench.header import git_commit
-    from hyperqwen.bench.results import RESULT_SCHEMA
-
-    if not torch.cuda.is_available():
-        print("bench gdn: needs a CUDA GPU (it times kernels on one)", file=sys.stderr)
-        return 3
-    import vllm
-
     geometry = PRESETS[args.preset]
-    raw = {
-        "gpu": gpu_label(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "v_heads": geometry.linear_num_value_heads,
-        "head_dim": geometry.linear_value_head_dim,
-        "copy_gbps": copy_bandwidth_gbps(),
-        "cases": {},
-    }
-    document = {
-        "schema": RESULT_SCHEMA,
-        "gpu": raw["gpu"],
-        "vllm": f"vLLM {vllm.__version__}: its recurrent kernel called directly (no server)",
-        "commit": args.commit or git_commit(),
-        "date": raw["date"],
-        "command": shlex.join(["hyperqwen", "bench", "gdn", *sys.argv[3:]]),
-        "model": f"{args.preset} geometry Gated DeltaNet heads, fp32 state, random inputs",
-        "notes": [
+    run = kernel_run(
+        "gdn",
+        args,
+        "its recurrent kernel called directly (no server)",
+        f"{args.preset} geometry Gated DeltaNet heads, fp32 state, random inputs",
+        [
             "stock = vLLM 0.26's recurrent kernel (32 state rows and 4 warps per program); "
             "patched = src/hyperqwen/kernels/gdn_recurrent.py at its fastest swept config "
             "(raw has them all). Each time is the median of 15 replays of a CUDA graph over "
             "state slots larger than L2, divided by the launches. GB/s counts the fp32 state "
             "read once and written after each token.",
         ],
+    )
+    if run is None:
+        return 3
+    raw, document = run
+    raw |= {
+        "v_heads": geometry.linear_num_value_heads,
+        "head_dim": geometry.linear_value_head_dim,
+        "cases": {},
     }
     out = Path(args.out)
     for name, sequences, tokens in CASES:

@@ -1,6 +1,7 @@
-"""The timing harness every kernel benchmark (`bench kernels`, `bench gdn`) shares: launches
-replayed from a CUDA graph over operands larger than L2, the copy bandwidth they are measured
-against, the GPU they ran on and the options every one takes."""
+"""The timing harness every kernel benchmark (`bench kernels`, `bench gdn`, `bench draft-head`)
+shares: launches replayed from a CUDA graph over operands larger than L2, the copy bandwidth they
+are measured against, the GPU they ran on, the options every one takes and its result file's
+header."""
 
 from __future__ import annotations
 
@@ -94,3 +95,47 @@ def add_timing_parser(actions, name: str, help: str, description: str, default_o
         help="the checkout's commit, when running from a copy without .git (default: git describe)",
     )
     return parser
+
+
+def kernel_run(command: str, args: argparse.Namespace, vllm_what: str, model: str,
+               notes: list[str]) -> tuple[dict, dict] | None:  # fmt: skip
+    """A kernel bench's first record and its result file's header, or None (said on stderr)
+    without a GPU. raw: the GPU, the date and the copy bandwidth measured now; the document:
+    `bench ab`'s schema with `bench COMMAND`'s command line, vLLM's version and what it ran."""
+    import shlex
+    import sys
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"bench {command}: needs a CUDA GPU (it times kernels on one)", file=sys.stderr)
+        return None
+    import vllm
+
+    from hyperqwen.bench.header import git_commit
+    from hyperqwen.bench.results import RESULT_SCHEMA
+
+    raw = {
+        "gpu": gpu_label(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "copy_gbps": copy_bandwidth_gbps(),
+    }
+    document = {
+        "schema": RESULT_SCHEMA,
+        "gpu": raw["gpu"],
+        "vllm": f"vLLM {vllm.__version__}: {vllm_what}",
+        "commit": args.commit or git_commit(),
+        "date": raw["date"],
+        "command": shlex.join(["hyperqwen", "bench", command, *sys.argv[3:]]),
+        "model": model,
+        "notes": notes,
+    }
+    return raw, document
+
+
+def copy_row(raw: dict):
+    """The copy bandwidth the run's GB/s rows compare with, as a row (the same both sides)."""
+    from hyperqwen.bench.results import comparison_row
+
+    copy = round(raw["copy_gbps"])
+    return comparison_row("copy_bandwidth", "GB/s", copy, copy)
