@@ -115,7 +115,9 @@ GDN_RECURRENT = Feature(
         "default.",
     ),
     status="off; routes decode and verify recurrent updates to `../kernels/gdn_recurrent.py`; "
-    "CPU-tested (the patched module binds it, results match vLLM's kernel); speed not measured",
+    "CPU-tested (the patched module binds it, results match vLLM's kernel); the server log says "
+    "`GDN recurrent update: HyperQwen's kernel`; served against vLLM's kernel in "
+    "`tests/test_gdn_kernels_gpu.py` (not run yet); speed in a server not measured",
 )
 
 GDN_BA = Feature(
@@ -135,7 +137,9 @@ GDN_BA = Feature(
     ),
     status="off; b and a of decode and verify steps from `../kernels/ba_proj.py` in one launch, "
     "vLLM's GEMM, split and copies beyond 16 rows (a torch custom op); CPU-tested (kernel "
-    "against float64, op against vLLM's path, `torch.library.opcheck`); not run on a GPU yet",
+    "against float64, op against vLLM's path, `torch.library.opcheck`); the server log says "
+    "`GDN b/a projection: HyperQwen's kernel`; served on a GPU against vLLM's path in "
+    "`tests/test_gdn_kernels_gpu.py`, not run yet",
 )
 
 SPLIT_QKV = Feature(
