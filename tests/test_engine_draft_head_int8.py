@@ -29,3 +29,18 @@ def test_a_drafter_without_the_draft_vocabulary_keeps_vllms_path(engine_log):
     assert not draft_head_int8.install(proposer)
     assert drafter.get_top_tokens == "vLLM's"
     assert "has no draft vocabulary" in engine_log.text
+
+
+def test_hyperqwen_serve_asks_before_vllm_starts_only_where_the_variable_is_set(tmp_path):
+    from hyperqwen.engine.features import serve_refusal
+    from hyperqwen.settings import Settings
+
+    def settings(**values):
+        return Settings.model_validate({"DRAFT_HEAD_INT8": "1", **values})
+
+    refused = serve_refusal(settings(), "single", [], tmp_path)  # a folder without the head
+    assert refused and "does not exist" in refused
+    # where it cannot apply it only warns (DRAFT_VOCAB=off, SPEC=ngram), and batch never drafts
+    assert serve_refusal(settings(DRAFT_VOCAB="off"), "single", [], tmp_path) is None
+    assert serve_refusal(settings(SPEC="ngram"), "single", [], tmp_path) is None
+    assert serve_refusal(settings(), "batch", [], tmp_path) is None

@@ -58,6 +58,23 @@ def test_int8_rows_are_the_prepared_rows_before_dequantization(prepared, tmp_pat
         draft_vocab.load_int8_rows(bf16, *args, fix="the fix")
 
 
+def test_int8_draft_head_serves_only_a_folder_with_int8_rows(prepared, tmp_path):
+    """DRAFT_HEAD_INT8's check before vLLM starts, from the file's header: a prepared folder
+    serves; a missing head or bf16 rows are refused naming the file and the knob."""
+    from hyperqwen.engine import draft_head_int8
+
+    assert draft_head_int8.serve_refusal("1", [], prepared) is None
+    assert draft_head_int8.serve_refusal("0", [], tmp_path) is None
+    missing = draft_head_int8.serve_refusal("1", [], tmp_path)
+    assert "does not exist" in missing and "DRAFT_HEAD_INT8=0" in missing
+    head = draft_vocab.load_draft_head(
+        prepared / folder.DRAFT_HEAD_FILE, GEOMETRY.vocab_size, GEOMETRY.hidden_size, torch.float32
+    )
+    write_head(tmp_path / folder.DRAFT_HEAD_FILE, head.token_ids, head.weight.bfloat16())
+    bf16 = draft_head_int8.serve_refusal("1", [], tmp_path)
+    assert "holds 16-bit rows" in bf16 and str(tmp_path) in bf16 and "DRAFT_HEAD_INT8=0" in bf16
+
+
 def test_greedy_remap_and_full_logits_pick_what_the_draft_rows_pick():
     gen = torch.Generator().manual_seed(5)
     vocab_size = 1000

@@ -12,19 +12,54 @@ reads them again and they are freed, a net 0.2 GiB less than the bf16 rows alone
 
 Verification is untouched, so the output is what it is without it; a draft can differ only
 where two rows' logits tie to bf16 rounding (the kernel compares them in fp32).
+
+`hyperqwen serve` asks `serve_refusal` first: a model folder whose draft head is missing or
+not int8 is refused by name before vLLM starts (so this module loads the standard library
+only; torch and the kernel come with `install`).
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Any
 
-import torch
-
-from hyperqwen.engine import draft_vocab
-from hyperqwen.engine.features import DRAFT_HEAD_INT8
-from hyperqwen.kernels.draft_argmax import Int8DraftHead
+from hyperqwen.engine.features import DRAFT_HEAD_INT8, ON
 
 log = logging.getLogger("vllm.hyperqwen.draft_head_int8")
+_FIX = (
+    f"set {DRAFT_HEAD_INT8.knob}=0 ({DRAFT_HEAD_INT8.env}=0), or write the head again with "
+    "`hyperqwen prepare`"
+)
+
+
+def serve_refusal(setting: str, gpus: Any, model_dir: Path) -> str | None:
+    """Why DRAFT_HEAD_INT8=`setting` cannot serve this model folder, or None: the prepared
+    draft head must be there with int8 rows (read from its safetensors header alone)."""
+    if setting != ON:
+        return None
+    from hyperqwen.checkpoint.shards import ShardFileError, read_header
+    from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
+
+    path = Path(model_dir) / DRAFT_HEAD_FILE
+    if not path.is_file():
+        return (
+            f"{DRAFT_HEAD_INT8.knob}=1 needs the draft head `hyperqwen prepare` writes, and "
+            f"{path} does not exist; run `hyperqwen prepare` on the model folder, or set "
+            f"{DRAFT_HEAD_INT8.knob}=0"
+        )
+    try:
+        shapes = {name: entry.shape for name, entry in read_header(path).tensors.items()}
+    except ShardFileError as error:
+        return f"{DRAFT_HEAD_INT8.knob}=1: {error}; {_FIX}"
+    packed, scales = shapes.get("draft_head.weight_packed"), shapes.get("draft_head.weight_scale")
+    bits = 32 * packed[1] // (128 * scales[1]) if packed and scales else 16
+    if bits != 8:
+        return (
+            f"{DRAFT_HEAD_INT8.knob}=1 reads int8 draft-head rows, and {path} holds {bits}-bit "
+            f"rows; {_FIX}"
+        )
+    return None
 
 
 def proposer_loaded(proposer) -> None:
@@ -38,6 +73,11 @@ def _graph_sizes(config) -> list[int]:
 def install(proposer) -> bool:
     """Give a loaded MTP proposer, whose drafter has the draft vocabulary, the fused int8
     argmax. Returns whether it was installed; logs why not."""
+    import torch
+
+    from hyperqwen.engine import draft_vocab
+    from hyperqwen.kernels.draft_argmax import Int8DraftHead
+
     model = proposer.model
     if not draft_vocab.installed(model):
         log.warning(
@@ -50,8 +90,7 @@ def install(proposer) -> bool:
         draft_vocab.head_path(config),
         draft_vocab.target_vocab_size(model),
         config.model_config.hf_text_config.hidden_size,
-        fix=f"set {DRAFT_HEAD_INT8.knob}=0 ({DRAFT_HEAD_INT8.env}=0), or write the head again "
-        "with `hyperqwen prepare`",
+        fix=_FIX,
     )
     device = model.draft_id_to_target_id.device
     # a draft pass scores at most one row per running request (V2 pads to its graph sizes)
@@ -82,7 +121,7 @@ def _drop_bf16_rows(model) -> None:
     memory goes back, and a call for logits says why there are none."""
     model.lm_head.weight.data = model.lm_head.weight.data.new_empty(0)
 
-    def compute_logits(hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+    def compute_logits(hidden_states: Any, spec_step_idx: int = 0) -> Any:
         raise RuntimeError(
             f"{DRAFT_HEAD_INT8.env}=1 with greedy drafts freed the drafter's bf16 rows, yet "
             "vLLM asked it for logits (sampled drafts); set DRAFT_SAMPLE=probabilistic to keep "

@@ -306,6 +306,7 @@ DRAFT_HEAD_INT8 = Feature(
         else None
     ),
     ignored=_draft_head_int8_ignored,
+    checked_at_serve=True,  # a draft head that is missing or not int8 is refused by name
     # it replaces a method the proposer calls outside the drafter's compiled graph
     changes_compiled_graph=False,
     status="off; MTP's greedy drafts from the draft head's int8 rows in one launch of "
