@@ -5,7 +5,8 @@ the profile's 64); knob values vLLM would refuse at start are refused before it,
 from __future__ import annotations
 
 import pytest
-from test_capacity_launch import ASSUMED, G27, H200, RTX_4090, flag, loaded
+from loaded_settings import loaded
+from test_capacity_launch import ASSUMED, G27, H200, RTX_4090, flag
 
 from hyperqwen.capacity import (
     CacheSetup,

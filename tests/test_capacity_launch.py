@@ -10,6 +10,7 @@ from typing import get_args
 
 import pytest
 from cli_runner import hyperqwen
+from loaded_settings import loaded
 
 from hyperqwen.capacity import (
     ASSUMED_CARD_BYTES,
@@ -35,16 +36,12 @@ from hyperqwen.gpu import Gpu
 from hyperqwen.kv_choices import KV_CACHE_DTYPES, KV_CHOICES
 from hyperqwen.launch import SINGLE_PROFILES, build_launch
 from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
-from hyperqwen.settings import LoadedSettings, Settings, StateDtype
+from hyperqwen.settings import Settings, StateDtype
 
 G27 = PRESETS["27b"]
 RTX_4090 = Machine(24_564 * MiB, "RTX 4090", G27, PREPARED_27B_WEIGHT_BYTES, "prepared 27B")
 H200 = Machine(143_771 * MiB, "H200", G27, PREPARED_27B_WEIGHT_BYTES, "prepared 27B")
 ASSUMED = Machine(ASSUMED_CARD_BYTES, "assumed", G27, PREPARED_27B_WEIGHT_BYTES, "27B", True)
-
-
-def loaded(**values: str) -> LoadedSettings:
-    return LoadedSettings(Settings.model_validate(values), frozenset(values))
 
 
 def flag(argv: list[str], name: str) -> str:

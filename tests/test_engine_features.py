@@ -10,6 +10,7 @@ from typing import get_args
 
 import pytest
 from cli_runner import ROOT
+from loaded_settings import loaded
 
 from hyperqwen import docs
 from hyperqwen.doctor import check_engine_features
@@ -23,13 +24,9 @@ from hyperqwen.engine.features import (
     switched_on,
 )
 from hyperqwen.launch import BATCH_PROFILE, SINGLE_PROFILES, build_launch
-from hyperqwen.settings import LoadedSettings, Settings, knobs
+from hyperqwen.settings import Settings, knobs
 
 ENGINE = ROOT / "src" / "hyperqwen" / "engine"
-
-
-def loaded(**values: str) -> LoadedSettings:
-    return LoadedSettings(Settings.model_validate(values), frozenset(values))
 
 
 def test_names_knobs_and_variables_are_unique_and_modules_exist():

@@ -10,11 +10,12 @@ import os
 from pathlib import Path
 
 import pytest
+from loaded_settings import loaded
 
 from hyperqwen.engine.features import SHARED_TRITON_CACHE
 from hyperqwen.launch import build_launch
 from hyperqwen.patches.tree import series_status
-from hyperqwen.settings import LoadedSettings, Settings, SettingsError, load_settings
+from hyperqwen.settings import SettingsError, load_settings
 
 PREFIX = "backbone"
 
@@ -78,10 +79,6 @@ def test_a_disabled_compile_cache_changes_nothing(adaptors, folders, monkeypatch
     initialize(adaptors[kind](), cache_dir, disable_cache=True)
     assert os.environ["TRITON_CACHE_DIR"] == "/the/users/triton"
     assert not root.exists()
-
-
-def loaded(**values: str) -> LoadedSettings:
-    return LoadedSettings(Settings.model_validate(values), frozenset(values))
 
 
 @pytest.mark.parametrize("mode", ["single", "batch"])

@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 from cli_runner import ROOT, hyperqwen
+from loaded_settings import loaded
 
 from hyperqwen.bench.kernels import (
     W4A8_BACKENDS,
@@ -36,13 +37,9 @@ from hyperqwen.engine.w4a8_linear import (
 from hyperqwen.gpu import parse_smi_line
 from hyperqwen.kernels.w4a16 import pack_codes
 from hyperqwen.launch import build_launch
-from hyperqwen.settings import LoadedSettings, Settings, SettingsError, load_settings
+from hyperqwen.settings import SettingsError, load_settings
 
 GROUP = 128
-
-
-def loaded(**values: str) -> LoadedSettings:
-    return LoadedSettings(Settings.model_validate(values), frozenset(values))
 
 
 # --- the knob ---------------------------------------------------------------------------------

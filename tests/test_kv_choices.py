@@ -11,6 +11,7 @@ from typing import get_args
 
 import pytest
 from cli_runner import ROOT, hyperqwen, path_with_nvidia_smi
+from loaded_settings import loaded
 
 from hyperqwen import docs
 from hyperqwen.capacity import TURBOQUANT_BITS
@@ -29,17 +30,13 @@ from hyperqwen.kv_choices import (
     speculation_refusal,
 )
 from hyperqwen.launch import KvRefusal, build_launch
-from hyperqwen.settings import LoadedSettings, Settings
+from hyperqwen.settings import Settings
 
 TURBOQUANTS = [kv for kv in KV_CACHE_DTYPES if kv.startswith("turboquant_")]
 SPECULATING = ("mtp", "ngram", "lookup")
 RTX_3090 = parse_smi_line("0, NVIDIA GeForce RTX 3090, 8.6, 24576, 560.35, 350.00")
 RTX_4090 = parse_smi_line("1, NVIDIA GeForce RTX 4090, 8.9, 24564, 560.35, 450.00")
 H200 = parse_smi_line("0, NVIDIA H200, 9.0, 143771, 580.95, 700.00")
-
-
-def loaded(**values: str) -> LoadedSettings:
-    return LoadedSettings(Settings.model_validate(values), frozenset(values))
 
 
 def serving(kv: str) -> list[tuple[str, dict[str, str]]]:

@@ -7,6 +7,7 @@ import json
 from typing import get_args
 
 import pytest
+from loaded_settings import loaded
 
 from hyperqwen.engine.features import (
     ALIGN_OVERLAP,
@@ -18,13 +19,8 @@ from hyperqwen.engine.features import (
     W4A16_LINEAR,
 )
 from hyperqwen.launch import LOOKUP_MATCH, build_launch, redact_argv
-from hyperqwen.settings import LinearBackend, LoadedSettings, Settings, StateDtype
+from hyperqwen.settings import LinearBackend, StateDtype
 from hyperqwen.vllm_flags import FLAG_ALIASES, FlagToken, flag_keys, flag_value, read_flag
-
-
-def loaded(**values: str) -> LoadedSettings:
-    return LoadedSettings(Settings.model_validate(values), frozenset(values))
-
 
 SINGLE_COMBOS = [
     dict(CTX=ctx, SPEC=spec, DRAFT_SAMPLE=sample)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from cli_runner import hyperqwen, path_with_nvidia_smi
+from loaded_settings import loaded
 
 from hyperqwen.engine.features import (
     ALIGN_OVERLAP,
@@ -26,11 +27,7 @@ from hyperqwen.launch import (
     build_launch,
     inductor_pdl_refusal,
 )
-from hyperqwen.settings import LoadedSettings, Settings, SettingsError, load_settings
-
-
-def loaded(**values: str) -> LoadedSettings:
-    return LoadedSettings(Settings.model_validate(values), frozenset(values))
+from hyperqwen.settings import SettingsError, load_settings
 
 
 @pytest.mark.parametrize("mode", ["single", "batch"])

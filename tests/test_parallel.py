@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from cli_runner import hyperqwen
-from test_launch import loaded
+from loaded_settings import loaded
 
 from hyperqwen.launch import build_launch
 from hyperqwen.parallel import tensor_parallel_problems, tensor_parallel_refusal, workable_sizes
