@@ -96,6 +96,9 @@ def install(proposer) -> bool:
     # a draft pass scores at most one row per running request (V2 pads to its graph sizes)
     max_batch = max(config.scheduler_config.max_num_seqs, *_graph_sizes(config))
     head = Int8DraftHead(codes.to(device), scales.to(device), token_ids.to(device), max_batch)
+    # compiled now, at load, rather than in the first request's draft
+    warm = torch.zeros((1, codes.shape[1]), dtype=config.model_config.dtype, device=device)
+    head.top_tokens(warm)
 
     def get_top_tokens(hidden_states: torch.Tensor) -> torch.Tensor:
         return head.top_tokens(hidden_states)[0]

@@ -39,7 +39,7 @@ REDUCE_BLOCK = 128
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])  # one compile for every batch (no new one mid-serving)
 def _draft_argmax_kernel(
     x_ptr, codes_ptr, scales_ptr, ids_ptr, part_val_ptr, part_row_ptr, tickets_ptr,
     out_ids_ptr, out_val_ptr, B, N, K, stride_xb, n_blocks,
