@@ -158,3 +158,20 @@ def test_the_fit_line_says_what_each_mode_gets_on_the_card(tmp_path):
         raise NoGpu("nvidia-smi lists no GPU")
 
     assert doctor.check_fit(loaded, no_gpu) == []
+
+
+def test_the_fit_line_fails_where_serve_would_refuse_before_vllm_starts(tmp_path):
+    """The knobs `hyperqwen serve` refuses for these cards or this model folder
+    (launch.start_refusal) fail doctor's fit line by name, mode by mode."""
+    rtx_3090 = [parse_smi_line("1, NVIDIA GeForce RTX 3090, 8.6, 24576, 575.57.08, 350.00")]
+
+    def fit(**knobs):
+        settings = Settings(MODELS_DIR=tmp_path, **knobs)
+        return doctor.check_fit(LoadedSettings(settings, frozenset(knobs)), lambda: rtx_3090)
+
+    single, batch = fit(INDUCTOR_PDL="1")  # Inductor emits PDL on sm90 and newer only
+    assert single.status == batch.status == "FAIL"
+    assert "INDUCTOR_PDL=1 needs compute capability 9.0" in single.detail
+    single, batch = fit(DRAFT_HEAD_INT8="1")  # the model folder has no prepared draft head
+    assert single.status == "FAIL" and "DRAFT_HEAD_INT8=1 needs the draft head" in single.detail
+    assert batch.status == "OK"  # batch mode does not draft

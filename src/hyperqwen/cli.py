@@ -12,15 +12,14 @@ from pathlib import Path
 from hyperqwen import bench, capacity_cli, docs, doctor, synth
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.drafter import cli as drafter_cli
-from hyperqwen.engine.features import serve_refusal as feature_refusal
 from hyperqwen.gpu import REQUIREMENT, NoGpu, list_gpus
-from hyperqwen.kv_choices import capability_refusal, head_layout_refusal
+from hyperqwen.kv_choices import head_layout_refusal
 from hyperqwen.launch import (
     build_launch,
     effective_config_lines,
-    inductor_pdl_refusal,
     model_path,
     redact_argv,
+    start_refusal,
 )
 from hyperqwen.parallel import tensor_parallel_refusal
 from hyperqwen.patches import cli as patches_cli
@@ -55,12 +54,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gpus, no_gpu = list_gpus(), None
     except NoGpu as reason:
         gpus, no_gpu = [], reason
-    kv, serving_gpus = loaded.settings.KV, gpus[: loaded.settings.GPU_COUNT]
-    refusal = (
-        (kv and capability_refusal(kv, serving_gpus))
-        or inductor_pdl_refusal(loaded.settings, serving_gpus)
-        or feature_refusal(loaded.settings, args.mode, serving_gpus, model_path(loaded.settings))
-    )
+    kv = loaded.settings.KV
+    refusal = start_refusal(loaded.settings, args.mode, gpus[: loaded.settings.GPU_COUNT])
     if refusal:
         print(f"hyperqwen serve {args.mode}: refusing to start: {refusal}", file=sys.stderr)
         return EXIT_BAD_SETTINGS

@@ -13,7 +13,7 @@ from typing import Literal
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.engine.features import FEATURES, OFF, ON
 from hyperqwen.gpu import MIN_COMPUTE_CAPABILITY, MIN_MEMORY_GIB_27B, REQUIREMENT, NoGpu, list_gpus
-from hyperqwen.launch import build_launch, choose_host, model_path
+from hyperqwen.launch import build_launch, choose_host, model_path, start_refusal
 from hyperqwen.prepare.marker import PREPARED_MARKER
 from hyperqwen.settings import (
     MODES,
@@ -215,8 +215,9 @@ def check_toolkit(environ: dict[str, str]) -> Check:
 
 def check_fit(loaded: LoadedSettings, lister: Callable[[], list] = list_gpus) -> list[Check]:
     """What each mode's profile gets on this machine's card (the launcher's sizing), or the
-    refusal `hyperqwen serve` would print for a knob the card cannot hold. Nothing without a
-    GPU: the gpu check says why, and serve then sizes for an assumed card."""
+    refusal `hyperqwen serve` would print: a knob the cards or the model folder cannot take
+    (launch.start_refusal), or one the card cannot hold. Nothing without a GPU: the gpu check
+    says why, and serve then sizes for an assumed card."""
     try:
         gpus = lister()
     except NoGpu:
@@ -224,6 +225,10 @@ def check_fit(loaded: LoadedSettings, lister: Callable[[], list] = list_gpus) ->
     machine = probe_machine(loaded.settings, model_path(loaded.settings), gpus)
     checks = []
     for mode in MODES:
+        refusal = start_refusal(loaded.settings, mode, gpus[: loaded.settings.GPU_COUNT])
+        if refusal:  # what `hyperqwen serve MODE` would refuse before vLLM starts
+            checks.append(Check("FAIL", "fit", f"{mode}: {refusal}", "set the knob it names"))
+            continue
         try:
             plan = build_launch(loaded, mode, api_key=None, machine=machine)
         except SettingsError as refusal:  # a knob the card cannot hold, or a refused combination

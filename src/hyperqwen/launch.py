@@ -29,9 +29,10 @@ from hyperqwen.engine.features import (
     OUR_LINEAR_BACKEND,
     V2_RUNNER,
     launch_env,
+    serve_refusal as feature_refusal,
 )
 from hyperqwen.gpu import cards_below
-from hyperqwen.kv_choices import KV_CHOICES, speculation_refusal
+from hyperqwen.kv_choices import KV_CHOICES, capability_refusal, speculation_refusal
 from hyperqwen.settings import (
     NO_REASONING_PARSER,
     LoadedSettings,
@@ -213,6 +214,19 @@ def inductor_pdl_refusal(settings: Settings, gpus: list) -> str | None:
         "INDUCTOR_PDL=1 needs compute capability 9.0 or newer (H100/H200, RTX 5090), where "
         f"torch Inductor emits programmatic dependent launch; this machine has "
         f"{', '.join(short)}. Set INDUCTOR_PDL=0."
+    )
+
+
+def start_refusal(settings: Settings, mode: str, gpus: list) -> str | None:
+    """Why `hyperqwen serve MODE` must not start with these settings on these GPUs (the ones
+    it serves on: hyperqwen.gpu.Gpu) and this model folder, or None: a KV cache the cards
+    cannot store, INDUCTOR_PDL below sm90, and each engine feature's own refusals.
+    `hyperqwen doctor` asks the same."""
+    kv = settings.KV
+    return (
+        (kv and capability_refusal(kv, gpus))
+        or inductor_pdl_refusal(settings, gpus)
+        or feature_refusal(settings, mode, gpus, model_path(settings))
     )
 
 
