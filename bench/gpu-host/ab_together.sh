@@ -83,8 +83,16 @@ for variant in "$@"; do
     bench ab "${common[@]}" "${tree_args[@]}" --phase patched --workdir "$work/v$index" \
     --out "$out/v$index.json" > "$out/v$index.log" 2>&1 &
 done
+servers=$(jobs -p)
+# While they run, once a minute: what each process takes of the host. The servers waiting for
+# their turn still run their processes, and a C1 step is as much host work as GPU work.
+while sleep 60; do
+  bash bench/gpu-host/host_state.sh "$work/host-state-now.txt" && cat "$work/host-state-now.txt"
+done >> "$out/host-state-during.txt" 2>&1 &
+sampler=$!
 status=0
-for job in $(jobs -p); do wait "$job" || status=1; done
+for job in $servers; do wait "$job" || status=1; done
+kill "$sampler" 2> /dev/null
 bash bench/gpu-host/host_state.sh "$out/host-state-end.txt"
 for run in "$work"/*/; do
   for log in "$run"*.log; do
