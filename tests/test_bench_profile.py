@@ -21,6 +21,7 @@ from hyperqwen.bench import profile
         ("void flash::flash_fwd_splitkv_kernel<...>", "attention"),
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "dense_gemm"),
         ("void gemv2T_kernel_val<int, int, __nv_bfloat16, ...>", "dense_gemm"),
+        ("_draft_argmax_kernel", "dense_gemm"),  # not sampling: it is the draft head's GEMV
         ("void vllm::rms_norm_kernel<c10::BFloat16>(...)", "norm_activation"),
         ("void vllm::act_and_mul_kernel<...silu...>", "norm_activation"),
         ("_topk_topp_kernel", "sampling"),

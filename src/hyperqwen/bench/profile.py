@@ -33,7 +33,9 @@ CATEGORIES: tuple[tuple[str, re.Pattern], ...] = tuple(
             r"gated_delta|delta_rule|fused_recurrent|chunk_|fla_|gdn|conv1d|l2norm|_ba_kernel",
         ),
         ("attention", r"flash|fmha|attention|attn"),
-        ("dense_gemm", r"gemv|gemm|cutlass|xmma|nvjet|cublas|sm90_|sm80_"),
+        # _draft_argmax_kernel: the draft head's GEMV with its argmax (kernels/draft_argmax.py),
+        # where the bf16 draft head's cuBLAS GEMM was
+        ("dense_gemm", r"gemv|gemm|cutlass|xmma|nvjet|cublas|sm90_|sm80_|_draft_argmax"),
         # rsqrt: an RMS norm that torch.compile fused into a Triton kernel (triton_red_fused_...);
         # sigmoid: the attention's output gate (GDN's sigmoid gating is claimed above)
         ("norm_activation", r"norm|rsqrt|silu|gelu|sigmoid|act_and_mul|rotary|rope"),
