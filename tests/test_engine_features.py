@@ -87,7 +87,10 @@ def test_no_profile_defaults_to_our_linear_backend():
     assert all(p.linear_backend != OUR_LINEAR_BACKEND for p in profiles)
 
 
-@pytest.mark.parametrize("module", ["features.py", "feature_model.py"])
+REGISTRY = ("features.py", "features_gdn.py", "feature_model.py")
+
+
+@pytest.mark.parametrize("module", REGISTRY)
 def test_the_registry_imports_the_standard_library_only(module):
     """It runs inside vLLM's processes: no settings, no pydantic, no torch (features.py's one
     import of the package is feature_model.py, checked the same way)."""
@@ -99,7 +102,8 @@ def test_the_registry_imports_the_standard_library_only(module):
         for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module)])
     }
     stdlib = {name for name in imported if name.split(".")[0] in sys.stdlib_module_names}
-    assert imported - stdlib <= {"__future__", "hyperqwen.engine.feature_model"}, imported
+    registry = {"hyperqwen.engine.feature_model", "hyperqwen.engine.features_gdn"}
+    assert imported - stdlib <= {"__future__", *registry}, imported
     probe = (
         "import sys, hyperqwen.engine.features; "
         "print(sorted({'pydantic', 'torch'} & set(sys.modules)))"
@@ -111,7 +115,7 @@ def test_the_registry_imports_the_standard_library_only(module):
 def test_engine_modules_read_their_switch_through_the_registry_only():
     """No engine module reads a feature's variable itself (the copies of enabled() it replaced)."""
     for path in ENGINE.glob("*.py"):
-        if path.name not in ("features.py", "feature_model.py"):  # the registry: it reads them
+        if path.name not in REGISTRY:  # the registry: it reads them
             source = path.read_text()
             assert "os.environ.get(" not in source.replace('os.environ.get("TRITON_INTERPRET")', "")
             assert not any(f'"{feature.env}"' in source for feature in FEATURES), path.name

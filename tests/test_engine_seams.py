@@ -105,6 +105,7 @@ def test_with_every_feature_off_each_seam_is_vllms_path_and_imports_nothing():
         "imported": [
             "hyperqwen.engine.feature_model",
             "hyperqwen.engine.features",
+            "hyperqwen.engine.features_gdn",
             "hyperqwen.engine.seams",
         ],
     }

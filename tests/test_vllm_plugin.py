@@ -95,6 +95,7 @@ def test_good_engine_values_pass_and_load_only_the_declarations(plugin_path):
         "hyperqwen.engine",
         "hyperqwen.engine.feature_model",
         "hyperqwen.engine.features",
+        "hyperqwen.engine.features_gdn",
         "hyperqwen.vllm_plugin",
     ]
 
