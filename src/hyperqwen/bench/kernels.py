@@ -27,6 +27,7 @@ from hyperqwen.bench.timing import (
     L2_ROTATION_BYTES,
     add_timing_parser,
     copy_bandwidth_gbps,
+    copy_row,
     gpu_label,
     gpu_name,
     graph_time_us,
@@ -468,8 +469,7 @@ def result_rows(raw: dict) -> list[dict]:
             for backend in HEAD_CANDIDATES:
                 patched = _ms(best_us(entry, backend))
                 rows.append(_row_dict(f"{shape['name']}_m{m}_int8_{backend}", "ms", stock, patched))
-    copy = round(raw["copy_gbps"])
-    rows.append(_row_dict("copy_bandwidth", "GB/s", copy, copy))
+    rows.append(asdict(copy_row(raw)))
     return rows
 
 
