@@ -16,7 +16,7 @@ def test_the_timed_vllm_path_picks_what_the_full_vocabulary_argmax_picks():
     assert codes.dtype == torch.int8 and bf16.dtype == torch.bfloat16 and bf16.abs().max() > 0
     assert torch.equal(bf16, (codes.float() * scales.float().repeat_interleave(128, 1)).bfloat16())
     hidden = torch.randn((5, 256)).bfloat16()
-    offsets = draft_vocab.DraftHead(token_ids, bf16).offsets
+    offsets = draft_vocab.target_offsets(token_ids)
     picked = draft_head.vllm_path(bf16, offsets)(hidden)
     logits = torch.nn.functional.linear(hidden, bf16)
     full = draft_vocab.full_vocab_logits(logits, token_ids, int(token_ids[-1]) + 1)
@@ -47,7 +47,7 @@ def test_a_batch_is_checked_then_timed_on_both_paths():
         timed.append([launch() for launch in launches])  # each copy's launch runs
         return 10.0
 
-    offsets = token_ids - torch.arange(len(token_ids))
+    offsets = draft_vocab.target_offsets(token_ids)
     # Marlin needs a GPU: the bf16 path stands in for it, to run the third path's plumbing
     other = [draft_head.vllm_path(bf16, offsets) for _, _, bf16 in heads]
     entry = draft_head.measure_batch(

@@ -70,14 +70,16 @@ def vllm_path(bf16, offsets):
     return top_tokens
 
 
-def marlin_paths(heads, offsets) -> list:
+def marlin_paths(heads, token_ids) -> list:
     """The same int8 rows through vLLM's Marlin (as a prepared int8 lm_head is served: weights
     uint8b128 in groups of 128), then the max and the id remap: the other way to read int8."""
     from compressed_tensors.compressors.pack_quantized.base import pack_to_int32
 
     from hyperqwen.bench.kernels import init_vllm_single_rank, vllm_layers
+    from hyperqwen.engine.draft_vocab import target_offsets
 
     init_vllm_single_rank()
+    offsets = target_offsets(token_ids)
     rows, hidden = heads[0][0].shape
     weights = SimpleNamespace(
         n=rows,
@@ -122,10 +124,11 @@ def measure_batch(
     calls, one per copy of the head, or None to leave that path out."""
     import torch
 
+    from hyperqwen.engine.draft_vocab import target_offsets
     from hyperqwen.kernels.draft_argmax import Int8DraftHead
 
-    rows, hidden_size = heads[0][0].shape
-    offsets = token_ids - torch.arange(rows, device=token_ids.device)
+    hidden_size = heads[0][0].shape[1]
+    offsets = target_offsets(token_ids)
     hidden = torch.randn((batch, hidden_size), device=device).to(torch.bfloat16)
     fused = [Int8DraftHead(codes, scales, token_ids).top_tokens for codes, scales, _ in heads]
     stock = [vllm_path(bf16, offsets) for _, _, bf16 in heads]
@@ -225,13 +228,11 @@ def cmd_draft_head(args: argparse.Namespace) -> int:
     )
     if run is None:
         return 3
-    import torch
 
     raw, document = run
     raw |= {"rows": DEFAULT_DRAFT_SIZE, "hidden": PRESETS[args.preset].hidden_size, "batches": []}
     token_ids, heads = make_heads(raw["rows"], raw["hidden"])
-    offsets = token_ids - torch.arange(len(token_ids), device=token_ids.device)
-    marlin = marlin_paths(heads, offsets)
+    marlin = marlin_paths(heads, token_ids)
     out = Path(args.out)
     for batch in BATCHES:
         raw["batches"].append(measure_batch(token_ids, heads, batch, print, marlin=marlin))

@@ -51,8 +51,12 @@ class DraftHead:
 
     @property
     def offsets(self) -> torch.Tensor:
-        """draft_id_to_target_id as LocalArgmaxMixin reads it: target id = k + offsets[k]."""
-        return self.token_ids - torch.arange(len(self.token_ids), device=self.token_ids.device)
+        return target_offsets(self.token_ids)
+
+
+def target_offsets(token_ids: torch.Tensor) -> torch.Tensor:
+    """draft_id_to_target_id as LocalArgmaxMixin reads it: target id = k + offsets[k]."""
+    return token_ids - torch.arange(len(token_ids), device=token_ids.device)
 
 
 def _read(path: Path, vocab_size: int, hidden_size: int) -> tuple[torch.Tensor, dict]:
