@@ -34,6 +34,7 @@ from compressed_tensors.quantization import (
 )
 from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
 
+from hyperqwen.checkpoint import w4a16_sizes as sizes
 from hyperqwen.checkpoint.w4a16_sizes import GROUP_SIZE, NUM_BITS
 
 FORMAT = CompressionFormat.pack_quantized.value
@@ -199,8 +200,7 @@ def pack(weight: torch.Tensor, num_bits: int = NUM_BITS) -> dict[str, torch.Tens
 
 def packed_bits(stored: Mapping[str, torch.Tensor]) -> int:
     """The bit width of stored packed tensors, from the packed and the logical widths."""
-    in_features = int(stored["weight_shape"][1])
-    return 32 * stored["weight_packed"].shape[1] // in_features
+    return sizes.packed_bits(stored["weight_packed"].shape[1], int(stored["weight_shape"][1]))
 
 
 def unpack(stored: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -39,7 +39,7 @@ def serve_refusal(setting: str, gpus: Any, model_dir: Path) -> str | None:
     if setting != ON:
         return None
     from hyperqwen.checkpoint.shards import ShardFileError, read_header
-    from hyperqwen.checkpoint.w4a16_sizes import GROUP_SIZE
+    from hyperqwen.checkpoint.w4a16_sizes import GROUP_SIZE, packed_bits
     from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
 
     path = Path(model_dir) / DRAFT_HEAD_FILE
@@ -54,7 +54,7 @@ def serve_refusal(setting: str, gpus: Any, model_dir: Path) -> str | None:
     except ShardFileError as error:
         return f"{DRAFT_HEAD_INT8.knob}=1: {error}; {_FIX}"
     packed, scales = shapes.get("draft_head.weight_packed"), shapes.get("draft_head.weight_scale")
-    bits = 32 * packed[1] // (GROUP_SIZE * scales[1]) if packed and scales else 16
+    bits = packed_bits(packed[1], GROUP_SIZE * scales[1]) if packed and scales else 16
     if bits != 8:
         return (
             f"{DRAFT_HEAD_INT8.knob}=1 reads int8 draft-head rows, and {path} holds {bits}-bit "
