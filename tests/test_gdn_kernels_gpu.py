@@ -26,13 +26,12 @@ from gpu_server import (
     with_vllm_first,
 )
 from local_server import free_port
-from test_prepare_gpu import LOGPROB_TOLERANCE, NEAR_TIE, PROMPTS, observe, tiny_server
-from test_step_knobs_gpu import GRAPH_TOKENS
+from test_prepare_gpu import LOGPROB_TOLERANCE, NEAR_TIE, PROMPTS, observe
+from test_step_knobs_gpu import compiled_server
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
 from hyperqwen.engine.features import GDN_BA, GDN_RECURRENT
-from hyperqwen.launch import compilation_config
 
 pytestmark = pytest.mark.gpu
 
@@ -55,9 +54,7 @@ def test_gdn_kernels_answer_as_vllms(tmp_path, tmp_path_factory):
         port = free_port()
         log = logs / f"gdn-kernels-{name}-server.log"
         env = {**base_env, **variables, "VLLM_CACHE_ROOT": str(tmp_path / f"cache-{name}")}
-        command = [word for word in tiny_server(model, port, MTP3) if word != "--enforce-eager"]
-        config = json.dumps(compilation_config(GRAPH_TOKENS, False))
-        command += ["--enable-prefix-caching", "--compilation-config", config]
+        command = compiled_server(model, port, inductor_pdl=False, speculative=MTP3)
         with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
             results[name] = observe(url)
         server_logs[name] = log.read_text()

@@ -113,7 +113,7 @@ def test_the_built_layer_calls_the_op_only_when_it_takes_the_layer(monkeypatch, 
     seams.gdn_layer_built(layer)
     assert layer.hyperqwen_ba_projection is None
     monkeypatch.setenv(GDN_BA.env, "1")
-    monkeypatch.setattr(gdn_ba, "_announced", [])  # as in a fresh vLLM process
+    gdn_ba._announce.cache_clear()  # as in a fresh vLLM process
     seams.gdn_layer_built(layer)
     seams.gdn_layer_built(layer)
     assert layer.hyperqwen_ba_projection is torch.ops.hyperqwen.gdn_ba

@@ -32,9 +32,10 @@ V2_LOG_LINE = "Using V2 Model Runner"  # vllm/v1/worker/gpu_worker.py
 GDC_WAIT = "gdc_wait"  # what Inductor writes into a Triton kernel with PDL on
 
 
-def compiled_server(model, port: int, inductor_pdl: bool) -> list[str]:
-    """tiny_server's command, compiled as the launcher compiles (no --enforce-eager)."""
-    command = [word for word in tiny_server(model, port, SPECULATION) if word != "--enforce-eager"]
+def compiled_server(model, port: int, inductor_pdl: bool, speculative=SPECULATION) -> list[str]:
+    """tiny_server's command, compiled as the launcher compiles (no --enforce-eager), with
+    prefix caching."""
+    command = [word for word in tiny_server(model, port, speculative) if word != "--enforce-eager"]
     config = compilation_config(GRAPH_TOKENS, inductor_pdl)
     return [*command, "--enable-prefix-caching", "--compilation-config", json.dumps(config)]
 

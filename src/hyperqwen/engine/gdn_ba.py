@@ -11,6 +11,7 @@ vLLM's path is that plain: the bf16 weight of an unquantized in_proj_ba, b's row
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -18,7 +19,6 @@ import torch
 from hyperqwen.kernels import ba_proj
 
 log = logging.getLogger("vllm.hyperqwen.gdn_ba")
-_announced = []  # one log line per process, at the first layer it takes
 
 
 def takes(layer) -> bool:
@@ -42,12 +42,14 @@ def gdn_layer_built(layer) -> None:
     """Where the op takes the layer, its forward calls the op instead of vLLM's path."""
     if takes(layer):
         layer.hyperqwen_ba_projection = torch.ops.hyperqwen.gdn_ba
-        if not _announced:
-            _announced.append(True)
-            log.info(
-                "GDN b/a projection: HyperQwen's kernel for steps of up to %d tokens",
-                ba_proj.MAX_ROWS,
-            )
+        _announce()
+
+
+@functools.cache  # one log line per process, at the first layer it takes
+def _announce() -> None:
+    log.info(
+        "GDN b/a projection: HyperQwen's kernel for steps of up to %d tokens", ba_proj.MAX_ROWS
+    )
 
 
 @torch.library.custom_op("hyperqwen::gdn_ba", mutates_args=())
