@@ -324,25 +324,21 @@ def test_vllm_loads_every_weight_of_the_model_and_its_mtp_head(vllm_cpu, tiny):
     assert torch.equal(draft_parameters["model.fc.weight"].data, reader["mtp.fc.weight"])
 
 
-def test_draft_vocabulary_installs_into_vllms_own_mtp_drafter(
-    vllm_cpu, tiny, tmp_path, monkeypatch
-):
-    """The real Qwen3_5MTP on vLLM's CPU platform, weights loaded, then the proposer_loaded seam
-    (install()) with DRAFT_VOCAB off and auto: greedy drafts through LocalArgmaxMixin and
-    sampled-draft logits come from the draft rows alone."""
+@contextlib.contextmanager
+def mtp_drafter_with_draft_head(tiny, tmp_path, seed: int):
+    """vLLM's Qwen3_5MTP of a copy of the tiny checkpoint that has a synthetic draft head (MTP
+    k=2), weights loaded, in a proposer stand-in as the proposer_loaded seam gets it; inside
+    vLLM's config. Yields (model folder, drafter, proposer)."""
     from types import SimpleNamespace
 
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    from hyperqwen.engine import draft_vocab, seams
-    from hyperqwen.engine.features import DRAFT_VOCAB
-    from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
     from hyperqwen.synth import write_synthetic_draft_head
 
     model_dir = tmp_path / "tiny-with-head"
     shutil.copytree(tiny, model_dir, copy_function=os.link)
-    write_synthetic_draft_head(model_dir, PRESETS["tiny"], seed=1)
+    write_synthetic_draft_head(model_dir, PRESETS["tiny"], seed=seed)
     vllm_config = engine_config(
         model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2}
     )
@@ -353,6 +349,20 @@ def test_draft_vocabulary_installs_into_vllms_own_mtp_drafter(
         proposer = SimpleNamespace(
             model=draft, vllm_config=vllm_config, use_local_argmax_reduction=False
         )
+        yield model_dir, draft, proposer
+
+
+def test_draft_vocabulary_installs_into_vllms_own_mtp_drafter(
+    vllm_cpu, tiny, tmp_path, monkeypatch
+):
+    """The real Qwen3_5MTP on vLLM's CPU platform, weights loaded, then the proposer_loaded seam
+    (install()) with DRAFT_VOCAB off and auto: greedy drafts through LocalArgmaxMixin and
+    sampled-draft logits come from the draft rows alone."""
+    from hyperqwen.engine import draft_vocab, seams
+    from hyperqwen.engine.features import DRAFT_VOCAB
+    from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
+
+    with mtp_drafter_with_draft_head(tiny, tmp_path, seed=1) as (model_dir, draft, proposer):
         full_head = draft.lm_head
         monkeypatch.setenv(DRAFT_VOCAB.env, "off")
         seams.proposer_loaded(proposer)  # the seam both runners call
@@ -386,31 +396,13 @@ def test_int8_draft_head_drafts_what_the_bf16_rows_draft(vllm_cpu, tiny, tmp_pat
     vocabulary and DRAFT_HEAD_INT8=1: greedy drafts come from the fused int8 kernel (under
     Triton's interpreter here) and are the ids LocalArgmaxMixin picked from the bf16 rows,
     except where two rows tie to bf16 rounding; with greedy drafts the bf16 rows are freed."""
-    from types import SimpleNamespace
-
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-
     from hyperqwen.engine import draft_head_int8, draft_vocab, seams
     from hyperqwen.engine.features import DRAFT_HEAD_INT8, DRAFT_VOCAB
     from hyperqwen.prepare.folder import DRAFT_HEAD_FILE
-    from hyperqwen.synth import write_synthetic_draft_head
 
-    model_dir = tmp_path / "tiny-with-head"
-    shutil.copytree(tiny, model_dir, copy_function=os.link)
-    write_synthetic_draft_head(model_dir, PRESETS["tiny"], seed=2)
-    vllm_config = engine_config(
-        model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2}
-    )
-    assert vllm_config.speculative_config.draft_sample_method == "greedy"
-    draft_config = vllm_config.speculative_config.draft_model_config
     hidden = torch.randn((6, PRESETS["tiny"].hidden_size), dtype=torch.bfloat16)
-    with set_current_vllm_config(vllm_config):
-        draft = build_model(vllm_config, draft_config, "cpu")
-        DefaultModelLoader(vllm_config.load_config).load_weights(draft, draft_config)
-        proposer = SimpleNamespace(
-            model=draft, vllm_config=vllm_config, use_local_argmax_reduction=False
-        )
+    with mtp_drafter_with_draft_head(tiny, tmp_path, seed=2) as (model_dir, draft, proposer):
+        assert proposer.vllm_config.speculative_config.draft_sample_method == "greedy"
         monkeypatch.setenv(DRAFT_VOCAB.env, "auto")
         monkeypatch.setenv(DRAFT_HEAD_INT8.env, "0")
         seams.proposer_loaded(proposer)  # the draft vocabulary alone: vLLM's bf16 path
