@@ -29,9 +29,12 @@ def random_head(rows: int, hidden: int, seed: int, vocab: int | None = None):
     return codes, scales, token_ids
 
 
+def float64_rows(codes, scales):
+    return codes.double() * scales.double().repeat_interleave(GROUP, dim=1)
+
+
 def float64_logits(hidden, codes, scales):
-    weight = codes.double() * scales.double().repeat_interleave(GROUP, dim=1)
-    return hidden.double() @ weight.T
+    return hidden.double() @ float64_rows(codes, scales).T
 
 
 def poisoned(head: Int8DraftHead, batch: int):
