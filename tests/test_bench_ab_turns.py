@@ -254,3 +254,27 @@ def test_the_gpu_host_recipe_starts_stock_and_variants_together(comparison, tmp_
     assert {"stock-stock-server.log", "v1-patched-server.log"} <= {p.name for p in out.iterdir()}
     for moment in ("start", "end"):  # what else the host ran, beside the measurement
         assert "load average" in (out / f"host-state-{moment}.txt").read_text()
+
+    # A later run takes that stock half instead of serving stock again: the GPU is the variants'
+    half = out / "stock-half.json"
+    again = [*command[:2], "t2", *command[3:4], "PREFIX_CACHE=0"]
+    done = subprocess.run(
+        again,
+        cwd=host,
+        env={**env, "AB_STOCK_HALF": str(half)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = tmp_path / "R" / "t2"
+    logs = "\n".join(f"== {log.name}\n{log.read_text()}" for log in sorted(out.glob("*.log")))
+    assert done.returncode == 0, done.stdout + done.stderr + logs
+    assert (out / "variants.txt").read_text().splitlines() == [
+        f"stock: the half saved in {half}",
+        "v1: PREFIX_CACHE=0",
+    ]
+    assert not (out / "stock.log").exists() and not (out / "stock-half.json").exists()
+    document, rows = load_result(out / "v1.json")
+    assert document["stock"]["command"] == stock_command
+    assert flag_value(document["patched"]["command"], "--gpu-memory-utilization") == "0.9"
+    assert "c1_decode" in {row.name for row in rows}

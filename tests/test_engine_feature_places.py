@@ -29,7 +29,9 @@ together, every other file one. Scanned: src/, patches/, the top-level files and
 hand-written Markdown, shell and unit file. Not scanned: the tests, and measurement records
 (docs/results/, */measurements/, and docs/benchmarks.md and README.md's headline that
 `hyperqwen bench docs` generates from them): they say what ran, spelled as it was then, and are
-not edited when a feature changes.
+not edited when a feature changes; nor the GPU host's plans (bench/gpu-host/plans/), which
+say what is to run, knobs by name: tests/test_gpu_plans.py holds each of their knobs to the
+settings and the launcher, so a renamed or removed knob fails there.
 
 `python tests/test_engine_feature_places.py` prints each feature's places.
 """
@@ -56,7 +58,7 @@ GENERATED = "generated docs"
 MOST_PLACES = 2
 SCANNED_FOLDERS = ("src", "patches", ".ci", ".github")
 SCANNED_SUFFIXES = (".md", ".sh", ".service")
-NOT_SCANNED = ("tests", "docs/results", ".git", ".venv")
+NOT_SCANNED = ("tests", "docs/results", "bench/gpu-host/plans", ".git", ".venv")
 RECORDS_DOC = results.BENCHMARKS_DOC.relative_to(results.REPO_ROOT).as_posix()
 
 

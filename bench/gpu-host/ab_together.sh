@@ -6,7 +6,9 @@
 # Each pool is fixed (AB_KV_MEM, default 16G) and each server gets AB_GPU_UTIL (default 0.9
 # shared out); AB_STOCK_ARGS adds vLLM flags to the stock side (e.g. --kv-cache-dtype fp8),
 # AB_STOCK_ENV variables as NAME=VALUE words (e.g. VLLM_USE_V2_MODEL_RUNNER=1; variants.txt
-# records them, the stock result does not).
+# records them, the stock result does not). AB_STOCK_HALF=FILE takes the stock half an earlier run
+# saved ($R/NAME/stock-half.json, measured with the same AB_OPTIONS) instead of serving stock
+# again: one more patched variant fits the GPU, and its ratios are against that earlier run.
 # AB_OPTIONS are the comparison's options (mode, cohorts, rounds, acceptance ...), the same
 # for every run. A variant word TREE=DIR serves that variant from another checkout (DIR holds its
 # src/ and patches/, e.g. `git archive COMMIT src patches`): its patches on a copy of the stock
@@ -27,8 +29,18 @@ find "$work" -mindepth 1 -maxdepth 2 -type f -delete 2> /dev/null
 rm -rf "$work/turn"*
 mkdir -p "$out" "$work"
 rm -f "$out/variants.txt"
-util=${AB_GPU_UTIL:-$(python3 -c "print(f'{0.9 / ($# + 1):.2f}')")}
+servers=$(($# + 1))
+if [ -n "${AB_STOCK_HALF:-}" ]; then
+  cp "$AB_STOCK_HALF" "$work/stock.json" || exit 1
+  servers=$#
+fi
+util=${AB_GPU_UTIL:-$(python3 -c "print(f'{0.9 / $servers:.2f}')")}
 kv=${AB_KV_MEM:-16G}
+stock_args="--gpu-memory-utilization $util --kv-cache-memory-bytes $kv ${AB_STOCK_ARGS:-}"
+if [ -n "${AB_STOCK_HALF:-}" ]; then # the saved half's flags: its options must be these
+  stock_args=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["plan"]["stock_args"])' \
+    "$AB_STOCK_HALF") || exit 1
+fi
 model=${AB_MODEL:-/tmp/q27-prepared} # AB_MODEL and AB_STOCK_MODEL: other model folders
 base=${AB_STOCK_MODEL:-/tmp/q27}
 if [ -z "${AB_MODEL:-}" ]; then # made once per host: a later run on it reuses them
@@ -50,7 +62,7 @@ eval "words=($options)" # the options as a shell would split them, quotes kept
 common=("$model" --stock-model "$base" --stock-vllm "$HYPERQWEN_STOCK_VLLM"
   --patched-vllm "$HYPERQWEN_PATCHED_VLLM" --state "$work/stock.json" --turn-lock "$work/turn"
   "--vllm-args=--load-format dummy --language-model-only --additional-config '$triton_prefill'"
-  "--stock-args=--gpu-memory-utilization $util --kv-cache-memory-bytes $kv ${AB_STOCK_ARGS:-}"
+  "--stock-args=$stock_args"
   "${words[@]}")
 for variant in "$@"; do # every TREE's vLLM before any server starts
   for word in $variant; do
@@ -59,9 +71,13 @@ for variant in "$@"; do # every TREE's vLLM before any server starts
 done
 bash bench/gpu-host/host_state.sh "$out/host-state-start.txt"
 read -ra stock_env <<< "${AB_STOCK_ENV:-}"
-echo "stock: env ${AB_STOCK_ENV:-(none)}; flags ${AB_STOCK_ARGS:-(none)}" >> "$out/variants.txt"
-env VLLM_CACHE_ROOT="$work/stock/cache" "${stock_env[@]}" python3 -m hyperqwen.cli bench ab \
-  "${common[@]}" --phase stock --workdir "$work/stock" > "$out/stock.log" 2>&1 &
+if [ -n "${AB_STOCK_HALF:-}" ]; then
+  echo "stock: the half saved in $AB_STOCK_HALF" >> "$out/variants.txt"
+else
+  echo "stock: env ${AB_STOCK_ENV:-(none)}; flags ${AB_STOCK_ARGS:-(none)}" >> "$out/variants.txt"
+  env VLLM_CACHE_ROOT="$work/stock/cache" "${stock_env[@]}" python3 -m hyperqwen.cli bench ab \
+    "${common[@]}" --phase stock --workdir "$work/stock" > "$out/stock.log" 2>&1 &
+fi
 index=0
 for variant in "$@"; do
   index=$((index + 1))
@@ -94,6 +110,7 @@ status=0
 for job in $servers; do wait "$job" || status=1; done
 kill "$sampler" 2> /dev/null
 bash bench/gpu-host/host_state.sh "$out/host-state-end.txt"
+[ -z "${AB_STOCK_HALF:-}" ] && [ -f "$work/stock.json" ] && cp "$work/stock.json" "$out/stock-half.json"
 for run in "$work"/*/; do
   for log in "$run"*.log; do
     [ -f "$log" ] && cp "$log" "$out/$(basename "$run")-$(basename "$log")"

@@ -1,0 +1,28 @@
+#!/bin/bash
+# Issue 25, decode deep in a long context (~25 min on an H100): stock vLLM with an fp8 cache
+# against CTX=huge, C1, one cold (salted) prompt per depth, 256 tokens decoded after it.
+#   depth:    32k and 112k, stock fp8 against KV=fp8 and KV=kvarn (KVarN's decode tax at 112k,
+#             target <= 1.5x, decides CTX=huge's default KV); a 5 GiB pool each, so three
+#             servers fit an 80 GB card (the launcher fits 128,000 tokens of fp8 in it)
+#   depth240: 128k and 240k, stock fp8 (9 GiB: ~250k tokens) against KV=kvarn (the 262,144
+#             tokens of CTX=huge in 5 GiB); the cold TTFT of depth131072 is issue 25's 128k one
+# Then, alone on the GPU: the stock side of the fp8 capacity row, and the sizing tests.
+# shellcheck source=bench/gpu-host/steps.sh
+source bench/gpu-host/steps.sh depth || exit 1
+deep='--mode single --cohorts 1 --rounds 4 --prefill none --output-len 256 --temperature 0
+  --seed 0 --synthetic-acceptance 0.77,0.55,0.4'
+step depth env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \
+  AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 120000 --max-num-seqs 1' \
+  bash bench/gpu-host/ab_together.sh depth "$deep --depths 32768,114688 --prefill-requests 2" \
+  'CTX=huge KV=fp8' 'CTX=huge KV=kvarn'
+step depth240 env AB_KV_MEM=9G \
+  AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 250000 --max-num-seqs 1' \
+  bash bench/gpu-host/ab_together.sh depth240 "$deep --depths 131072,245760 --prefill-requests 1" \
+  'CTX=huge KV=kvarn KV_MEM=5G'
+step tables python3 -m hyperqwen.cli bench table "$R"/depth/v1.json "$R"/depth/v2.json \
+  "$R"/depth240/v1.json --labels fp8,kvarn,kvarn-240 --rows 'depth*'
+step capacity-fp8 python3 -m hyperqwen.cli bench capacity --kv fp8 \
+  --stock-vllm "$HYPERQWEN_STOCK_VLLM" --patched-vllm "$HYPERQWEN_PATCHED_VLLM" \
+  --work /tmp/capacity-work --out "$P/capacity-fp8.json"
+step capacity-tests python3 -m pytest -m gpu tests/test_capacity_gpu.py \
+  -k 'sized_to_a_24gb or gdn_replay'

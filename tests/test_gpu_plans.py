@@ -1,0 +1,173 @@
+"""The GPU host's plans (bench/gpu-host/plans/*.sh), checked here before a GPU minute is spent on
+them: every command a step runs goes through the parser that will read it on the host (the
+CLI's, vLLM's for its flags, the settings' for a variant's knobs, pytest's for a test
+selection), and the step runner (bench/gpu-host/steps.sh) keeps going past a failed step."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from loaded_settings import loaded
+
+from hyperqwen.cli import build_parser
+from hyperqwen.launch import build_launch
+from hyperqwen.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+PLANS = sorted((ROOT / "bench" / "gpu-host" / "plans").glob("*.sh"))
+CLI = ["python3", "-m", "hyperqwen.cli"]
+PYTEST = ["python3", "-m", "pytest"]
+AB_TOGETHER = ["bash", "bench/gpu-host/ab_together.sh"]
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One command a plan's step runs, with the variables `env` gives it."""
+
+    step: str
+    env: dict[str, str]
+    words: list[str]
+
+
+def planned(plan: Path, results: Path) -> list[Planned]:
+    """The commands of `plan` in order, from its HQ_PLAN_CHECK=1 run (nothing is started)."""
+    env = {**os.environ, "HQ_PLAN_CHECK": "1", "R": str(results)}
+    done = subprocess.run(["bash", str(plan)], cwd=ROOT, env=env, capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
+    fields = done.stdout.decode().split("\0")
+    commands = []
+    while len(fields) > 1:
+        step, count, fields = fields[0], int(fields[1]), fields[2:]
+        words, fields = fields[:count], fields[count:]
+        variables = {}
+        if words[0] == "env":
+            words = words[1:]
+            while "=" in words[0]:
+                name, value = words.pop(0).split("=", 1)
+                variables[name] = value
+        commands.append(Planned(step, variables, words))
+    return commands
+
+
+def cli_args(words: list[str]):
+    try:
+        return build_parser().parse_args(words)
+    except SystemExit as refused:
+        pytest.fail(f"`hyperqwen {shlex.join(words)}` is refused by the CLI's parser ({refused})")
+
+
+def check_vllm_flags(vllm_serve, flags: str, where: str) -> None:
+    try:
+        vllm_serve(["vllm", "serve", "/tmp/model", *shlex.split(flags)])
+    except SystemExit as refused:
+        pytest.fail(f"{where}: vLLM's parser refuses {flags!r} ({refused})")
+
+
+def check_knobs(values: dict[str, str], mode: str, where: str) -> None:
+    """Knob names and values as the settings read them, and the launch they make."""
+    try:
+        build_launch(loaded(**values), mode, None)
+    except Exception as refused:  # a refusal of any kind is the plan's error
+        pytest.fail(f"{where}: the launcher refuses {values} ({refused})")
+
+
+def check_ab_together(command: Planned, earlier: dict[str, Planned], vllm_serve, r: Path):
+    name, options, *variants = command.words[2:]
+    args = cli_args(["bench", "ab", "/tmp/q27-prepared", *shlex.split(options)])
+    where = f"step {command.step}"
+    check_vllm_flags(vllm_serve, command.env.get("AB_STOCK_ARGS", ""), where)
+    pool = command.env.get("AB_KV_MEM", "16G")
+    for variant in variants:
+        knobs = dict(word.split("=", 1) for word in variant.split() if not word.startswith("TREE="))
+        check_knobs({"GPU_UTIL": "0.3", "KV_MEM": pool, **knobs}, args.mode, where)
+    if "AB_STOCK_HALF" in command.env:  # an earlier run's half, measured the same way
+        half = Path(command.env["AB_STOCK_HALF"])
+        assert half.name == "stock-half.json" and half.parent.parent == r, where
+        before = earlier.get(half.parent.name)
+        assert before, f"{where}: no earlier ab_together run named {half.parent.name}"
+        assert before.words[3] == options, f"{where}: other options than {before.step}'s"
+        assert before.env.get("AB_KV_MEM", "16G") == pool, where
+        assert before.env.get("AB_STOCK_ARGS") == command.env.get("AB_STOCK_ARGS"), where
+    earlier[name] = command
+
+
+def check_pytest(command: Planned) -> None:
+    files = [word for word in command.words[3:] if word.startswith("tests/")]
+    assert files, f"step {command.step}: no test file"
+    for file in files:
+        assert (ROOT / file).is_file(), f"step {command.step}: {file} does not exist"
+    if "-k" in command.words:  # the selection must select something
+        collect = [sys.executable, "-m", "pytest", *command.words[3:], "--collect-only", "-q"]
+        done = subprocess.run(
+            [*collect, "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True
+        )
+        assert done.returncode == 0, f"step {command.step}: {done.stdout[-2000:]}"
+        selected = re.search(r"(\d+)(/\d+)? tests? collected", done.stdout)
+        assert selected and int(selected[1]) > 0, f"step {command.step} selects no test"
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=[plan.stem for plan in PLANS])
+def test_every_command_of_a_plan_passes_the_parser_that_reads_it(plan, tmp_path, vllm_serve):
+    commands = planned(plan, tmp_path)
+    assert commands, f"{plan.name} runs nothing"
+    ab_runs: dict[str, Planned] = {}
+    for command in commands:
+        words = command.words
+        knobs = {name: v for name, v in command.env.items() if name in Settings.model_fields}
+        if words[:3] == CLI:
+            args = cli_args(words[3:])
+            if knobs:  # the profile's knobs, in the mode that command serves
+                check_knobs(knobs, getattr(args, "mode", None) or "single", f"step {command.step}")
+            for flags in (getattr(args, name, None) for name in ("vllm_args", "stock_args")):
+                if flags:
+                    check_vllm_flags(vllm_serve, flags, f"step {command.step}")
+        elif words[:3] == PYTEST:
+            check_pytest(command)
+        elif words[:2] == AB_TOGETHER:
+            check_ab_together(command, ab_runs, vllm_serve, tmp_path)
+        else:
+            pytest.fail(f"step {command.step}: {words[:3]} is nothing this test can check")
+        assert not knobs or words[:3] == CLI, f"step {command.step}: knobs for no server"
+
+
+def test_a_plan_names_each_step_once(tmp_path):
+    """A step's records in steps.txt and its log file are its name's alone."""
+    for plan in PLANS:
+        steps = [name for name, _ in itertools.groupby(c.step for c in planned(plan, tmp_path))]
+        assert len(steps) == len(set(steps)), f"{plan.name}: a step name comes back"
+
+
+def test_a_step_that_fails_is_recorded_and_the_plan_goes_on(tmp_path):
+    """steps.sh as the host runs it (env.sh replaced by one that only names $R)."""
+    host = tmp_path / "host"
+    (host / "bench" / "gpu-host").mkdir(parents=True)
+    steps = ROOT / "bench" / "gpu-host" / "steps.sh"
+    (host / "bench" / "gpu-host" / "steps.sh").write_bytes(steps.read_bytes())
+    (host / "bench" / "gpu-host" / "env.sh").write_text(f"export R={tmp_path / 'R'}\n")
+    (host / "plan.sh").write_text(
+        "source bench/gpu-host/steps.sh p || exit 1\n"
+        "step first echo one\n"
+        "step broken sh -c 'echo why; exit 3'\n"
+        "step last sh -c 'echo \"$P\"'\n"
+    )
+    done = subprocess.run(["bash", "plan.sh"], cwd=host, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "R" / "p"
+    records = (out / "steps.txt").read_text().splitlines()
+    assert [line.split()[:2] for line in records] == [
+        ["first", "rc=0"],
+        ["broken", "rc=3"],
+        ["last", "rc=0"],
+    ]
+    assert all(line.split()[2].endswith("s") for line in records)
+    assert (out / "broken.log").read_text() == "why\n"
+    assert (out / "last.log").read_text() == f"{out}\n"
+    assert "why" in done.stdout  # each step's tail, for the device call's output
