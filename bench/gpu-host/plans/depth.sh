@@ -13,7 +13,7 @@ deep='--mode single --cohorts 1 --rounds 4 --prefill none --output-len 256 --tem
   --seed 0 --synthetic-acceptance 0.77,0.55,0.4'
 step depth env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \
   AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 120000 --max-num-seqs 1' \
-  bash bench/gpu-host/ab_together.sh depth "$deep --depths 32768,114688 --prefill-requests 2" \
+  bash bench/gpu-host/ab_together.sh depth "$deep --depths 32768,114688 --prefill-requests 1" \
   'CTX=huge KV=fp8' 'CTX=huge KV=kvarn'
 step depth240 env AB_KV_MEM=9G \
   AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 250000 --max-num-seqs 1' \
