@@ -25,6 +25,10 @@ from hyperqwen.bench.ab_argv import (
     spec_fields,
     with_synthetic_acceptance,
 )
+from hyperqwen.bench.ab_plan import ABError
+from hyperqwen.checkpoint.geometry import PRESETS
+from hyperqwen.checkpoint.synthesize import synthesize
+from hyperqwen.vllm_flags import flag_value
 
 # --- server argv -----------------------------------------------------------------------------
 
@@ -51,6 +55,36 @@ def test_synthetic_acceptance_lands_in_vllms_speculative_config(tmp_path) -> Non
         with_synthetic_acceptance(argv, (0.5, 0.4))
     with pytest.raises(Exception, match="non-increasing"):
         with_synthetic_acceptance(argv, (0.3, 0.5, 0.6))
+
+
+SIZING_FLAGS = ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens")
+
+
+def test_the_patched_side_is_sized_as_hyperqwen_serve_sizes_it(tmp_path, monkeypatch, capsys):
+    """The 27B geometry (config only, dummy weights through --vllm-args) with CTX=huge and an
+    fp8 cache in a fixed 5 GiB pool: 262,144 tokens do not fit it, and bench ab's patched argv
+    takes the length `hyperqwen serve` would (vLLM refused the unsized argv on the GPU host);
+    a length the pool cannot hold, set by hand, is refused naming its knob."""
+    model = synthesize(tmp_path / "q27", PRESETS["27b"], config_only=True, progress=False)
+    env_file = tmp_path / "empty.env"
+    env_file.write_text("")
+    for name, value in {"CTX": "huge", "KV": "fp8", "KV_MEM": "5G", "GPU_UTIL": "0.3"}.items():
+        monkeypatch.setenv(name, value)
+    dummy = "--load-format dummy --language-model-only"
+    argv = profile_serve_argv(model.directory, 8000, "single", str(env_file), dummy)
+    monkeypatch.setenv("EXTRA_ARGS", dummy)
+    monkeypatch.setenv("MODEL", str(model.directory))
+    monkeypatch.setenv("PRINT_ARGV", "1")
+    capsys.readouterr()
+    assert run_in_process("serve", "single", "--env-file", str(env_file)) == 0
+    served = capsys.readouterr().out.splitlines()
+    assert int(flag_value(argv, "--max-model-len")) < 262_144
+    for flag in SIZING_FLAGS:
+        assert flag_value(argv, flag) == flag_value(served, flag), flag
+
+    monkeypatch.setenv("MAX_LEN", "262144")
+    with pytest.raises(ABError, match="MAX_LEN"):
+        profile_serve_argv(model.directory, 8000, "single", str(env_file), dummy)
 
 
 def test_spec_fields_are_the_keys_vllms_speculative_config_takes() -> None:

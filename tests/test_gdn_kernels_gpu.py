@@ -27,7 +27,7 @@ from gpu_server import (
 )
 from local_server import free_port
 from test_prepare_gpu import LOGPROB_TOLERANCE, NEAR_TIE, PROMPTS, observe
-from test_step_knobs_gpu import compiled_server
+from test_step_knobs_gpu import MTP3, compiled_server
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
@@ -39,8 +39,6 @@ SIDES = {
     "vllm": {GDN_BA.env: "0", GDN_RECURRENT.env: "0"},
     "hyperqwen": {GDN_BA.env: "1", GDN_RECURRENT.env: "1"},
 }
-# real verification (not synthetic acceptance): the output is the target's greedy continuation
-MTP3 = {"method": "mtp", "num_speculative_tokens": 3}
 LOG_LINES = ("GDN b/a projection: HyperQwen's kernel", "GDN recurrent update: HyperQwen's kernel")
 
 

@@ -17,9 +17,15 @@ from pathlib import Path
 import pytest
 from loaded_settings import loaded
 
+from hyperqwen.bench.ab_argv import profile_launch
+from hyperqwen.bench.ab_plan import ABError
+from hyperqwen.capacity import attention_token_bytes, kv_mem_bytes
+from hyperqwen.checkpoint.geometry import PRESETS
+from hyperqwen.checkpoint.synthesize import synthesize
 from hyperqwen.cli import build_parser
 from hyperqwen.launch import build_launch
 from hyperqwen.settings import Settings
+from hyperqwen.vllm_flags import flag_value
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = sorted((ROOT / "bench" / "gpu-host" / "plans").glob("*.sh"))
@@ -79,15 +85,39 @@ def check_knobs(values: dict[str, str], mode: str, where: str) -> None:
         pytest.fail(f"{where}: the launcher refuses {values} ({refused})")
 
 
+def check_stock_side_fits(stock_args: str, pool: str, where: str) -> None:
+    """ab_together fixes the stock side's pool too: the length it serves must fit it (vLLM's
+    default, the model's 262,144 tokens, fits none of these pools in bf16)."""
+    words = shlex.split(stock_args)
+    length = flag_value(words, "--max-model-len")
+    assert length, f"{where}: AB_STOCK_ARGS gives the stock side no --max-model-len"
+    g = PRESETS["27b"]
+    dtype = flag_value(words, "--kv-cache-dtype") or "auto"
+    per_token = attention_token_bytes(dtype, g.num_key_value_heads, g.head_dim)
+    layers = g.layer_types.count("full_attention")
+    need = int(length) * per_token * layers
+    assert need < kv_mem_bytes(pool), f"{where}: stock's {length} tokens need more than {pool}"
+
+
 def check_ab_together(command: Planned, earlier: dict[str, Planned], vllm_serve, r: Path):
     name, options, *variants = command.words[2:]
     args = cli_args(["bench", "ab", "/tmp/q27-prepared", *shlex.split(options)])
     where = f"step {command.step}"
     check_vllm_flags(vllm_serve, command.env.get("AB_STOCK_ARGS", ""), where)
     pool = command.env.get("AB_KV_MEM", "16G")
+    check_stock_side_fits(command.env.get("AB_STOCK_ARGS", ""), pool, where)
+    model = r / "q27-prepared"  # what ab_together synthesizes: its config, dummy weights
+    if not (model / "config.json").is_file():
+        synthesize(model, PRESETS["27b"], config_only=True, progress=False)
     for variant in variants:
         knobs = dict(word.split("=", 1) for word in variant.split() if not word.startswith("TREE="))
         check_knobs({"GPU_UTIL": "0.3", "KV_MEM": pool, **knobs}, args.mode, where)
+        try:  # sized as bench ab sizes it on the host (here for an assumed card)
+            profile_launch(
+                model, 8000, args.mode, None, {"KV_MEM": pool, **knobs}, "--load-format dummy"
+            )
+        except ABError as refused:
+            pytest.fail(f"{where}, variant {variant!r}: {refused}")
     if "AB_STOCK_HALF" in command.env:  # an earlier run's half, measured the same way
         half = Path(command.env["AB_STOCK_HALF"])
         assert half.name == "stock-half.json" and half.parent.parent == r, where

@@ -247,8 +247,9 @@ class ServingKnobs(BaseModel):
         "auto",
         "vLLM's GPU model runner. auto: vLLM's choice, V1 for this hybrid model; v1; v2: vLLM "
         "0.26's experimental V2 runner, which prepares each step's inputs on the GPU (MTP "
-        "drafting and prefix caching's align mode included; speed and exactness here not "
-        "measured yet). The engine features that hook the V1 runner (their seams in "
+        "drafting and prefix caching's align mode included; speed not measured, exactness "
+        "not decided yet: bench/measurements/2026-12-05-h100-step-knobs.json). The engine "
+        "features that hook the V1 runner (their seams in "
         "src/hyperqwen/engine/README.md's table say 'V1 runner') stay off under v2; one of "
         "their knobs set to 1, or SPEC=ngram/lookup (V2 has no n-gram drafting), is refused.",
         "env VLLM_USE_V2_MODEL_RUNNER (v1: 0, v2: 1, auto: unset)",
@@ -260,7 +261,8 @@ class ServingKnobs(BaseModel):
         "while its predecessor drains and waiting before it reads that kernel's output (torch "
         "Inductor's triton.enable_pdl). Only sm90 and newer (H100/H200, RTX 5090) have it: "
         "below, where Inductor would leave it out, `hyperqwen serve` refuses 1. Part of the "
-        "compile cache key. Speed and exactness not measured yet.",
+        "compile cache key. Exact on an H100 (the same tokens as without: "
+        "bench/measurements/2026-12-05-h100-step-knobs.json); speed not measured yet.",
         "--compilation-config inductor_compile_config triton.enable_pdl",
     )
     VISION: Switch = knob(

@@ -15,6 +15,9 @@
 source bench/gpu-host/steps.sh step || exit 1
 c1='--mode single --input-len 128 --output-len 512 --cohorts 1 --rounds 16 --prefill none
   --temperature 0 --seed 0 --synthetic-acceptance 0.77,0.55,0.4 --profile-steps 20'
+# vLLM's default length, the model's 262,144 tokens, needs 17.6 GiB of bf16 cache: more than the
+# pool; the patched sides are sized to theirs by the launcher
+stock_length='--max-model-len 32768'
 # Each profiled side's trace of run NAME (bench ab keeps it in its workdir), mapped by `bench
 # stepmap` (per-GEMM bytes and bandwidth, the idle time inside the step, the host thread's
 # window) into $P/stepmap-NAME-SERVER-SIDE.json.
@@ -32,9 +35,9 @@ stepmaps() {
 }
 step draft-argmax-test python3 -m pytest -m gpu -x tests/test_kernel_draft_argmax_gpu.py
 step draft-head python3 -m hyperqwen.cli bench draft-head --out "$P/draft-head.json"
-step feat env AB_KV_MEM=4G bash bench/gpu-host/ab_together.sh feat "$c1" 'LOOKUP=0' \
+step feat env AB_KV_MEM=4G AB_STOCK_ARGS="$stock_length" bash bench/gpu-host/ab_together.sh feat "$c1" 'LOOKUP=0' \
   'INDUCTOR_PDL=1 GDN_BA=1 GDN_RECURRENT=1 DRAFT_HEAD_INT8=1 LOOKUP=0'
-step host env AB_KV_MEM=4G AB_STOCK_HALF="$R/feat/stock-half.json" \
+step host env AB_KV_MEM=4G AB_STOCK_ARGS="$stock_length" AB_STOCK_HALF="$R/feat/stock-half.json" \
   bash bench/gpu-host/ab_together.sh host "$c1" 'LOOKUP=0' 'MODEL_RUNNER=v2' ''
 step tables python3 -m hyperqwen.cli bench table "$R"/feat/v1.json "$R"/feat/v2.json \
   "$R"/host/v1.json "$R"/host/v2.json "$R"/host/v3.json --labels lookup0,knobs,twin,v2,defaults

@@ -9,6 +9,7 @@ read with hyperqwen.vllm_flags, the launcher's reader, so every spelling vLLM ta
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import shlex
@@ -21,6 +22,8 @@ from hyperqwen.bench.ab_plan import SIDES, ABError, ABPlan
 from hyperqwen.bench.options import DEFAULT_COHORTS, _int_list
 from hyperqwen.bench.profile import PROFILE_DELAY_STEPS, profiler_flags
 from hyperqwen.bench.server_process import SERVER_HOST
+from hyperqwen.capacity_probe import probe_machine
+from hyperqwen.gpu import NoGpu, list_gpus
 from hyperqwen.launch import LaunchPlan, build_launch
 from hyperqwen.settings import LoadedSettings, SettingsError, knobs, load_settings
 from hyperqwen.vllm_flags import (
@@ -70,14 +73,32 @@ def profile_launch(
     mode: str,
     env_file: str | None,
     knob_values: dict[str, str] | None = None,
+    vllm_args: str = "",
 ) -> LaunchPlan:
     """What `hyperqwen serve MODE` would run for this model (knobs from env/.env, then
-    `knob_values` over them), local."""
-    return build_launch(_load_profile(model, port, env_file, knob_values), mode, api_key=None)
+    `knob_values` over them), local: sized, as serve sizes it, to this machine's card (an
+    assumed one without a GPU) and to a KV_MEM pool, with `vllm_args` (appended after the
+    profile's argv) read as EXTRA_ARGS would be, so --load-format dummy counts the weights the
+    config declares. A profile that cannot fit is refused here, naming the knob, rather than by
+    vLLM after minutes of start-up."""
+    loaded = _load_profile(model, port, env_file, knob_values)
+    settings = loaded.settings
+    extra = f"{settings.EXTRA_ARGS} {vllm_args}".strip()
+    gpus = []
+    with contextlib.suppress(NoGpu):  # none: probe_machine assumes a card and says so
+        gpus = list_gpus()
+    machine = probe_machine(settings.model_copy(update={"EXTRA_ARGS": extra}), model, gpus)
+    try:
+        return build_launch(loaded, mode, api_key=None, machine=machine)
+    except SettingsError as refusal:
+        raise ABError(f"the project's profile cannot serve {model}: {refusal}") from None
 
 
-def profile_serve_argv(model: Path, port: int, mode: str, env_file: str | None) -> list[str]:
-    return profile_launch(model, port, mode, env_file).argv[1:]  # drop "vllm"
+def profile_serve_argv(
+    model: Path, port: int, mode: str, env_file: str | None, vllm_args: str = ""
+) -> list[str]:
+    launch = profile_launch(model, port, mode, env_file, vllm_args=vllm_args)
+    return launch.argv[1:]  # drop "vllm"
 
 
 def server_environment(parent: Path, launcher_env: dict[str, str] | None = None) -> dict:
@@ -93,7 +114,9 @@ def side_environment(side: str, plan: ABPlan, port: int, parent: Path) -> dict:
     """One side's server environment; the patched side's carries the launcher's variables."""
     if side != "patched":
         return server_environment(parent)
-    launch = profile_launch(Path(plan.model), port, plan.mode, plan.env_file)
+    launch = profile_launch(
+        Path(plan.model), port, plan.mode, plan.env_file, vllm_args=plan.vllm_args
+    )
     return server_environment(parent, launch.env)
 
 
@@ -209,7 +232,8 @@ def stock_speculation(plan: ABPlan) -> list[str]:
     """The profile's --speculative-config for the stock side (--stock-spec same), less any key
     the stock tree's SpeculativeConfig lacks (the result's note names those). Empty where the
     profile does not speculate: a --speculative-config in --vllm-args reaches both sides."""
-    profile = profile_serve_argv(Path(plan.model), PREVIEW_PORT, plan.mode, plan.env_file)
+    model = Path(plan.model)
+    profile = profile_serve_argv(model, PREVIEW_PORT, plan.mode, plan.env_file, plan.vllm_args)
     config = spec_config(profile)
     if config is None:
         return []
@@ -226,9 +250,8 @@ def base_argv(side: str, plan: ABPlan, port: int) -> list[str]:
     """The `vllm serve ...` arguments of one side before synthetic acceptance."""
     model = Path(plan.model)
     if side == "patched":
-        return profile_serve_argv(model, port, plan.mode, plan.env_file) + shlex.split(
-            plan.vllm_args
-        )
+        profile = profile_serve_argv(model, port, plan.mode, plan.env_file, plan.vllm_args)
+        return profile + shlex.split(plan.vllm_args)
     spec = stock_speculation(plan) if plan.stock_spec == "same" else []
     vllm_args, stock_args = shlex.split(plan.vllm_args), shlex.split(plan.stock_args)
     stock_model = Path(plan.stock_model) if plan.stock_model else model

@@ -63,7 +63,7 @@ class ServerConfig:
             spec = self.speculative_config
             flags = ["--speculative-config", compact(spec)] if spec else []
             return [*stock_serve_argv(model, port), *flags, *extra], server_environment(parent)
-        launch = profile_launch(model, port, "single", env_file, self.knob_values)
+        launch = profile_launch(model, port, "single", env_file, self.knob_values, vllm_args)
         return [*launch.argv[1:], *extra], server_environment(parent, launch.env)
 
 

@@ -233,8 +233,10 @@ DRAFT_HEAD_INT8 = Feature(
         "through cuBLAS and three small launches (0.30 ms of a 9.76 ms 27B MTP step on the "
         "H200: docs/results/2026-12-05-h200-27b-single-step-head.json). Output unchanged "
         "(every draft is verified). With DRAFT_SAMPLE=greedy the bf16 rows are freed (0.2 GiB "
-        "less for the 27B); probabilistic keeps them beside the int8 copy (0.2 GiB more). Not "
-        "timed yet, so off by default.",
+        "less for the 27B); probabilistic keeps them beside the int8 copy (0.2 GiB more). The "
+        "kernel alone takes under half the bf16 path's time on an H100 "
+        "(docs/results/2026-12-05-h100-27b-draft-head.json); off by default until a served "
+        "step is measured with it.",
         modes=SINGLE_MODE,
     ),
     launch=lambda settings, mode: (
@@ -253,7 +255,9 @@ DRAFT_HEAD_INT8 = Feature(
     "`../kernels/draft_argmax.py` (GEMV, argmax over the rows, map to vocabulary ids) in place "
     "of vLLM's LocalArgmaxMixin.get_top_tokens over the bf16 rows; CPU-tested (kernel against "
     "float64 at the 27B's head, the drafter's method against the bf16 path's ids, the bf16 rows "
-    "freed under greedy drafts); compiles for sm80-sm120; not run on a GPU yet",
+    "freed under greedy drafts); compiles for sm80-sm120; on an H100 the kernel is exact "
+    "(tests/test_kernel_draft_argmax_gpu.py) and timed against vLLM's path and Marlin int8 "
+    "(docs/results/2026-12-05-h100-27b-draft-head.json); not served on a GPU yet",
 )
 
 ALIGN_OVERLAP = Feature(
