@@ -138,3 +138,32 @@ def test_prefill_of_an_8k_chunk_after_32k_tokens_in_a_pool_past_2_32_bytes():
         apart = relative_error(out[row], decoded[i].double())
         assert apart < 2**-8, (row, apart, prefill_error, decode_error)
         assert max(prefill_error, decode_error) < PREFILL_BOUND_32K, row
+
+
+def test_the_builders_copies_are_queued_not_waited_for():
+    """The metadata is built four times a step (the verify, each drafter pass): a copy that
+    waited for the GPU's queue would drain it each time. With seconds of work queued, both
+    copies return while it still runs, and give the host's values once it has run."""
+    from types import SimpleNamespace
+
+    from hyperqwen.kvarn.backend import filled_on_device, queued_copy
+
+    stream = torch.cuda.current_stream()
+    # request 0 writes positions 255-258 (a verify block of 4), request 1 writes 129
+    seq_lens = torch.tensor([258, 129], dtype=torch.int32, device="cuda")
+    query_start_loc = torch.tensor([0, 4, 5], dtype=torch.int32, device="cuda")
+    plan = SimpleNamespace(  # candidate tiles ending at 256 and 384 (request 0), 128 (request 1)
+        store_blocks=[7, 9, 11],
+        store_slots=[0, 1, 2],
+        store_rows=[0, 0, 1],
+        store_ends=[256, 384, 128],
+    )
+    host = torch.arange(4096, dtype=torch.int32)
+    torch.cuda._sleep(10_000_000_000)  # seconds of cycles queued ahead of the copies
+    copied = queued_copy(host, "cuda")
+    blocks, slots = filled_on_device(plan, seq_lens, query_start_loc, "cuda")
+    assert not stream.query(), "a copy waited for the queued work"
+    torch.cuda.synchronize()
+    assert torch.equal(copied.cpu(), host)
+    # only the tile ending at 256 ends inside a step's writes, (254, 258]
+    assert blocks.tolist() == [7, -1, -1] and slots.tolist() == [0, 1, 2]

@@ -227,7 +227,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             check_decodes_first(seq_lens_cpu, query_lens, num_decodes, threshold)
         plan = self.slots.plan(self._request_steps(cam, seq_lens_cpu, query_lens, drafting))
         device = cam.block_table_tensor.device
-        slot_of_block = plan.slot_of_block.to(device)
+        slot_of_block = queued_copy(plan.slot_of_block, device)
         num_slots = self.slots.num_slots
         mapping = cam.slot_mapping
         slots = slot_of_block[mapping.clamp(min=0) // TILE_TOKENS].long()
@@ -290,14 +290,28 @@ def filled_on_device(plan, seq_lens, query_start_loc, device) -> tuple[torch.Ten
     """The plan's candidate tiles as store_tiles' block ids and their slots (int64): a tile's
     block where the device's exact lengths say this step filled it (its end in
     (seq_len - query_len, seq_len]), else -1 (skipped). One host-to-device copy for all four
-    lists, then tensor ops queued on the device: no wait for the device's lengths."""
+    lists, queued (queued_copy), then tensor ops queued on the device: no wait for the
+    device's lengths nor its queue."""
     candidates = torch.tensor(
         [plan.store_blocks, plan.store_slots, plan.store_rows, plan.store_ends], dtype=torch.int64
-    ).to(device)
-    blocks, slots, rows, ends = candidates
+    )
+    blocks, slots, rows, ends = queued_copy(candidates, device)
     after = seq_lens[rows]
     before = after - (query_start_loc[rows + 1] - query_start_loc[rows])
     return torch.where((before < ends) & (ends <= after), blocks, -1), slots
+
+
+def queued_copy(host: torch.Tensor, device) -> torch.Tensor:
+    """`host` on the device, the copy queued behind the kernels already there instead of
+    waiting for them: a copy from pageable memory makes PyTorch synchronize the stream, and the
+    metadata is built four times a step (the verify, each drafter pass), so every build would
+    have drained the GPU's queue and no step's host work could overlap the previous step's
+    kernels. From pinned memory the copy is queued like a kernel; PyTorch's caching host
+    allocator keeps the pinned block until the copy has run."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class SideCache:
