@@ -298,6 +298,11 @@ def test_kv_mem_sizes_exactly_and_refuses_even_on_an_assumed_card():
         build_launch(
             loaded(CTX="huge", KV_MEM="3G", MAX_LEN="262144"), "single", None, machine=ASSUMED
         )
+    # the fix it names is the knob that sizes the pool: GPU_UTIL sizes nothing beside KV_MEM
+    for knobs in ({"MAX_LEN": "262144"}, {"MAX_LEN": "262144", "MAX_SEQS": "2"}):
+        with pytest.raises(CapacityRefusal) as refused:
+            build_launch(loaded(CTX="huge", KV_MEM="3G", **knobs), "single", None, machine=ASSUMED)
+        assert "raise KV_MEM" in str(refused.value) and "GPU_UTIL" not in str(refused.value)
 
 
 def test_tensor_parallel_sizes_each_gpu():

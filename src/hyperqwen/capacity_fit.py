@@ -130,15 +130,15 @@ def fit_batch_to_card(
         raise CapacityRefusal(
             f"MAX_LEN={settings.MAX_LEN} does not fit: {room}, which holds {one_slot:,} tokens "
             f"for a request alone. Set MAX_LEN={_rounded(one_slot)} or less (unset, batch takes "
-            "what fits), or raise GPU_UTIL."
+            f"what fits), or {_more_room(settings)}."
         )
     max_len = settings.MAX_LEN or (
         profile[0] if capacity.fits(profile[0], 1) else _rounded(one_slot)
     )
     if max_len < MIN_MAX_LEN:
         raise CapacityRefusal(
-            f"batch does not fit: {room}, not even {MIN_MAX_LEN} tokens for one request. Raise "
-            "GPU_UTIL, free the card of other processes, or serve on a larger card."
+            f"batch does not fit: {room}, not even {MIN_MAX_LEN} tokens for one request. "
+            f"{_no_room_fix(settings)}"
         )
     if (settings.MAX_SEQS or 0) > capacity.blocks:
         raise CapacityRefusal(
@@ -146,7 +146,7 @@ def fit_batch_to_card(
             "blocks, and vLLM keeps one for each decoding sequence. Set MAX_SEQS="
             f"{capacity.blocks} or less (unset, batch takes the "
             f"{capacity.slots(BATCH_SIZING_TOKENS)} requests of {BATCH_SIZING_TOKENS:,} tokens "
-            "that stay resident), or raise GPU_UTIL."
+            f"that stay resident), or {_more_room(settings)}."
         )
     resident = capacity.slots(BATCH_SIZING_TOKENS)
     max_seqs = settings.MAX_SEQS or max(1, min(profile[1], resident))
@@ -204,7 +204,7 @@ def _choose(
         raise CapacityRefusal(
             f"MAX_LEN={length} with MAX_SEQS={slots} does not fit: {room}, which holds "
             f"{capacity.max_len(slots):,} tokens at {slots} slots, or {capacity.slots(length)} "
-            f"slots of {length:,} tokens. Lower MAX_LEN or MAX_SEQS, or raise GPU_UTIL."
+            f"slots of {length:,} tokens. Lower MAX_LEN or MAX_SEQS, or {_more_room(settings)}."
         )
     if length:
         if capacity.fits(length, 1):
@@ -212,7 +212,7 @@ def _choose(
         raise CapacityRefusal(
             f"MAX_LEN={length} does not fit: {room}, which holds {one_slot:,} tokens at 1 slot. "
             f"Set MAX_LEN={_rounded(one_slot)} or less (unset, CTX={settings.CTX} takes what "
-            "fits), or raise GPU_UTIL."
+            f"fits), or {_more_room(settings)}."
         )
     if slots:
         fitted = _rounded(min(profile[0], capacity.max_len(slots)))
@@ -221,7 +221,7 @@ def _choose(
         raise CapacityRefusal(
             f"MAX_SEQS={slots} does not fit: {room}, which holds {capacity.max_len(slots):,} "
             f"tokens per slot at {slots} slots and {one_slot:,} at 1 slot. Lower MAX_SEQS (or "
-            f"unset it), or raise GPU_UTIL."
+            f"unset it), or {_more_room(settings)}."
         )
     if capacity.fits(profile[0], 1):
         return profile[0], min(profile[1], capacity.slots(profile[0]))
@@ -229,8 +229,20 @@ def _choose(
         return _rounded(one_slot), 1
     raise CapacityRefusal(
         f"CTX={settings.CTX} does not fit: {room}, not even {MIN_MAX_LEN} tokens at 1 slot. "
-        "Raise GPU_UTIL, free the card of other processes, or serve on a larger card."
+        f"{_no_room_fix(settings)}"
     )
+
+
+def _more_room(settings: Settings) -> str:
+    """The knob that gives the cache more room: KV_MEM where it fixes the pool (GPU_UTIL then
+    sizes nothing), else GPU_UTIL."""
+    return "raise KV_MEM" if settings.KV_MEM else "raise GPU_UTIL"
+
+
+def _no_room_fix(settings: Settings) -> str:
+    if settings.KV_MEM:
+        return "Raise KV_MEM."
+    return "Raise GPU_UTIL, free the card of other processes, or serve on a larger card."
 
 
 def _rounded(length: int) -> int:
