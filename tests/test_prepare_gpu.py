@@ -68,6 +68,14 @@ NEAR_TIE = 2 * LOGPROB_TOLERANCE
 MTP2 = {"method": "mtp", "num_speculative_tokens": 2}
 
 
+def assert_logprobs_agree(reference: dict, candidate: dict, what: str) -> None:
+    """Two `observe` rows' teacher-forced log-probabilities: scored at the same positions, each
+    within LOGPROB_TOLERANCE."""
+    for want, got in zip(reference["prompt_logprobs"], candidate["prompt_logprobs"], strict=True):
+        assert (want is None) == (got is None), what
+        assert want is None or abs(want - got) < LOGPROB_TOLERANCE, what
+
+
 def tiny_server(model: Path, port: int, speculative: dict | None = MTP2) -> list[str]:
     spec = ["--speculative-config", json.dumps(speculative)] if speculative else []
     return [
