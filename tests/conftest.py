@@ -191,14 +191,17 @@ def engine_log(caplog):
     """caplog for the engine's loggers ("vllm.hyperqwen.*") at INFO: once vLLM has set up its
     logging its "vllm" logger stops propagation, so caplog's root handler alone would miss
     them, depending on whether an earlier test imported vLLM. vLLM's logging is set up first
-    (its import reconfigures the loggers), so a test that imports vLLM keeps this handler."""
+    (its import reconfigures the loggers), so a test that imports vLLM keeps this handler.
+    The handler's level is set too: importing vLLM's API server (its dependency
+    model_hosting_container_standards) sets the root logger to ERROR for the whole process,
+    and caplog's handlers follow the root's level from then on."""
     import vllm.logger  # noqa: F401
 
     logger = logging.getLogger("vllm.hyperqwen")
-    saved = logger.level, logger.propagate
+    propagate = logger.propagate
     logger.addHandler(caplog.handler)
-    logger.setLevel(logging.INFO)
+    caplog.set_level(logging.INFO, logger="vllm.hyperqwen")  # restored after the test
     logger.propagate = False  # caught here once, not again at the root
     yield caplog
     logger.removeHandler(caplog.handler)
-    logger.level, logger.propagate = saved
+    logger.propagate = propagate
