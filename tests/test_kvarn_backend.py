@@ -117,20 +117,43 @@ def common_metadata(requests, num_blocks, width, padding=0, ahead=None):
     )
 
 
+def builder_config(num_blocks, config=None):
+    """A vLLM config as its worker has it when it builds the attention backends: the KV cache
+    sized (backend.pool_blocks), here to `num_blocks` blocks of 128 tokens."""
+    from vllm.config import VllmConfig
+
+    config = config or VllmConfig()
+    config.cache_config.num_gpu_blocks = num_blocks
+    config.cache_config.block_size = T
+    return config
+
+
+STEP_TENSORS = ("slot_of_block", "side_rows", "store_blocks", "store_slots")
+
+
 def build_from_host_table(builder, cam):
     """The builder's metadata from the runner's host block table, as
     patches/runner-host-block-table.patch passes it (set as an attribute: the venv's vLLM may
     not have the field yet), checked against the same builder's from a copy of the device
-    table (stock vLLM): the same slots, side rows and stores, from the same allocator state."""
+    table (stock vLLM): the same slots, side rows and stores, from the same allocator state,
+    in the same tensors (a CUDA graph reads them where it was captured)."""
     planner = getattr(builder, "builder", builder)  # a drafter pass wraps the builder
     allocator = copy.deepcopy(planner.slots)
     from_device = builder.build(0, cam)
+    # the builder writes every step into the same tensors: keep this build's values
+    values = {name: getattr(from_device, name).clone() for name in STEP_TENSORS}
     planner.slots = allocator
     cam.block_table_cpu = cam.block_table_tensor.clone()
     meta = builder.build(0, cam)
-    for name in ("slot_of_block", "side_rows", "store_blocks", "store_slots"):
-        assert torch.equal(getattr(meta, name), getattr(from_device, name)), name
+    for name in STEP_TENSORS:
+        assert torch.equal(getattr(meta, name), values[name]), name
+        assert getattr(meta, name).data_ptr() == getattr(from_device, name).data_ptr(), name
     return meta
+
+
+def stored(meta):
+    """The pool blocks a step stores (the list is padded with -1 to a length per request)."""
+    return [block for block in meta.store_blocks.tolist() if block >= 0]
 
 
 def step(impl, builder, pool, requests, num_decodes, queries, padding=0, ahead=None):
@@ -190,15 +213,15 @@ def check_step(out, meta, pool, requests, queries, layout):
 
 @pytest.mark.usefixtures("interpreted")
 def test_store_and_decode_through_the_impl_match_float64(vllm_cpu_platform):
-    from vllm.config import VllmConfig
-
     layout = TileLayout(head_dim=D)
     num_blocks = 10
     pool = torch.full(layout.pool_shape(num_blocks, KV_HEADS), POISON_BYTE, dtype=torch.uint8)
     spec = KVarNBackend.kv_cache_spec(T, KV_HEADS, D)
-    builder = KVarNBackend.get_builder_cls()(spec, ["layer"], VllmConfig(), pool.device)
+    builder = KVarNBackend.get_builder_cls()(
+        spec, ["layer"], builder_config(num_blocks), pool.device
+    )
     assert builder.reorder_batch_threshold == 1  # vLLM puts decodes first
-    builder.slots = SlotAllocator(4)  # few enough to run out in step 2
+    builder.slots = SlotAllocator(4, num_blocks)  # few enough to run out in step 2
     impl = KVarNBackend.get_impl_cls()(HEADS, D, D**-0.5, KV_HEADS)
     impl.side = SideCache(4, KV_HEADS, D, DTYPE, "cpu")
     impl.side.key.fill_(float("nan"))
@@ -236,7 +259,7 @@ def test_store_and_decode_through_the_impl_match_float64(vllm_cpu_platform):
     third = [(b, 300, 1), (c, 2 * T, 10)]
     queries = torch.randn(11, HEADS, D, generator=g).to(DTYPE)
     out, meta = step(impl, builder, pool, third, 1, queries)
-    assert int(meta.slot_of_block[6]) == -1 and meta.store_blocks.numel() == 0
+    assert int(meta.slot_of_block[6]) == -1 and stored(meta) == []
     assert (pool[[5, 7, 9]] == POISON_BYTE).all(), "a filling block was quantized"
     check_step(out, meta, pool, third, queries, layout)
 
@@ -244,10 +267,8 @@ def test_store_and_decode_through_the_impl_match_float64(vllm_cpu_platform):
 def test_the_builder_plans_from_the_host_table_not_the_device_copy(vllm_cpu_platform):
     """With the runner's host table given, the plan names its blocks: a device table of other
     blocks (here all block 7) is not read back."""
-    from vllm.config import VllmConfig
-
     spec = KVarNBackend.kv_cache_spec(T, KV_HEADS, D)
-    builder = KVarNBackend.get_builder_cls()(spec, ["layer"], VllmConfig(), "cpu")
+    builder = KVarNBackend.get_builder_cls()(spec, ["layer"], builder_config(8), "cpu")
     cam = common_metadata([(Sequence(200, seed=1, blocks=[3, 5]), 0, 200)], 8, 5)
     cam.block_table_cpu = cam.block_table_tensor.clone()
     cam.block_table_tensor = torch.full_like(cam.block_table_tensor, 7)
@@ -283,3 +304,95 @@ def test_the_profile_run_allocates_the_side_cache_so_vllm_counts_it(vllm_cpu_pla
     bare = KVarNImpl(HEADS, D, D**-0.5, KV_HEADS)
     bare.forward(None, query, kv, kv, torch.empty(0, dtype=torch.uint8), None, output)
     assert bare.side is None
+
+
+def padded_like_a_full_graph(cam, requests: int, tokens: int, stale_length: int):
+    """The batch as vLLM's runner pads it to a captured CUDA graph's size
+    (gpu_model_runner._build_attention_metadata under pad_attn): `requests` more requests of
+    no tokens on the null block (0) with a stale host length, and `tokens` more tokens of slot
+    -1, counted in num_actual_tokens."""
+    import dataclasses
+
+    starts = torch.cat([cam.query_start_loc, cam.query_start_loc[-1:].repeat(requests)])
+    null_rows = torch.zeros_like(cam.block_table_tensor[:1]).repeat(requests, 1)
+    table = torch.cat([cam.block_table_tensor, null_rows])
+    return dataclasses.replace(
+        cam,
+        query_start_loc=starts,
+        query_start_loc_cpu=starts.clone(),
+        seq_lens=torch.cat([cam.seq_lens, torch.zeros(requests, dtype=torch.int32)]),
+        seq_lens_cpu_upper_bound=torch.cat(
+            [cam.seq_lens_cpu_upper_bound, torch.full((requests,), stale_length).int()]
+        ),
+        num_reqs=cam.num_reqs + requests,
+        num_actual_tokens=cam.num_actual_tokens + tokens,
+        block_table_tensor=table,
+        slot_mapping=torch.cat([cam.slot_mapping, torch.full((tokens,), -1)]),
+    )
+
+
+def allocator_state(slots):
+    return slots.slot_of_block.tolist(), list(slots.pinned), list(slots.sinks), list(slots.free)
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_a_padded_decode_batch_plans_reads_and_stores_as_its_requests_alone(vllm_cpu_platform):
+    """The CUDA-graph side of the builder (UNIFORM_BATCH): a decode batch padded as a FULL
+    graph pads it plans the same slots as its real requests alone, stores the same tiles from
+    a list of one entry per request (padding -1), and its real rows read what they would
+    unpadded; every step's metadata comes in the same tensors. A dummy batch on the null block
+    (vLLM's warm-up and capture runs, slot mapping -1) plans nothing."""
+    layout = TileLayout(head_dim=D)
+    num_blocks = 8
+    spec = KVarNBackend.kv_cache_spec(T, KV_HEADS, D)
+    builder = KVarNBackend.get_builder_cls()(spec, ["layer"], builder_config(num_blocks), "cpu")
+    assert builder._cudagraph_support.name == "UNIFORM_BATCH"
+    builder.slots = SlotAllocator(6, num_blocks)
+    impl = KVarNBackend.get_impl_cls()(HEADS, D, D**-0.5, KV_HEADS)
+    impl.side = SideCache(6, KV_HEADS, D, DTYPE, "cpu")
+    impl.side.key.fill_(float("nan"))
+    impl.side.value.fill_(float("nan"))
+    pool = torch.full(layout.pool_shape(num_blocks, KV_HEADS), POISON_BYTE, dtype=torch.uint8)
+    a = Sequence(2 * T, seed=11, blocks=[3, 5])
+    b = Sequence(2 * T, seed=13, blocks=[6, 1])
+    g = torch.Generator().manual_seed(17)
+    prompts = [(a, 0, T - 1), (b, 0, 200)]
+    step(impl, builder, pool, prompts, 0, torch.randn(T - 1 + 200, HEADS, D, generator=g).to(DTYPE))
+
+    # a's token 127 fills its sink, b decodes inside tile 1; then both decode once more
+    seen = []
+    for decodes in ([(a, T - 1, 1), (b, 200, 1)], [(a, T, 1), (b, 201, 1)]):
+        cam = common_metadata(decodes, num_blocks, 5)
+        alone = copy.deepcopy(builder.slots)
+        unpadded = builder.build(0, cam)
+        want = {name: getattr(unpadded, name).clone() for name in STEP_TENSORS}
+        after_alone = allocator_state(builder.slots)
+        builder.slots = alone
+        padded = padded_like_a_full_graph(cam, requests=2, tokens=2, stale_length=300)
+        meta = builder.build(0, padded)
+        assert allocator_state(builder.slots) == after_alone
+        assert torch.equal(meta.slot_of_block, want["slot_of_block"])
+        assert torch.equal(meta.side_rows[:2], want["side_rows"])
+        assert (meta.side_rows[2:] == 6 * T).all()  # the padding row
+        assert meta.store_blocks.tolist() == [*want["store_blocks"].tolist(), -1, -1]
+        assert (meta.num_decodes, meta.num_decode_tokens) == (4, 4)
+        seen.append({name: getattr(meta, name).data_ptr() for name in STEP_TENSORS})
+
+        queries = torch.randn(2, HEADS, D, generator=g).to(DTYPE)
+        query = torch.cat([queries, torch.randn(2, HEADS, D, dtype=DTYPE)]).view(4, -1)
+        key = torch.cat([torch.cat([s.key[c : c + 1] for s, c, _ in decodes]),
+                         torch.randn(2, KV_HEADS, D, dtype=DTYPE)]).view(4, -1)  # fmt: skip
+        value = torch.cat([torch.cat([s.value[c : c + 1] for s, c, _ in decodes]),
+                           torch.randn(2, KV_HEADS, D, dtype=DTYPE)]).view(4, -1)  # fmt: skip
+        output = torch.full((4, HEADS * D), float("nan"), dtype=DTYPE)
+        impl.forward(None, query, key, value, pool, meta, output)
+        check_step(output[:2].view(2, HEADS, D), meta, pool, decodes, queries, layout)
+    assert seen[0] == seen[1], "a step's metadata moved: a captured graph would read stale data"
+    check_tiles(pool, a, [0], layout)
+
+    before = allocator_state(builder.slots)
+    dummy = common_metadata([(Sequence(4, seed=19, blocks=[0]), 0, 4)] * 3, num_blocks, 5)
+    dummy.slot_mapping.fill_(-1)
+    meta = builder.build(0, dummy)
+    assert stored(meta) == [] and (meta.side_rows == 6 * T).all()
+    assert allocator_state(builder.slots) == before

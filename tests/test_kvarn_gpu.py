@@ -167,3 +167,114 @@ def test_the_builders_copies_are_queued_not_waited_for():
     assert torch.equal(copied.cpu(), host)
     # only the tile ending at 256 ends inside a step's writes, (254, 258]
     assert blocks.tolist() == [7, -1, -1] and slots.tolist() == [0, 1, 2]
+
+
+def test_a_cuda_graph_of_the_decode_step_replays_each_steps_metadata():
+    """The builder's UNIFORM_BATCH claim on the GPU: a CUDA graph captured over the layer's
+    forward for one padded decode batch (2 requests padded to 4, as vLLM's FULL graphs pad),
+    replayed for the next steps after each step's build (one fills a sink, so its store
+    runs through the padded list), gives the eager forward's outputs and pool bit for bit.
+    The batch tensors live where vLLM's runner keeps them, in persistent buffers; a
+    metadata tensor that moved between builds would leave the replay reading the captured
+    step's."""
+    import copy
+
+    from test_kvarn_backend import builder_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from hyperqwen.kvarn.backend import KVarNBackend, SideCache
+    from hyperqwen.kvarn.slots import SlotAllocator
+
+    heads, kv_heads, slots, num_blocks, width, padded = 24, 4, 8, 16, 4, 4
+    layout = TileLayout(head_dim=D)
+    spec = KVarNBackend.kv_cache_spec(T, kv_heads, D)
+    builder = KVarNBackend.get_builder_cls()(spec, ["layer"], builder_config(num_blocks), "cuda")
+    builder.slots = SlotAllocator(slots, num_blocks)
+    impl = KVarNBackend.get_impl_cls()(heads, D, D**-0.5, kv_heads)
+    impl.side = SideCache(slots, kv_heads, D, torch.bfloat16, "cuda")
+    pool = torch.full(layout.pool_shape(num_blocks, kv_heads), POISON, dtype=torch.uint8,
+                      device="cuda")  # fmt: skip
+    tables = torch.tensor([[3, 5, 0, 0], [6, 1, 7, 0]], dtype=torch.int32)
+    prompts = (T - 2, 300)  # request 0's second decode fills its sink
+    g = torch.Generator().manual_seed(61)
+    # the runner's persistent batch tensors; padded requests: no tokens, the null block 0
+    starts = torch.zeros(padded + 1, dtype=torch.int32, device="cuda")
+    seq_lens = torch.zeros(padded, dtype=torch.int32, device="cuda")
+    table = torch.zeros(padded, width, dtype=torch.int32, device="cuda")
+    mapping = torch.full((sum(prompts),), -1, dtype=torch.int64, device="cuda")
+
+    def batch(lengths, query_lens):
+        """lengths: each request's count after the step; the batch padded to `padded` when
+        it is a decode batch, as vLLM pads one for a captured graph."""
+        reqs = padded if max(query_lens) == 1 else len(lengths)
+        host_starts = torch.zeros(reqs + 1, dtype=torch.int32)
+        host_starts[1 : len(lengths) + 1] = torch.tensor(query_lens).cumsum(0)
+        host_starts[len(lengths) + 1 :] = host_starts[len(lengths)]
+        host_lens = torch.zeros(reqs, dtype=torch.int32)
+        host_lens[: len(lengths)] = torch.tensor(lengths)
+        host_table = torch.zeros(reqs, width, dtype=torch.int32)
+        host_table[: len(lengths)] = tables
+        pairs = enumerate(zip(lengths, query_lens, strict=True))
+        positions = [(row, p) for row, (n, q) in pairs for p in range(n - q, n)]
+        tokens = reqs if reqs == padded else len(positions)
+        slots_of = [-1] * tokens
+        for i, (row, p) in enumerate(positions):
+            slots_of[i] = int(tables[row, p // T]) * T + p % T
+        starts[: reqs + 1].copy_(host_starts)
+        seq_lens[:reqs].copy_(host_lens)
+        table[:reqs].copy_(host_table)
+        mapping[:tokens].copy_(torch.tensor(slots_of))
+        cam = CommonAttentionMetadata(
+            query_start_loc=starts[: reqs + 1], query_start_loc_cpu=host_starts,
+            seq_lens=seq_lens[:reqs], num_reqs=reqs, num_actual_tokens=tokens,
+            max_query_len=max(query_lens), max_seq_len=max(lengths),
+            block_table_tensor=table[:reqs], slot_mapping=mapping[:tokens],
+            seq_lens_cpu_upper_bound=host_lens,
+        )  # fmt: skip
+        cam.block_table_cpu = host_table
+        return cam, tokens
+
+    def inputs(tokens):
+        return (
+            torch.randn(tokens, heads * D, generator=g).to(torch.bfloat16).cuda(),
+            torch.randn(tokens, kv_heads * D, generator=g).to(torch.bfloat16).cuda(),
+            torch.randn(tokens, kv_heads * D, generator=g).to(torch.bfloat16).cuda(),
+        )
+
+    def forward(meta, q, k, v):
+        out = torch.full_like(q, float("nan"))
+        impl.forward(None, q, k, v, pool, meta, out)
+        return out
+
+    cam, tokens = batch(prompts, prompts)
+    forward(builder.build(0, cam), *inputs(tokens))
+    saved = (pool.clone(), impl.side.key.clone(), impl.side.value.clone(),
+             copy.deepcopy(builder.slots))  # fmt: skip
+    steps = [[n + i for n in prompts] for i in range(1, 5)]
+    step_inputs = [inputs(padded) for _ in steps]
+
+    eager = []
+    for lengths, args in zip(steps, step_inputs, strict=True):
+        cam, _ = batch(lengths, [1, 1])
+        eager.append(forward(builder.build(0, cam), *args)[:2].clone())
+    eager_pool = pool.clone()
+
+    pool.copy_(saved[0])
+    impl.side.key.copy_(saved[1])
+    impl.side.value.copy_(saved[2])
+    builder.slots = saved[3]
+    static = [torch.empty_like(x) for x in step_inputs[0]]
+    out = torch.full_like(static[0], float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    for i, (lengths, args) in enumerate(zip(steps, step_inputs, strict=True)):
+        cam, _ = batch(lengths, [1, 1])
+        meta = builder.build(0, cam)
+        for buffer, x in zip(static, args, strict=True):
+            buffer.copy_(x)
+        if i == 0:
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                impl.forward(None, *static, pool, meta, out)
+        graph.replay()
+        assert torch.equal(out[:2], eager[i]), f"step {i}: the replay read another step's data"
+    assert torch.equal(pool, eager_pool), "the replays stored other tiles than the eager steps"

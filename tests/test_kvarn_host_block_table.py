@@ -34,7 +34,9 @@ spec = KVarNBackend.kv_cache_spec(T, 2, 32)
 seen, groups = {}, []
 for gid in range(2):
     group = AttentionGroup(KVarNBackend, [f"layer{gid}"], spec, gid)
-    group.create_metadata_builders(VllmConfig(), cpu)
+    config = VllmConfig()
+    config.cache_config.num_gpu_blocks, config.cache_config.block_size = 10, T
+    group.create_metadata_builders(config, cpu)
     builder = group.get_metadata_builder()
 
     def record(common_prefix_len, common_attn_metadata, fast_build=False, _b=builder, _g=gid):
@@ -113,4 +115,4 @@ def test_the_runner_gives_each_groups_builder_its_host_rows(patched_vllm):
         assert group["device"] == group["host"], gid
         assert group["view_of_runner_buffer"], gid
         assert group["unpadded"] == want, gid
-        assert group["stores"] == stores, gid
+        assert group["stores"] == [*stores, -1], gid  # padded to one entry per request

@@ -26,6 +26,7 @@ from test_kvarn_backend import (
     POISON_BYTE,
     Sequence,
     check_step,
+    builder_config,
     check_tiles,
     common_metadata,
     step,
@@ -77,8 +78,9 @@ class Request:
 def make_backend(layout, num_blocks):
     pool = torch.full(layout.pool_shape(num_blocks, KV_HEADS), POISON_BYTE, dtype=torch.uint8)
     spec = KVarNBackend.kv_cache_spec(T, KV_HEADS, D)
-    builder = KVarNBackend.get_builder_cls()(spec, ["layer"], speculative_config(), pool.device)
-    builder.slots = SlotAllocator(SLOTS)
+    config = builder_config(num_blocks, speculative_config())
+    builder = KVarNBackend.get_builder_cls()(spec, ["layer"], config, pool.device)
+    builder.slots = SlotAllocator(SLOTS, num_blocks)
     impl = KVarNBackend.get_impl_cls()(HEADS, D, D**-0.5, KV_HEADS)
     impl.side = SideCache(SLOTS, KV_HEADS, D, DTYPE, "cpu")
     impl.side.key.fill_(float("nan"))
@@ -145,7 +147,7 @@ def test_async_speculation_stores_what_the_device_filled_and_reads_the_accepted_
     # a's verify block fills tile 1 with drafts (stored); b's host believes its sink filled
     # (124 + 4 = 128) but the device reaches 125: a candidate it does not store
     meta = run_step(impl, builder, pool, [(a, verify), (b, verify)], 2, g, layout)
-    assert meta.store_blocks.tolist() == [a.seq.blocks[1], -1]
+    assert meta.store_blocks.tolist() == [a.seq.blocks[1], -1]  # b's candidate skipped
     sink_b = b.seq.blocks[0]
     assert (pool[sink_b] == POISON_BYTE).all(), "b's sink stored before the device filled it"
     a.accept(verify, 1)  # 255: tile 1's drafts at 255 rejected, host 258
@@ -199,28 +201,28 @@ def test_the_drafters_passes_store_and_read_like_the_target(vllm_cpu_platform):
 
     def drafter_step(scheduled, accepted):
         """Pass 0 over the step's `scheduled` tokens, then the draft passes after
-        `accepted` of them were accepted; returns each pass's metadata."""
+        `accepted` of them were accepted; returns each pass's store list (the builder writes
+        each pass's into the same tensor)."""
         host_after = a.computed + a.ahead + scheduled
         decodes = int(scheduled <= verify)
         first = run_step(impl, DrafterPass(builder, 0), pool, [(a, scheduled)], decodes, g, layout)
-        metas = [first]
+        stores = [first.store_blocks.tolist()]
         a.accept(scheduled, accepted)
         start, rejected_ahead = a.computed, a.ahead
         for draft_index in range(1, DRAFTS):
             a.computed = start + draft_index - 1  # the draft pass writes one position
             a.ahead = host_after + draft_index - (a.computed + 1)
-            metas.append(
-                run_step(impl, DrafterPass(builder, draft_index), pool, [(a, 1)], 1, g, layout)
-            )
+            meta = run_step(impl, DrafterPass(builder, draft_index), pool, [(a, 1)], 1, g, layout)
+            stores.append(meta.store_blocks.tolist())
         a.computed, a.ahead = start, rejected_ahead
-        return metas
+        return stores
 
     sink = a.seq.blocks[0]
     drafter_step(120, 120)  # the prompt (pass 0 a prefill), then drafts at 120, 121
     drafter_step(verify, verify)  # 124; drafts at 124, 125
     drafter_step(verify, 1)  # pass 0 fills the sink; 125 accepted, drafts at 125, 126
-    metas = drafter_step(verify, 2)  # 125..128 refill it; 127 accepted; draft 1 at 127 fills it
-    assert [m.store_blocks.tolist() for m in metas] == [[sink], [sink], [-1]]
+    stores = drafter_step(verify, 2)  # 125..128 refill it; 127 accepted; draft 1 at 127 fills it
+    assert stores == [[sink], [sink], [-1]]
     assert builder.slots.slot(sink) in builder.slots.pinned
     drafter_step(verify, verify)  # 127..130 refill it again; 131 accepted
     drafter_step(verify, verify)

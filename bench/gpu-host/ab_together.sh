@@ -29,17 +29,15 @@ find "$work" -mindepth 1 -maxdepth 2 -type f -delete 2> /dev/null
 rm -rf "$work/turn"*
 mkdir -p "$out" "$work"
 rm -f "$out/variants.txt"
-servers=$(($# + 1))
-if [ -n "${AB_STOCK_HALF:-}" ]; then
-  cp "$AB_STOCK_HALF" "$work/stock.json" || exit 1
-  servers=$#
-fi
-util=${AB_GPU_UTIL:-$(python3 -c "print(f'{0.9 / $servers:.2f}')")}
 kv=${AB_KV_MEM:-16G}
-stock_args="--gpu-memory-utilization $util --kv-cache-memory-bytes $kv ${AB_STOCK_ARGS:-}"
-if [ -n "${AB_STOCK_HALF:-}" ]; then # the saved half's flags: its options must be these
+if [ -n "${AB_STOCK_HALF:-}" ]; then # the saved half, with its flags: its options must be these
+  cp "$AB_STOCK_HALF" "$work/stock.json" || exit 1
+  util=${AB_GPU_UTIL:-$(python3 -c "print(f'{0.9 / $#:.2f}')")}
   stock_args=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["plan"]["stock_args"])' \
     "$AB_STOCK_HALF") || exit 1
+else
+  util=${AB_GPU_UTIL:-$(python3 -c "print(f'{0.9 / ($# + 1):.2f}')")}
+  stock_args="--gpu-memory-utilization $util --kv-cache-memory-bytes $kv ${AB_STOCK_ARGS:-}"
 fi
 model=${AB_MODEL:-/tmp/q27-prepared} # AB_MODEL and AB_STOCK_MODEL: other model folders
 base=${AB_STOCK_MODEL:-/tmp/q27}
@@ -110,7 +108,8 @@ status=0
 for job in $servers; do wait "$job" || status=1; done
 kill "$sampler" 2> /dev/null
 bash bench/gpu-host/host_state.sh "$out/host-state-end.txt"
-[ -z "${AB_STOCK_HALF:-}" ] && [ -f "$work/stock.json" ] && cp "$work/stock.json" "$out/stock-half.json"
+# the stock half for a later run's AB_STOCK_HALF (a copy of the one taken, where one was)
+[ -f "$work/stock.json" ] && cp "$work/stock.json" "$out/stock-half.json"
 for run in "$work"/*/; do
   for log in "$run"*.log; do
     [ -f "$log" ] && cp "$log" "$out/$(basename "$run")-$(basename "$log")"

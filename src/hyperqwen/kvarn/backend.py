@@ -23,6 +23,13 @@ The pieces:
   per request, the sink included) is quantized by store.py from its slot into the pool block
   the block table names; then decodes (query length up to 1 + drafts) run
   decode.decode_attention and prefills prefill.prefill_attention (one launch for all of them).
+- CUDA graphs (AttentionCGSupport.UNIFORM_BATCH): vLLM captures whole decode batches, verify
+  blocks included, so everything the forward reads keeps its address (the builder's
+  StepBuffers) and its launch sizes (the store list padded to one entry per request with
+  skipped entries, which the store kernel reads through the slots, so padding moves no
+  bytes); a FULL graph's padded requests and vLLM's dummy batches (on its null block) plan
+  nothing, and the padded ones read nothing.
+  Prefills stay eager between piecewise graphs.
 
 What is not handled yet, and why:
 - The builder plans the slots from the runner's host block table, which vLLM 0.26 does not
@@ -35,8 +42,6 @@ What is not handled yet, and why:
   asks the backend (`kv_cache_spec` below) in both places; without it vLLM sizes bf16 pages and
   the pool shape does not fit them.
 - The prefill kernel (prefill.py) is checked on the H200 but not timed; its program size is untuned.
-- CUDA graphs: the builder declares none (AttentionCGSupport.NEVER), so vLLM runs this
-  attention eagerly between piecewise graphs; the tile store's size is decided on the host.
 - Speculative decoding (README, "Speculative decoding"): verify blocks are decodes, read at the
   device's exact lengths; the host's lengths are upper bounds under async scheduling, so the
   slot plan covers every tile the device may write or fill and the store skips, on the device,
@@ -59,7 +64,7 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
-from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID, split_decodes_and_prefills
 
 from hyperqwen.kvarn.decode import decode_attention
 from hyperqwen.kvarn.layout import TileLayout
@@ -161,8 +166,45 @@ def side_cache_slots(vllm_config) -> int:
     return serving_side_slots(scheduler.max_num_seqs, scheduler.max_num_batched_tokens, speculative)
 
 
+def pool_blocks(vllm_config) -> int:
+    """The pool's 128-token blocks, which bound every block id a table holds: vLLM's worker
+    sets cache_config.num_gpu_blocks (blocks of cache_config.block_size tokens, a multiple of
+    the kernel block) before it builds the attention backends
+    (v1/worker/gpu_worker.py: initialize_from_config)."""
+    cache = vllm_config.cache_config
+    if not cache.num_gpu_blocks or not cache.block_size:
+        raise RuntimeError(
+            "KV=kvarn's metadata builder needs the KV cache's size (cache_config.num_gpu_blocks "
+            "and block_size), which vLLM sets before it builds the attention backends: its "
+            "slot map has one entry per pool block"
+        )
+    return cache.num_gpu_blocks * (cache.block_size // TILE_TOKENS)
+
+
+class StepBuffers:
+    """The device tensors a step's metadata hands the layers, allocated once per builder: a
+    CUDA graph captured over the layers' forward reads them at the addresses it was captured
+    with, so every build writes into them, queued behind the previous step's kernels.
+    side_rows takes one entry per token of a step (at most max_num_batched_tokens, vLLM's
+    runner and drafter alike); the store lists one per candidate tile (each holds a slot, so
+    at most the slots) or per request, the padded length of a decode batch (below)."""
+
+    def __init__(self, num_blocks: int, num_slots: int, vllm_config, device) -> None:
+        scheduler = vllm_config.scheduler_config
+        stores = max(num_slots, scheduler.max_num_seqs)
+        self.slot_of_block = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
+        self.side_rows = torch.empty(scheduler.max_num_batched_tokens, dtype=torch.int64,
+                                     device=device)  # fmt: skip
+        self.store_blocks = torch.empty(stores, dtype=torch.int64, device=device)
+        self.store_slots = torch.empty(stores, dtype=torch.int64, device=device)
+
+
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # CUDA graphs of whole uniform decode batches (verify blocks included): the metadata
+    # lives in StepBuffers, a padded request (vLLM's FULL graphs pad a batch to a captured
+    # size with requests of no tokens) plans and reads nothing, and the store's launch has a
+    # fixed size, padded with skipped entries
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -171,7 +213,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         # one allocator per KV cache group: its layers share the block tables, so the slots
         # (the drafter builds its own builder for its layers, so it has its own allocator)
-        self.slots = SlotAllocator(side_cache_slots(vllm_config))
+        num_slots, num_blocks = side_cache_slots(vllm_config), pool_blocks(vllm_config)
+        self.slots = SlotAllocator(num_slots, num_blocks)
+        self.buffers = StepBuffers(num_blocks, num_slots, vllm_config, device)
 
     def build(
         self,
@@ -192,7 +236,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
     def _request_steps(self, cam, seq_lens_cpu, query_lens, drafting: bool) -> list[RequestStep]:
         """The step's requests for the slot allocator, from the host's lengths: exact for rows
         longer than a verify block (prefills), else upper bounds up to the previous step's
-        drafts above the device's (in a later drafter pass, also this step's)."""
+        drafts above the device's (in a later drafter pass, also this step's). A row on vLLM's
+        null block writes no token and plans nothing: a FULL graph's padding (no tokens, a
+        stale host length) and the dummy batches of warm-up and capture (slot mapping -1)."""
         # a drafter pass past max_model_len writes nothing (vLLM's slot -1): the table's reach
         reach = cam.block_table_tensor.shape[1] * TILE_TOKENS
         afters = seq_lens_cpu.clamp(max=reach)
@@ -205,6 +251,8 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         for blocks, before, after, query_len in zip(
             tables, befores.tolist(), afters.tolist(), query_lens.tolist(), strict=True
         ):
+            if blocks[0] == NULL_BLOCK_ID:
+                continue
             if not drafts or query_len > self.reorder_batch_threshold:  # exact
                 steps.append(RequestStep(blocks, before, after))
                 continue
@@ -225,21 +273,32 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
         if threshold > 1:
             check_decodes_first(seq_lens_cpu, query_lens, num_decodes, threshold)
-        plan = self.slots.plan(self._request_steps(cam, seq_lens_cpu, query_lens, drafting))
-        device = cam.block_table_tensor.device
-        slot_of_block = queued_copy(plan.slot_of_block, device)
-        num_slots = self.slots.num_slots
+        slots = self.slots
+        plan = slots.plan(self._request_steps(cam, seq_lens_cpu, query_lens, drafting))
+        buffers = self.buffers
+        if plan.slot_of_block.shape != buffers.slot_of_block.shape:
+            raise RuntimeError(
+                f"KV=kvarn: the slot allocator maps {plan.slot_of_block.shape[0]} pool blocks, "
+                f"the builder's buffer {buffers.slot_of_block.shape[0]}: a block id past the "
+                "pool's size reached the plan"
+            )
+        slot_of_block = queued_copy(plan.slot_of_block, buffers.slot_of_block)
         mapping = cam.slot_mapping
-        slots = slot_of_block[mapping.clamp(min=0) // TILE_TOKENS].long()
-        padding_row = num_slots * TILE_TOKENS
-        # a token whose block has no slot (never, by the plan) goes to the padding row too,
-        # not to a negative row, which would index from the end
-        side_rows = torch.where(
-            (mapping >= 0) & (slots >= 0), slots * TILE_TOKENS + mapping % TILE_TOKENS, padding_row
+        side_rows = buffers.side_rows[: mapping.shape[0]]
+        token_slots = slot_of_block[mapping.clamp(min=0) // TILE_TOKENS].long()
+        # a padding token, or one whose block has no slot (never, by the plan), goes to the
+        # padding row, not to a negative row, which would index from the end
+        padding_row = slots.num_slots * TILE_TOKENS
+        valid = (mapping >= 0) & (token_slots >= 0)
+        side_rows.copy_(
+            torch.where(valid, token_slots * TILE_TOKENS + mapping % TILE_TOKENS, padding_row)
         )
+        # one store entry per request at least: a decode batch's launch keeps its size
+        stores = max(len(plan.store_blocks), cam.num_reqs)
         store_blocks, store_slots = filled_on_device(
-            plan, cam.seq_lens, cam.query_start_loc, device
-        )
+            plan, cam.seq_lens, cam.query_start_loc,
+            buffers.store_blocks[:stores], buffers.store_slots[:stores],
+        )  # fmt: skip
         return KVarNMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             num_decodes=num_decodes,
@@ -251,7 +310,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             slot_mapping=cam.slot_mapping,
             query_start_loc_cpu=query_start_loc_cpu,
             seq_lens_cpu=seq_lens_cpu,
-            num_slots=num_slots,
+            num_slots=slots.num_slots,
             slot_of_block=slot_of_block,
             side_rows=side_rows,
             store_blocks=store_blocks,
@@ -286,32 +345,37 @@ def check_decodes_first(seq_lens_cpu, query_lens, num_decodes: int, threshold: i
         )
 
 
-def filled_on_device(plan, seq_lens, query_start_loc, device) -> tuple[torch.Tensor, ...]:
-    """The plan's candidate tiles as store_tiles' block ids and their slots (int64): a tile's
-    block where the device's exact lengths say this step filled it (its end in
-    (seq_len - query_len, seq_len]), else -1 (skipped). One host-to-device copy for all four
-    lists, queued (queued_copy), then tensor ops queued on the device: no wait for the
-    device's lengths nor its queue."""
-    candidates = torch.tensor(
-        [plan.store_blocks, plan.store_slots, plan.store_rows, plan.store_ends], dtype=torch.int64
-    )
-    blocks, slots, rows, ends = queued_copy(candidates, device)
+def filled_on_device(plan, seq_lens, query_start_loc, blocks_out, slots_out):
+    """The plan's candidate tiles into store_tiles' block ids and their slots (int64 tensors
+    on the device, returned): a tile's block where the device's exact lengths say this step
+    filled it (its end in (seq_len - query_len, seq_len]), else -1 (skipped), and -1 past the
+    candidates up to the outputs' length. One host-to-device copy for all four lists, queued
+    (queued_copy), then tensor ops queued on the device: no wait for the device's lengths
+    nor its queue."""
+    length = blocks_out.shape[0]
+    candidates = torch.zeros(4, length, dtype=torch.int64)
+    candidates[0] = -1
+    count = len(plan.store_blocks)
+    lists = [plan.store_blocks, plan.store_slots, plan.store_rows, plan.store_ends]
+    candidates[:, :count] = torch.tensor(lists, dtype=torch.int64).view(4, count)
+    staged = torch.empty_like(candidates, device=blocks_out.device)
+    blocks, slots, rows, ends = queued_copy(candidates, staged)
     after = seq_lens[rows]
     before = after - (query_start_loc[rows + 1] - query_start_loc[rows])
-    return torch.where((before < ends) & (ends <= after), blocks, -1), slots
+    blocks_out.copy_(torch.where((before < ends) & (ends <= after), blocks, -1))
+    return blocks_out, slots_out.copy_(slots)
 
 
-def queued_copy(host: torch.Tensor, device) -> torch.Tensor:
-    """`host` on the device, the copy queued behind the kernels already there instead of
-    waiting for them: a copy from pageable memory makes PyTorch synchronize the stream, and the
-    metadata is built four times a step (the verify, each drafter pass), so every build would
-    have drained the GPU's queue and no step's host work could overlap the previous step's
-    kernels. From pinned memory the copy is queued like a kernel; PyTorch's caching host
-    allocator keeps the pinned block until the copy has run."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+def queued_copy(host: torch.Tensor, device_tensor: torch.Tensor) -> torch.Tensor:
+    """`host` copied into `device_tensor` (returned), the copy queued behind the kernels
+    already there instead of waiting for them: a copy from pageable memory makes PyTorch
+    synchronize the stream, and the metadata is built four times a step (the verify, each
+    drafter pass), so every build would have drained the GPU's queue and no step's host work
+    could overlap the previous step's kernels. From pinned memory the copy is queued like a
+    kernel; PyTorch's caching host allocator keeps the pinned block until the copy has run."""
+    if device_tensor.device.type != "cuda":
+        return device_tensor.copy_(host)
+    return device_tensor.copy_(host.pin_memory(), non_blocking=True)
 
 
 class SideCache:
@@ -415,11 +479,16 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
         side_k, side_v = side.tiles(side.key), side.tiles(side.value)
         block_table, slot_of_block = attn_metadata.block_table, attn_metadata.slot_of_block
 
-        if attn_metadata.store_blocks.numel():
-            slots = attn_metadata.store_slots
-            store_tiles(
-                side_k[slots], side_v[slots], kv_cache, attn_metadata.store_blocks, self.layout
+        if slot_of_block.shape[0] != kv_cache.shape[0]:
+            raise RuntimeError(
+                f"KV=kvarn: the builder's slot map covers {slot_of_block.shape[0]} pool blocks, "
+                f"the layer's pool has {kv_cache.shape[0]} (backend.pool_blocks)"
             )
+        if attn_metadata.store_blocks.numel():
+            store_tiles(
+                side_k, side_v, kv_cache, attn_metadata.store_blocks, self.layout,
+                tile_ids=attn_metadata.store_slots,
+            )  # fmt: skip
 
         decodes, decode_tokens = attn_metadata.num_decodes, attn_metadata.num_decode_tokens
         if decodes:

@@ -61,7 +61,13 @@ def _launches(d: int) -> dict:
     dequant_constants = dict(T=layout.tokens, D=d, AT=layout.offsets, UNROTATE=True)
     rotate_constants = dict(BLOCK_ROWS=hadamard.ROTATE_BLOCK_ROWS, N=d)
     return {
-        "store": (store._store_kernel, tile_io, store_constants, store.STORE_WARPS, 3),
+        "store": (
+            store._store_kernel,
+            tile_io | {"tile_ids_ptr": "*i64"},
+            store_constants,
+            store.STORE_WARPS,
+            3,
+        ),
         "dequant": (dequant._dequant_kernel, tile_io, dequant_constants, 8, 3),
         "rotate_rows": (
             hadamard._rotate_rows_kernel,

@@ -93,7 +93,7 @@ def _fit_grid(y, LEVELS: tl.constexpr, AXIS: tl.constexpr, GROUP: tl.constexpr,
 
 
 @triton.jit
-def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr,
+def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr, tile_ids_ptr,
                   stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
                   stride_block, stride_head,
                   T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
@@ -104,13 +104,14 @@ def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr,
     if tl.load(block_ids_ptr + tl.program_id(0)) < 0:  # a candidate the device did not fill
         return
     index, head, tile = program_tile(pool_ptr, block_ids_ptr, stride_block, stride_head)
+    source = tl.load(tile_ids_ptr + index).to(tl.int64)  # which of k and v's tiles
     t = tl.arange(0, T)
     rows = t[:, None].to(tl.int64)
 
     # keys: rotate, normalise tokens (quantize.balance_token_scales), per-channel 4-bit grid,
     # K_COLUMNS channels at a time (each channel's grid is its own; the token scales sum over
     # all of them first): the whole tile at once spills registers
-    k_src = k_ptr + index.to(tl.int64) * stride_kn + head.to(tl.int64) * stride_kh
+    k_src = k_ptr + source * stride_kn + head.to(tl.int64) * stride_kh
     r = tl.full((T, 1), 1.0, tl.float32)
     for _ in tl.static_range(BALANCE_ROUNDS):
         sums = tl.zeros((T, 1), tl.float32)
@@ -138,7 +139,7 @@ def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr,
 
     # values: rotate, per-token 2-bit grid, V_ROWS tokens at a time (a token's grid is its
     # own; a whole tile at once needs twice the registers and spills)
-    v_src = v_ptr + index.to(tl.int64) * stride_vn + head.to(tl.int64) * stride_vh
+    v_src = v_ptr + source * stride_vn + head.to(tl.int64) * stride_vh
     quarter = tl.arange(0, D // 4)
     for first in range(0, T, V_ROWS):
         tokens = first + tl.arange(0, V_ROWS)[:, None]
@@ -188,22 +189,34 @@ def store_tiles(
     pool: torch.Tensor,
     block_ids: torch.Tensor,
     layout: TileLayout | None = None,
+    tile_ids: torch.Tensor | None = None,
 ) -> None:
     """Quantize tiles key/value [n, 128, num_kv_heads, D] (bf16 or fp16, contiguous along D)
-    into pool[block_ids[i], :] (layout.py), every KV head of each. Block ids must name blocks
-    of the pool, or be negative: that tile is skipped (the backend decides on the device which
-    of a step's candidate tiles it filled, kvarn/backend.py); the kernel does not check them
-    otherwise (a GPU-side check would cost a sync)."""
+    into pool[block_ids[i], :] (layout.py), every KV head of each: tile i, or tile
+    tile_ids[i] where given (the backend passes its whole side cache and the slots, so that
+    no copy of the tiles is made and a launch of a fixed size can carry padding). Block ids
+    must name blocks of the pool, or be negative: that entry is skipped (the backend decides
+    on the device which of a step's candidate tiles it filled, and pads the list to a length
+    a CUDA graph can keep, kvarn/backend.py); the kernel does not check them otherwise (a
+    GPU-side check would cost a sync)."""
     layout = layout or TileLayout(head_dim=key.shape[-1])
     layout.check_pool(pool)
     expected = (key.shape[0], layout.tokens, pool.shape[1], layout.head_dim)
     check_tiles("key", key, expected)
     check_tiles("value", value, expected)
-    check_block_ids(block_ids, pool, key.shape[0])
-    if key.shape[0] == 0:
+    count = key.shape[0] if tile_ids is None else block_ids.shape[0]
+    check_block_ids(block_ids, pool, count)
+    if tile_ids is None:
+        tile_ids = torch.arange(count, device=pool.device)
+    elif tile_ids.dtype not in (torch.int32, torch.int64) or tile_ids.shape != (count,):
+        raise ValueError(
+            f"tile_ids must be int32 or int64 [{count}] (one tile of key and value per block "
+            f"id); got {tile_ids.dtype} {list(tile_ids.shape)}"
+        )
+    if count == 0:
         return
-    _store_kernel[(key.shape[0], pool.shape[1])](
-        key, value, pool, block_ids,
+    _store_kernel[(count, pool.shape[1])](
+        key, value, pool, block_ids, tile_ids,
         *key.stride()[:3], *value.stride()[:3],
         pool.stride(0), pool.stride(1),
         T=layout.tokens, D=layout.head_dim, AT=layout.offsets,
