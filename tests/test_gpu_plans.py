@@ -23,6 +23,7 @@ from hyperqwen.capacity import attention_token_bytes, kv_mem_bytes
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
 from hyperqwen.cli import build_parser
+from hyperqwen.kvarn import bench as kvarn_bench
 from hyperqwen.launch import build_launch
 from hyperqwen.settings import Settings
 from hyperqwen.vllm_flags import flag_value
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLANS = sorted((ROOT / "bench" / "gpu-host" / "plans").glob("*.sh"))
 CLI = ["python3", "-m", "hyperqwen.cli"]
 PYTEST = ["python3", "-m", "pytest"]
+KVARN_BENCH = ["python3", "-m", "hyperqwen.kvarn.bench"]
 AB_TOGETHER = ["bash", "bench/gpu-host/ab_together.sh"]
 
 
@@ -63,11 +65,15 @@ def planned(plan: Path, results: Path) -> list[Planned]:
     return commands
 
 
-def cli_args(words: list[str]):
+def check_parses(parser, words: list[str], where: str):
     try:
-        return build_parser().parse_args(words)
+        return parser.parse_args(words)
     except SystemExit as refused:
-        pytest.fail(f"`hyperqwen {shlex.join(words)}` is refused by the CLI's parser ({refused})")
+        pytest.fail(f"{where}: `{parser.prog} {shlex.join(words)}` is refused ({refused})")
+
+
+def cli_args(words: list[str]):
+    return check_parses(build_parser(), words, "the CLI's parser")
 
 
 def check_vllm_flags(vllm_serve, flags: str, where: str) -> None:
@@ -161,6 +167,8 @@ def test_every_command_of_a_plan_passes_the_parser_that_reads_it(plan, tmp_path,
                     check_vllm_flags(vllm_serve, flags, f"step {command.step}")
         elif words[:3] == PYTEST:
             check_pytest(command)
+        elif words[:3] == KVARN_BENCH:
+            check_parses(kvarn_bench.build_parser(), words[3:], f"step {command.step}")
         elif words[:2] == AB_TOGETHER:
             check_ab_together(command, ab_runs, vllm_serve, tmp_path)
         else:

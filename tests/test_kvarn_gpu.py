@@ -10,23 +10,25 @@ after 32k tokens) beside a short chunk with its sink evicted."""
 from __future__ import annotations
 
 import pytest
+import torch
+from kvarn_cache import T, build_cache
+from test_kvarn_store import POISON, assert_pool_holds_the_reference, tiles
 
-pytestmark = pytest.mark.gpu
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+from hyperqwen.bench.kernels import relative_error
+from hyperqwen.kvarn import quantize
+from hyperqwen.kvarn.decode import decode_attention
+from hyperqwen.kvarn.dequant import dequantize_tiles
+from hyperqwen.kvarn.hadamard import rotate_reference, rotate_rows
+from hyperqwen.kvarn.layout import TileLayout, unpack_tile
+from hyperqwen.kvarn.prefill import prefill_attention
+from hyperqwen.kvarn.store import store_tiles
 
-from kvarn_cache import T, build_cache  # noqa: E402
-from test_kvarn_store import POISON, assert_pool_holds_the_reference, tiles  # noqa: E402
-
-from hyperqwen.bench.kernels import relative_error  # noqa: E402
-from hyperqwen.kvarn import quantize  # noqa: E402
-from hyperqwen.kvarn.decode import decode_attention  # noqa: E402
-from hyperqwen.kvarn.dequant import dequantize_tiles  # noqa: E402
-from hyperqwen.kvarn.hadamard import rotate_reference, rotate_rows  # noqa: E402
-from hyperqwen.kvarn.layout import TileLayout, unpack_tile  # noqa: E402
-from hyperqwen.kvarn.prefill import prefill_attention  # noqa: E402
-from hyperqwen.kvarn.store import store_tiles  # noqa: E402
+# skipped per test, not per module, so that a plan's `-k` selection collects here
+# (tests/test_gpu_plans.py)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 HEADS, D, TILES = 4, 256, 64
 PREFILL_BOUND_32K = 5e-2  # the prefill test's docstring says why

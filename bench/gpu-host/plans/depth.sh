@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 25, decode deep in a long context (~25 min on an H100): stock vLLM with an fp8 cache
+# Issue 25, decode deep in a long context (~30 min on an H100): stock vLLM with an fp8 cache
 # against CTX=huge, C1, one cold (salted) prompt per depth, 256 tokens decoded after it.
 #   depth:    32k and 112k, stock fp8 against KV=fp8 and KV=kvarn (KVarN's decode tax at 112k,
 #             target <= 1.5x, decides CTX=huge's default KV); a 5 GiB pool each, so three
@@ -13,13 +13,19 @@
 # Then, alone on the GPU: the stock side of the fp8 capacity row, and the sizing tests.
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh depth || exit 1
-step kvarn-graph python3 -m pytest -m gpu -q tests/test_kvarn_gpu.py -k 'cuda_graph or queued'
+step kvarn-graph python3 -m pytest -m gpu tests/test_kvarn_gpu.py -k 'cuda_graph or queued'
 deep='--mode single --cohorts 1 --rounds 4 --prefill none --output-len 256 --temperature 0
   --seed 0 --synthetic-acceptance 0.77,0.55,0.4'
 step depth env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \
   AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 120000 --max-num-seqs 1' \
   bash bench/gpu-host/ab_together.sh depth "$deep --depths 32768,114688 --prefill-requests 1" \
   'CTX=huge KV=fp8' 'CTX=huge KV=kvarn'
+# KVarN's kernels alone (~4 min): decode's split sweep at a C1 verify block (what
+# backend.decode_splits should pick) and the prefill's program sizes, against FlashAttention
+step kvarn-decode python3 -m hyperqwen.kvarn.bench --contexts 32768 114688 --batch 1 \
+  --queries 4 --out "$P/kvarn-decode.json"
+step kvarn-prefill python3 -m hyperqwen.kvarn.bench --prefill --contexts 32768 114688 \
+  --chunks 8192 --out "$P/kvarn-prefill.json"
 step depth240 env AB_KV_MEM=9G \
   AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 250000 --max-num-seqs 1' \
   bash bench/gpu-host/ab_together.sh depth240 "$deep --depths 131072,245760 --prefill-requests 1" \

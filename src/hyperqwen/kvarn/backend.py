@@ -77,8 +77,20 @@ from hyperqwen.kvarn.store import store_tiles
 # vLLM resolves a layer's backend by this name (Attention.__init__: AttentionBackendEnum[name])
 BACKEND_NAME = "CUSTOM"
 HEAD_SIZES = (64, 128, 256)
-# split-K programs per KV head in decode; untuned (bench.py has not been run on a GPU yet)
-DECODE_SPLITS = 8
+# Decode's split-K programs per (request, KV head): enough programs to fill the GPU's
+# multiprocessors twice, since a long context is read by its splits alone and a C1 batch has
+# only its 4 KV heads (8 splits left 36 programs for an H100's 132); at most MAX_DECODE_SPLITS,
+# as each split, empty or not, is a partial the merge reads. The count is fixed per batch size,
+# as a CUDA graph captured for that size keeps it. Off the GPU (the interpreted tests),
+# HOST_DECODE_SPLITS. The split sweep of `python -m hyperqwen.kvarn.bench` is what checks it.
+MAX_DECODE_SPLITS = 64
+HOST_DECODE_SPLITS = 8
+
+
+def decode_splits(num_reqs: int, kv_heads: int, multiprocessors: int) -> int:
+    """Split-K programs per (request, KV head) for a decode batch of num_reqs requests."""
+    wanted = -(-2 * multiprocessors // (num_reqs * kv_heads))
+    return max(1, min(MAX_DECODE_SPLITS, wanted))
 
 
 class KVarNBackend(AttentionBackend):
@@ -436,11 +448,19 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.layout = TileLayout(head_dim=head_size)
         self.side: SideCache | None = None
+        self.multiprocessors: int | None = None  # the GPU's, read at the first decode
         # the builder's slot count, known here when vLLM builds the model under its config
         from vllm.config import get_current_vllm_config_or_none
 
         config = get_current_vllm_config_or_none()
         self.num_slots = side_cache_slots(config) if config is not None else None
+
+    def _decode_splits(self, num_reqs: int, device: torch.device) -> int:
+        if device.type != "cuda":
+            return HOST_DECODE_SPLITS
+        if self.multiprocessors is None:
+            self.multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
+        return decode_splits(num_reqs, self.num_kv_heads, self.multiprocessors)
 
     def _side_cache(self, num_slots: int, dtype: torch.dtype, device) -> SideCache:
         if self.side is None or not self.side.fits(num_slots, dtype, device):
@@ -496,7 +516,7 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
                 q[:decode_tokens], kv_cache, block_table[:decodes], side_k, side_v,
                 slot_of_block, attn_metadata.seq_lens[:decodes],
                 attn_metadata.query_start_loc[: decodes + 1],
-                attn_metadata.max_decode_query_len, DECODE_SPLITS,
+                attn_metadata.max_decode_query_len, self._decode_splits(decodes, q.device),
                 scale=self.scale, out=out[:decode_tokens], layout=self.layout,
             )  # fmt: skip
         if attn_metadata.seq_lens_cpu.shape[0] > decodes:

@@ -245,7 +245,7 @@ def result(raw: dict, command: str, commit: str) -> dict:
     }  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hyperqwen.kvarn.bench",
         description=__doc__,
@@ -267,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefill: query rows per program")  # fmt: skip
     parser.add_argument("--out", help="default kvarn-decode.json (kvarn-prefill.json)")
     parser.add_argument("--commit", help="the checkout's commit (default: git describe)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     import torch
 
