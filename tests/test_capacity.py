@@ -480,18 +480,22 @@ def test_kvarn_pool_leaves_room_for_its_side_cache():
     pool is the card's less the side cache for the most sequences the launch may choose. At
     the 27B's 16 attention layers of 4 KV heads of 256 a slot is 8 MiB; 4 sequences at 4096
     batched tokens take 32 + 8 slots for the steps and 8 for cached sinks (kvarn/sizing.py),
-    plus a padding row per layer."""
+    plus a padding row per layer; and the prefill's scratch, one for all layers: 256 tiles of
+    bf16 K and V (128 MiB)."""
     from hyperqwen.settings import Settings
 
     setup = setup_for(KVARN_CHOICE, False)
     side = kvarn_side_bytes(G27, setup, 4, HUGE_BATCHED_TOKENS)
-    assert side == 48 * 8 * MiB + 16 * 2 * 4 * 256 * 2
+    scratch = 256 * 128 * 4 * 256 * 2 * 2
+    assert scratch == 128 * MiB
+    assert side == 48 * 8 * MiB + 16 * 2 * 4 * 256 * 2 + scratch
     settings = Settings(KV=KVARN_CHOICE, SPEC="off", MAX_SEQS=4, MAX_LEN=32768)
     fit = fit_to_card(card(48), settings, setup, (32768, 8), HUGE_BATCHED_TOKENS)
     pool, _ = card_pool_bytes(card(48), settings.GPU_UTIL, HUGE_BATCHED_TOKENS)
-    assert f"- {gib(side)} GiB KVarN side cache (4 sequences) leaves {gib(pool - side)} GiB" in (
-        fit.line
-    )
+    assert (
+        f"- {gib(side)} GiB KVarN side cache (4 sequences) and prefill scratch leaves "
+        f"{gib(pool - side)} GiB"
+    ) in fit.line
     # without MAX_SEQS, the profile's sequences
     unset = Settings(KV=KVARN_CHOICE, SPEC="off")
     line = fit_to_card(card(48), unset, setup, (32768, 8), HUGE_BATCHED_TOKENS).line
@@ -499,7 +503,7 @@ def test_kvarn_pool_leaves_room_for_its_side_cache():
     # speculating, the MTP layer's side cache too, and a slot more per sequence (a filled
     # tile pinned until its drafts are known accepted): 32 + 12 + 8 slots over 17 layers
     speculating = kvarn_side_bytes(G27, setup_for(KVARN_CHOICE, True), 4, HUGE_BATCHED_TOKENS)
-    assert speculating == 17 * (52 * MiB // 2 + 2 * 4 * 256 * 2)
+    assert speculating == 17 * (52 * MiB // 2 + 2 * 4 * 256 * 2) + scratch
     fp8 = Settings(KV="fp8", SPEC="off", MAX_SEQS=4, MAX_LEN=32768)
     line = fit_to_card(card(48), fp8, setup_for("fp8", False), (32768, 8), HUGE_BATCHED_TOKENS)
     assert "KVarN" not in line.line

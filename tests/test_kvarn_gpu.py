@@ -142,6 +142,42 @@ def test_prefill_of_an_8k_chunk_after_32k_tokens_in_a_pool_past_2_32_bytes():
         assert max(prefill_error, decode_error) < PREFILL_BOUND_32K, row
 
 
+def test_prefill_by_dequantization_through_flash_attention_at_32k(monkeypatch):
+    """prefill_dequant.py's GPU path, vLLM's FlashAttention over the dequantized scratch, on
+    test_prefill_of_an_8k_chunk's cache (an 8k chunk after 32k tokens beside a short chunk
+    whose sink is evicted) and its rows: against float64, no worse on each row than
+    prefill.py's kernel (its bf16 dot operands) plus a bf16 rounding, and within that test's
+    bound. The 32k context takes the scratch in one segment and then, at 2 tiles, in many
+    (the merges' log-sum-exp from FlashAttention)."""
+    from hyperqwen.kvarn import prefill_dequant
+    from hyperqwen.kvarn.prefill_dequant import attend_flash, prefill_by_dequantization
+
+    past, chunk = 32768, 8192
+    cache = build_cache([past + chunk, 5 * T + 17], [chunk, 300], 24, HEADS, D, seed=93,
+                        device="cuda", evicted_sinks=(1,))  # fmt: skip
+    args = cache.kernel_args()
+    args.pop("max_query_len")
+    kernel = prefill_attention(cache.query, **args, out=torch.full_like(cache.query, float("nan")))
+    rows = [0, 1, T - 2, T - 1, T, 4000, chunk - 2, chunk - 1]
+    rows += [chunk + j for j in (0, 25, 26, 153, 154, 299)]
+    expected = cache.expected(rows)
+    starts, lengths = cache.query_start_loc.tolist(), cache.seq_lens.tolist()
+    for scratch_tiles in (prefill_dequant.SCRATCH_TILES, 2):
+        monkeypatch.setattr(prefill_dequant, "SCRATCH_TILES", scratch_tiles)
+        out = torch.full_like(cache.query, float("nan"))
+        prefill_by_dequantization(
+            cache.query, cache.pool, cache.block_table, cache.side_k, cache.side_v,
+            cache.slot_of_block.cpu(), cache.block_table.cpu(), starts, lengths, range(2), out,
+            cache.layout, attend=attend_flash,
+        )  # fmt: skip
+        assert not out.isnan().any()
+        for row, want in zip(rows, expected, strict=True):
+            error = relative_error(out[row], want)
+            slack = relative_error(kernel[row], want) + 2**-8
+            assert error < slack, (scratch_tiles, row, error)
+            assert error < PREFILL_BOUND_32K, (scratch_tiles, row)
+
+
 def test_the_builders_copies_are_queued_not_waited_for():
     """The metadata is built four times a step (the verify, each drafter pass): a copy that
     waited for the GPU's queue would drain it each time. With seconds of work queued, both

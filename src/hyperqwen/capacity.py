@@ -327,15 +327,18 @@ class Capacity:
 
 
 def kvarn_side_bytes(g: Geometry, setup: CacheSetup, max_seqs: int, batched_tokens: int) -> int:
-    """KVarN's 16-bit side cache over all its layers (kvarn/sizing.py): allocated in vLLM's
-    profile run, so vLLM counts it among the non-KV memory and the pool is that much smaller
-    (kvarn/backend.py)."""
-    from hyperqwen.kvarn.sizing import serving_side_slots, side_cache_bytes
+    """KVarN's memory beside its pool: the 16-bit side cache over all its layers
+    (kvarn/sizing.py) and the prefill's scratch, one for all layers (kvarn/prefill_dequant.py).
+    Both are allocated in vLLM's profile run, so vLLM counts them among the non-KV memory and
+    the pool is that much smaller (kvarn/backend.py)."""
+    from hyperqwen.kvarn.sizing import scratch_bytes, serving_side_slots, side_cache_bytes
 
     kv_heads = max(1, g.num_key_value_heads // setup.tensor_parallel)
     layers = g.layer_types.count("full_attention") + setup.mtp_layers
     slots = serving_side_slots(max_seqs, batched_tokens, speculative=setup.draft_tokens > 0)
-    return side_cache_bytes(slots, kv_heads, g.head_dim, layers)
+    return side_cache_bytes(slots, kv_heads, g.head_dim, layers) + scratch_bytes(
+        kv_heads, g.head_dim
+    )
 
 
 def reserve_bytes(g: Geometry, batched_tokens: int, tp: int = 1) -> int:

@@ -90,7 +90,7 @@ def kvarn_row(
     """KV=kvarn's row and its footnote: its pool at the tokens a step it serves with (its
     blocks are whole 128-token tiles, and the launcher's step budgets never go below one
     block: capacity_fit.step_budgets), less its 16-bit side cache, which grows with the
-    slots."""
+    slots, and its prefill scratch."""
     kvarn = replace(setup, kv_cache_dtype=KVARN_CHOICE)
     layout = pool_layout(machine.geometry, kvarn)
     step = max(batched, step_budgets(profile_tokens, layout.block_tokens)[-1])
@@ -105,7 +105,8 @@ def kvarn_row(
         f"| {KVARN_CHOICE} | {layout.block_tokens:,} | {' | '.join(lengths)} | {serves} |",
         "",
         f"{KVARN_CHOICE}: HyperQwen's 4-bit K / 2-bit V cache (src/hyperqwen/kvarn), at "
-        f"{step:,} tokens a step, less its 16-bit side cache for that many slots.",
+        f"{step:,} tokens a step, less its 16-bit side cache for that many slots and its "
+        "prefill scratch.",
     ]
 
 

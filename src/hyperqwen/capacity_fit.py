@@ -80,7 +80,7 @@ def _card_capacity(
             seqs = settings.MAX_SEQS or profile[1]
             side = kvarn_side_bytes(machine.geometry, setup, seqs, batched_tokens)
             pool -= side
-            how += f" - {gib(side)} GiB KVarN side cache ({seqs} sequences)"
+            how += f" - {gib(side)} GiB KVarN side cache ({seqs} sequences) and prefill scratch"
     capacity = Capacity(pool_layout(machine.geometry, setup), pool)
     room = (
         f"{how} leaves {gib(max(pool, 0))} GiB for the KV cache ({setup.kv_cache_dtype}) and "

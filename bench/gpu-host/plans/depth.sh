@@ -8,12 +8,14 @@
 #             cold TTFT of depth131072 is issue 25's 128k one. KVarN is left out: its prefill
 #             took 87 s at 112k on the H100 (docs/results/2026-12-05-h100-27b-depth-kvarn.json),
 #             so its two 240k prompts alone would take most of a session
-# First (~1 min) KVarN's graph-safe metadata: one captured decode step replayed for the next
-# ones against the eager forward, since the depth run serves KVarN in full CUDA graphs.
+# First (~2 min) what the depth run serves of KVarN since 2026-12-06: its graph-safe metadata
+# (a captured decode step replayed for the next ones against the eager forward) and its
+# prefill by dequantization through FlashAttention (against float64 and prefill.py's kernel).
 # Then, alone on the GPU: the stock side of the fp8 capacity row, and the sizing tests.
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh depth || exit 1
-step kvarn-graph python3 -m pytest -m gpu tests/test_kvarn_gpu.py -k 'cuda_graph or queued'
+step kvarn-graph python3 -m pytest -m gpu tests/test_kvarn_gpu.py \
+  -k 'cuda_graph or queued or dequantization'
 deep='--mode single --cohorts 1 --rounds 4 --prefill none --output-len 256 --temperature 0
   --seed 0 --synthetic-acceptance 0.77,0.55,0.4'
 step depth env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \

@@ -22,7 +22,9 @@ The pieces:
   tile's slot; then each tile the step fills (the allocator's plan: attention.blocks_to_store
   per request, the sink included) is quantized by store.py from its slot into the pool block
   the block table names; then decodes (query length up to 1 + drafts) run
-  decode.decode_attention and prefills prefill.prefill_attention (one launch for all of them).
+  decode.decode_attention and prefills prefill_dequant.prefill_by_dequantization where vLLM has
+  FlashAttention for the head size (dequantized tiles, FlashAttention), else
+  prefill.prefill_attention (one launch for all of them).
 - CUDA graphs (AttentionCGSupport.UNIFORM_BATCH): vLLM captures whole decode batches, verify
   blocks included, so everything the forward reads keeps its address (the builder's
   StepBuffers) and its launch sizes (the store list padded to one entry per request with
@@ -41,7 +43,8 @@ What is not handled yet, and why:
   page alignment (platforms/interface.py: _align_hybrid_block_size): serving needs a seam that
   asks the backend (`kv_cache_spec` below) in both places; without it vLLM sizes bf16 pages and
   the pool shape does not fit them.
-- The prefill kernel (prefill.py) is checked on the H200 but not timed; its program size is untuned.
+- Prefill by dequantization (prefill_dequant.py, where vLLM has FlashAttention) is not run on
+  a GPU yet; the prefill kernel (prefill.py) elsewhere is checked on the H200, untuned.
 - Speculative decoding (README, "Speculative decoding"): verify blocks are decodes, read at the
   device's exact lengths; the host's lengths are upper bounds under async scheduling, so the
   slot plan covers every tile the device may write or fill and the store skips, on the device,
@@ -69,6 +72,7 @@ from vllm.v1.attention.backends.utils import NULL_BLOCK_ID, split_decodes_and_pr
 from hyperqwen.kvarn.decode import decode_attention
 from hyperqwen.kvarn.layout import TileLayout
 from hyperqwen.kvarn.prefill import prefill_attention
+from hyperqwen.kvarn.prefill_dequant import Scratch, prefill_by_dequantization
 from hyperqwen.kvarn.quantize import TILE_TOKENS
 from hyperqwen.kvarn.sizing import serving_side_slots
 from hyperqwen.kvarn.slots import RequestStep, SlotAllocator
@@ -85,6 +89,19 @@ HEAD_SIZES = (64, 128, 256)
 # HOST_DECODE_SPLITS. The split sweep of `python -m hyperqwen.kvarn.bench` is what checks it.
 MAX_DECODE_SPLITS = 64
 HOST_DECODE_SPLITS = 8
+
+
+def flash_attention_serves(head_size: int) -> bool:
+    """Whether vLLM's FlashAttention runs on this GPU for this head size (sm80 and later)."""
+    from vllm.v1.attention.backends.fa_utils import (
+        get_flash_attn_version,
+        is_flash_attn_varlen_func_available,
+    )
+
+    return (
+        is_flash_attn_varlen_func_available()
+        and get_flash_attn_version(head_size=head_size) is not None
+    )
 
 
 def decode_splits(num_reqs: int, kv_heads: int, multiprocessors: int) -> int:
@@ -164,6 +181,8 @@ class KVarNMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 for padding
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor  # exact for the prefill rows (the only ones read from it)
+    block_table_cpu: torch.Tensor  # int32: the host's rows, as many columns as the step reaches
+    slot_of_block_cpu: torch.Tensor  # int32: the host's slot map (the plan's)
     num_slots: int  # the side cache's slots
     slot_of_block: torch.Tensor  # int32: slots.py's map after this step's plan
     side_rows: torch.Tensor  # int64 [num_tokens]: slot * 128 + offset; num_slots * 128 for padding
@@ -245,25 +264,21 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         verify step's upper bound, while the device's start from the accepted length."""
         return self._build(common_attn_metadata, drafting=draft_index > 0)
 
-    def _request_steps(self, cam, seq_lens_cpu, query_lens, drafting: bool) -> list[RequestStep]:
+    def _request_steps(self, tables, seq_lens_cpu, query_lens, drafting) -> list[RequestStep]:
         """The step's requests for the slot allocator, from the host's lengths: exact for rows
         longer than a verify block (prefills), else upper bounds up to the previous step's
         drafts above the device's (in a later drafter pass, also this step's). A row on vLLM's
         null block writes no token and plans nothing: a FULL graph's padding (no tokens, a
         stale host length) and the dummy batches of warm-up and capture (slot mapping -1)."""
-        # a drafter pass past max_model_len writes nothing (vLLM's slot -1): the table's reach
-        reach = cam.block_table_tensor.shape[1] * TILE_TOKENS
-        afters = seq_lens_cpu.clamp(max=reach)
+        afters = seq_lens_cpu.clamp(max=tables.shape[1] * TILE_TOKENS)
         befores = (afters - query_lens).clamp(min=0)
         drafts = self.reorder_batch_threshold - 1  # 0 without speculation
         rejectable = 2 * drafts if drafting else drafts
-        width = -(-int(afters.max()) // TILE_TOKENS) if cam.num_reqs else 0
-        tables = host_block_table(cam, width).tolist()
         steps = []
         for blocks, before, after, query_len in zip(
-            tables, befores.tolist(), afters.tolist(), query_lens.tolist(), strict=True
+            tables.tolist(), befores.tolist(), afters.tolist(), query_lens.tolist(), strict=True
         ):
-            if blocks[0] == NULL_BLOCK_ID:
+            if not blocks or blocks[0] == NULL_BLOCK_ID:
                 continue
             if not drafts or query_len > self.reorder_batch_threshold:  # exact
                 steps.append(RequestStep(blocks, before, after))
@@ -285,8 +300,12 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
         if threshold > 1:
             check_decodes_first(seq_lens_cpu, query_lens, num_decodes, threshold)
+        # a drafter pass past max_model_len writes nothing (vLLM's slot -1): the table's reach
+        reach = cam.block_table_tensor.shape[1]
+        width = min(-(-int(seq_lens_cpu.max()) // TILE_TOKENS), reach) if cam.num_reqs else 0
+        tables = host_block_table(cam, width)
         slots = self.slots
-        plan = slots.plan(self._request_steps(cam, seq_lens_cpu, query_lens, drafting))
+        plan = slots.plan(self._request_steps(tables, seq_lens_cpu, query_lens, drafting))
         buffers = self.buffers
         if plan.slot_of_block.shape != buffers.slot_of_block.shape:
             raise RuntimeError(
@@ -322,6 +341,8 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             slot_mapping=cam.slot_mapping,
             query_start_loc_cpu=query_start_loc_cpu,
             seq_lens_cpu=seq_lens_cpu,
+            block_table_cpu=tables,
+            slot_of_block_cpu=plan.slot_of_block,
             num_slots=slots.num_slots,
             slot_of_block=slot_of_block,
             side_rows=side_rows,
@@ -449,11 +470,23 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
         self.layout = TileLayout(head_dim=head_size)
         self.side: SideCache | None = None
         self.multiprocessors: int | None = None  # the GPU's, read at the first decode
+        self.dequantized_prefill: bool | None = None  # decided at the first forward
         # the builder's slot count, known here when vLLM builds the model under its config
         from vllm.config import get_current_vllm_config_or_none
 
         config = get_current_vllm_config_or_none()
         self.num_slots = side_cache_slots(config) if config is not None else None
+
+    def _prefill_by_dequantization(self, device: torch.device) -> bool:
+        """Prefill's path on this device: prefill_dequant.py (vLLM's FlashAttention over a
+        dequantized scratch) where vLLM has FlashAttention for this head size, else
+        prefill.py's kernel (the CPU's, where a test may set `dequantized_prefill` to run the
+        former with attend_torch's attention)."""
+        if self.dequantized_prefill is None:
+            self.dequantized_prefill = device.type == "cuda" and flash_attention_serves(
+                self.head_size
+            )
+        return self.dequantized_prefill
 
     def _decode_splits(self, num_reqs: int, device: torch.device) -> int:
         if device.type != "cuda":
@@ -483,8 +516,11 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("KV=kvarn's attention has no fused output quantization")
         if attn_metadata is None:  # vLLM's profile run: no cache yet
-            if self.num_slots is not None:  # allocated now, the profile counts it (docstring)
+            if self.num_slots is not None:  # allocated now, the profile counts them (docstring)
                 self._side_cache(self.num_slots, query.dtype, query.device)
+                if self._prefill_by_dequantization(query.device):
+                    Scratch.get(self.num_kv_heads, self.head_size, TILE_TOKENS, query.dtype,
+                                query.device)  # fmt: skip
             return output.fill_(0)
         n = attn_metadata.num_actual_tokens
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_size
@@ -519,8 +555,16 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
                 attn_metadata.max_decode_query_len, self._decode_splits(decodes, q.device),
                 scale=self.scale, out=out[:decode_tokens], layout=self.layout,
             )  # fmt: skip
-        if attn_metadata.seq_lens_cpu.shape[0] > decodes:
-            prefills = slice(decodes, attn_metadata.seq_lens_cpu.shape[0])
+        num_reqs = attn_metadata.seq_lens_cpu.shape[0]
+        if num_reqs > decodes and self._prefill_by_dequantization(q.device):
+            prefill_by_dequantization(
+                q, kv_cache, block_table, side_k, side_v, attn_metadata.slot_of_block_cpu,
+                attn_metadata.block_table_cpu, attn_metadata.query_start_loc_cpu.tolist(),
+                attn_metadata.seq_lens_cpu.tolist(), range(decodes, num_reqs), out,
+                self.layout, scale=self.scale,
+            )  # fmt: skip
+        elif num_reqs > decodes:
+            prefills = slice(decodes, num_reqs)
             starts = slice(decodes, prefills.stop + 1)
             prefill_attention(
                 q, kv_cache, block_table[prefills], side_k, side_v, slot_of_block,

@@ -1,5 +1,6 @@
-"""How big KVarN's 16-bit side cache is: its slots (slots.py) and bytes. Plain arithmetic,
-without torch, so that the launcher's capacity arithmetic (../capacity.py) can use it.
+"""How big KVarN's 16-bit side cache is (its slots, slots.py, and bytes) and its prefill
+scratch (prefill_dequant.py). Plain arithmetic, without torch, so that the launcher's
+capacity arithmetic (../capacity.py) can use it.
 
 Slots: a step's requests write into at most ceil(q / 128) + 1 tiles each (q tokens starting
 mid-tile), at most max_num_batched_tokens / 128 + 2 n over its n requests; the live requests
@@ -56,3 +57,14 @@ def side_cache_bytes(slots: int, kv_heads: int, head_dim: int, layers: int) -> i
     """K and V of `slots` tiles and a padding row, 16 bits, in each of `layers` layers."""
     rows = slots * SIDE_TILE_TOKENS + 1
     return 2 * rows * kv_heads * head_dim * SIDE_DTYPE_BYTES * layers
+
+
+# the prefill scratch's tiles (prefill_dequant.py): 256 of 128 tokens (32k) hold one segment of
+# a context, 128 MiB of bf16 K and V at the 27B's 4 KV heads of 256; a longer context takes
+# more segments per chunk
+SCRATCH_TILES = 256
+
+
+def scratch_bytes(kv_heads: int, head_dim: int, tile: int = 128, itemsize: int = 2) -> int:
+    """The prefill scratch's bytes, one for all layers: K and V of SCRATCH_TILES tiles."""
+    return 2 * SCRATCH_TILES * tile * kv_heads * head_dim * itemsize
