@@ -22,10 +22,13 @@ step depth env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \
   AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 120000 --max-num-seqs 1' \
   bash bench/gpu-host/ab_together.sh depth "$deep --depths 32768,114688 --prefill-requests 1" \
   'CTX=huge KV=fp8' 'CTX=huge KV=kvarn'
-# KVarN's decode alone (~2 min): the split sweep at a C1 verify block (what
-# backend.decode_splits should pick), against FlashAttention over bf16 and fp8
+# KVarN's kernels alone (~3 min), against FlashAttention over bf16 and fp8: decode's split
+# sweep at a C1 verify block (what backend.decode_splits should pick), and an 8k chunk's
+# prefill by dequantization beside the kernel at 32 rows
 step kvarn-decode python3 -m hyperqwen.kvarn.bench --contexts 32768 114688 --batch 1 \
   --queries 4 --out "$P/kvarn-decode.json"
+step kvarn-prefill python3 -m hyperqwen.kvarn.bench --prefill --contexts 32768 114688 \
+  --chunks 8192 --rows 32 --out "$P/kvarn-prefill.json"
 step depth240 env AB_KV_MEM=9G \
   AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 250000 --max-num-seqs 1' \
   bash bench/gpu-host/ab_together.sh depth240 "$deep --depths 131072,245760 --prefill-requests 1" \

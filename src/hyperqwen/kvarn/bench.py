@@ -181,11 +181,12 @@ def eager_time_us(launch, repeats: int = EAGER_REPEATS) -> float:
 
 def measure_prefill(context: int, chunk: int, rows: tuple[int, ...], log) -> dict:
     """Times in µs of one layer's prefill attention of a `chunk`-token chunk after `context`
-    tokens: {"kvarn": {rows: us}, "fa_bf16": us, "fa_fp8": us} (a failure's message instead
-    of a time)."""
+    tokens: {"kvarn": {rows: us, "dequantized": us}, "fa_bf16": us, "fa_fp8": us} (a failure's
+    message instead of a time)."""
     import torch
 
     from hyperqwen.kvarn.prefill import prefill_attention
+    from hyperqwen.kvarn.prefill_dequant import prefill_by_dequantization
 
     total = context + chunk
     g = torch.Generator().manual_seed(total)
@@ -202,6 +203,15 @@ def measure_prefill(context: int, chunk: int, rows: tuple[int, ...], log) -> dic
         launch = lambda n=n: prefill_attention(query, **kvarn, rows=n)  # noqa: E731
         entry["kvarn"][str(n)] = round(eager_time_us(launch), 2)
         log(f"  kvarn rows {n}: {entry['kvarn'][str(n)]} us")
+    # the path served where vLLM has FlashAttention (prefill_dequant.py)
+    host = (kvarn["slot_of_block"].cpu(), kvarn["block_table"].cpu(),
+            kvarn["host_query_start_loc"].tolist(), kvarn["host_seq_lens"].tolist())  # fmt: skip
+    out = torch.empty_like(query)
+    entry["kvarn"]["dequantized"] = round(eager_time_us(lambda: prefill_by_dequantization(
+        query, kvarn["pool"], kvarn["block_table"], kvarn["side_k"], kvarn["side_v"], *host,
+        range(1), out, kvarn["layout"],
+    )), 2)  # fmt: skip
+    log(f"  kvarn dequantized: {entry['kvarn']['dequantized']} us")
     for name, dtype in (("fa_bf16", torch.bfloat16), ("fa_fp8", torch.float8_e4m3fn)):
         try:
             fa = _fa_copy(total, 1, chunk, dtype, g)
@@ -234,9 +244,9 @@ def result(raw: dict, command: str, commit: str) -> dict:
             "One layer's decode attention (rows kvarn_decode_*) or prefill attention of one "
             "chunk (kvarn_prefill_*), ms per launch, lower is better. stock = vLLM's "
             "FlashAttention (FA3 on sm90) over a paged fp8 e4m3 cache with unit scales; "
-            "patched = KVarN (src/hyperqwen/kvarn/decode.py, prefill.py) at its fastest split "
-            "count or program size; raw holds every one, FA over bf16 and the bytes each "
-            "decode cache holds.",
+            "patched = KVarN (src/hyperqwen/kvarn/decode.py; prefill.py, prefill_dequant.py) at "
+            "its fastest split count or prefill path; raw holds every one, FA over bf16 and "
+            "the bytes each decode cache holds.",
             "Decode: median of 15 CUDA-graph replays timed with CUDA events, one launch per "
             "layer copy, copies together past 256 MiB (hyperqwen/bench/timing.py). Prefill: "
             f"median of {EAGER_REPEATS} eager launches timed with CUDA events, one copy.",
