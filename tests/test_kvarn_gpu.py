@@ -166,9 +166,9 @@ def test_prefill_by_dequantization_through_flash_attention_at_32k(monkeypatch):
         monkeypatch.setattr(prefill_dequant, "SCRATCH_TILES", scratch_tiles)
         out = torch.full_like(cache.query, float("nan"))
         prefill_by_dequantization(
-            cache.query, cache.pool, cache.block_table, cache.side_k, cache.side_v,
-            cache.slot_of_block.cpu(), cache.block_table.cpu(), starts, lengths, range(2), out,
-            cache.layout, attend=attend_flash,
+            cache.query, cache.pool, cache.side_k, cache.side_v, cache.slot_of_block.cpu(),
+            cache.block_table.cpu(), starts, lengths, range(2), out, cache.layout,
+            attend=attend_flash,
         )  # fmt: skip
         assert not out.isnan().any()
         for row, want in zip(rows, expected, strict=True):

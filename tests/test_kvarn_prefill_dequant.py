@@ -42,8 +42,8 @@ def dequantized(cache):
     out = torch.full_like(cache.query, float("nan"))
     starts, lengths = cache.query_start_loc.tolist(), cache.seq_lens.tolist()
     result = prefill_by_dequantization(
-        cache.query, cache.pool, cache.block_table, cache.side_k, cache.side_v,
-        cache.slot_of_block, cache.block_table, starts, lengths, range(len(lengths)), out,
+        cache.query, cache.pool, cache.side_k, cache.side_v, cache.slot_of_block,
+        cache.block_table, starts, lengths, range(len(lengths)), out,
         cache.layout,
     )  # fmt: skip
     assert result is out and not out.isnan().any()

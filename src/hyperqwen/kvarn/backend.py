@@ -558,7 +558,7 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
         num_reqs = attn_metadata.seq_lens_cpu.shape[0]
         if num_reqs > decodes and self._prefill_by_dequantization(q.device):
             prefill_by_dequantization(
-                q, kv_cache, block_table, side_k, side_v, attn_metadata.slot_of_block_cpu,
+                q, kv_cache, side_k, side_v, attn_metadata.slot_of_block_cpu,
                 attn_metadata.block_table_cpu, attn_metadata.query_start_loc_cpu.tolist(),
                 attn_metadata.seq_lens_cpu.tolist(), range(decodes, num_reqs), out,
                 self.layout, scale=self.scale,

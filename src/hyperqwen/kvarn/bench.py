@@ -208,7 +208,7 @@ def measure_prefill(context: int, chunk: int, rows: tuple[int, ...], log) -> dic
             kvarn["host_query_start_loc"].tolist(), kvarn["host_seq_lens"].tolist())  # fmt: skip
     out = torch.empty_like(query)
     entry["kvarn"]["dequantized"] = round(eager_time_us(lambda: prefill_by_dequantization(
-        query, kvarn["pool"], kvarn["block_table"], kvarn["side_k"], kvarn["side_v"], *host,
+        query, kvarn["pool"], kvarn["side_k"], kvarn["side_v"], *host,
         range(1), out, kvarn["layout"],
     )), 2)  # fmt: skip
     log(f"  kvarn dequantized: {entry['kvarn']['dequantized']} us")

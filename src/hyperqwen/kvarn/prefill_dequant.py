@@ -45,7 +45,7 @@ from hyperqwen.kvarn.sizing import SCRATCH_TILES
 
 
 class Scratch:
-    """The bf16 pages a segment of a context is dequantized into, [SCRATCH_TILES, 128, Hkv, D]
+    """The 16-bit pages a segment of a context is dequantized into, [SCRATCH_TILES, 128, Hkv, D]
     for K and for V, one per (shape, dtype, device) in the process."""
 
     _shared: ClassVar[dict[tuple, Scratch]] = {}
@@ -149,7 +149,6 @@ def merge_into(acc, acc_lse, rows, out, lse) -> None:
 def prefill_by_dequantization(
     query: torch.Tensor,
     pool: torch.Tensor,
-    block_table: torch.Tensor,
     side_k: torch.Tensor,
     side_v: torch.Tensor,
     host_slot_of_block: torch.Tensor,
@@ -165,7 +164,8 @@ def prefill_by_dequantization(
     """Attention of the chunks of requests `rows` (block-table rows; query_start_loc and
     seq_lens given as host lists over all rows) over the KVarN cache (module docstring), into
     their rows of out [num_tokens, Hq, D]. host_slot_of_block / host_block_table: the host's
-    copies of the step's slot map and block table (the builder plans from them). attend:
+    copies of the step's slot map and block table (the builder plans from them; the tiles'
+    block ids go to the device per segment). attend:
     attend_flash on a CUDA device, attend_torch elsewhere, unless given."""
     groups = filling_groups(host_query_start_loc, host_seq_lens, rows)
     if not groups:
