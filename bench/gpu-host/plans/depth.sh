@@ -16,19 +16,20 @@
 source bench/gpu-host/steps.sh depth || exit 1
 step kvarn-graph python3 -m pytest -m gpu tests/test_kvarn_gpu.py \
   -k 'cuda_graph or queued or dequantization'
-deep='--mode single --cohorts 1 --rounds 4 --prefill none --output-len 256 --temperature 0
-  --seed 0 --synthetic-acceptance 0.77,0.55,0.4'
-step depth env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \
-  AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 120000 --max-num-seqs 1' \
-  bash bench/gpu-host/ab_together.sh depth "$deep --depths 32768,114688 --prefill-requests 1" \
-  'CTX=huge KV=fp8' 'CTX=huge KV=kvarn'
-# KVarN's kernels alone (~3 min), against FlashAttention over bf16 and fp8: decode's split
+# KVarN's kernels alone (~3 min; before the served run, whose half hour a session's budget
+# may not reach), against FlashAttention over bf16 and fp8: decode's split
 # sweep at a C1 verify block (what backend.decode_splits should pick), and an 8k chunk's
 # prefill by dequantization beside the kernel at 32 rows
 step kvarn-decode python3 -m hyperqwen.kvarn.bench --contexts 32768 114688 --batch 1 \
   --queries 4 --out "$P/kvarn-decode.json"
 step kvarn-prefill python3 -m hyperqwen.kvarn.bench --prefill --contexts 32768 114688 \
   --chunks 8192 --rows 32 --out "$P/kvarn-prefill.json"
+deep='--mode single --cohorts 1 --rounds 4 --prefill none --output-len 256 --temperature 0
+  --seed 0 --synthetic-acceptance 0.77,0.55,0.4'
+step depth env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \
+  AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 120000 --max-num-seqs 1' \
+  bash bench/gpu-host/ab_together.sh depth "$deep --depths 32768,114688 --prefill-requests 1" \
+  'CTX=huge KV=fp8' 'CTX=huge KV=kvarn'
 step depth240 env AB_KV_MEM=9G \
   AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 250000 --max-num-seqs 1' \
   bash bench/gpu-host/ab_together.sh depth240 "$deep --depths 131072,245760 --prefill-requests 1" \
