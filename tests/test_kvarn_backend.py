@@ -406,13 +406,14 @@ def test_a_padded_decode_batch_plans_reads_and_stores_as_its_requests_alone(vllm
     assert allocator_state(builder.slots) == before
 
 
-def test_decode_splits_fill_the_gpu_and_stop_at_the_cap():
-    """Two programs per multiprocessor over (requests, KV heads, splits): a C1 batch of the
-    27B's 4 KV heads on an H100's 132 takes 66 splits, capped at 64; a 3090's 82 at 8
-    requests 6; a batch that fills the GPU alone keeps one."""
+def test_decode_splits_fill_the_gpu_once_and_stop_at_the_cap():
+    """Programs over (requests, KV heads, splits + the 16-bit one) fill the multiprocessors
+    once: a C1 batch of the 27B's 4 KV heads on an H100's 132 takes 32 splits (the H100 sweep
+    in docs/results/2026-12-06-h100-kvarn-decode-splits.json timed it fastest); a 3090's 82 at
+    8 requests 1; a GPU of 600 at C1 stops at the cap."""
     from hyperqwen.kvarn.backend import MAX_DECODE_SPLITS, decode_splits
 
-    assert decode_splits(1, 4, 132) == MAX_DECODE_SPLITS == 64
-    assert decode_splits(8, 4, 82) == 6
-    assert decode_splits(4, 4, 132) == 17
-    assert decode_splits(256, 4, 132) == 1
+    assert decode_splits(1, 4, 132) == 32
+    assert decode_splits(8, 4, 82) == 1
+    assert decode_splits(2, 4, 82) == 9
+    assert decode_splits(1, 4, 600) == MAX_DECODE_SPLITS == 64

@@ -198,8 +198,10 @@ def test_the_builders_copies_are_queued_not_waited_for():
     )
     host = torch.arange(4096, dtype=torch.int32)
     torch.cuda._sleep(10_000_000_000)  # seconds of cycles queued ahead of the copies
-    copied = queued_copy(host, "cuda")
-    blocks, slots = filled_on_device(plan, seq_lens, query_start_loc, "cuda")
+    copied = queued_copy(host, torch.empty_like(host, device="cuda"))
+    blocks, slots = filled_on_device(
+        plan, seq_lens, query_start_loc, *torch.empty(2, 3, dtype=torch.int64, device="cuda")
+    )
     assert not stream.query(), "a copy waited for the queued work"
     torch.cuda.synchronize()
     assert torch.equal(copied.cpu(), host)

@@ -108,8 +108,8 @@ status=0
 for job in $servers; do wait "$job" || status=1; done
 kill "$sampler" 2> /dev/null
 bash bench/gpu-host/host_state.sh "$out/host-state-end.txt"
-# the stock half for a later run's AB_STOCK_HALF (a copy of the one taken, where one was)
-[ -f "$work/stock.json" ] && cp "$work/stock.json" "$out/stock-half.json"
+# the stock half this run measured, for a later run's AB_STOCK_HALF
+[ -z "${AB_STOCK_HALF:-}" ] && [ -f "$work/stock.json" ] && cp "$work/stock.json" "$out/stock-half.json"
 for run in "$work"/*/; do
   for log in "$run"*.log; do
     [ -f "$log" ] && cp "$log" "$out/$(basename "$run")-$(basename "$log")"

@@ -81,14 +81,21 @@ from hyperqwen.kvarn.store import store_tiles
 # vLLM resolves a layer's backend by this name (Attention.__init__: AttentionBackendEnum[name])
 BACKEND_NAME = "CUSTOM"
 HEAD_SIZES = (64, 128, 256)
-# Decode's split-K programs per (request, KV head): enough programs to fill the GPU's
-# multiprocessors twice, since a long context is read by its splits alone and a C1 batch has
-# only its 4 KV heads (8 splits left 36 programs for an H100's 132); at most MAX_DECODE_SPLITS,
-# as each split, empty or not, is a partial the merge reads. The count is fixed per batch size,
-# as a CUDA graph captured for that size keeps it. Off the GPU (the interpreted tests),
-# HOST_DECODE_SPLITS. The split sweep of `python -m hyperqwen.kvarn.bench` is what checks it.
+# Decode's split-K programs per (request, KV head): as many as fill the GPU's multiprocessors
+# once with the (request, KV head) pairs' 16-bit programs, since a long context is read by its
+# splits alone and a C1 batch has only its 4 KV heads: of the H100's sweep at C1 (4 to 128
+# splits at 32k and 112k), this count timed fastest, and the fixed 8 it replaces several
+# times slower (docs/results/2026-12-06-h100-kvarn-decode-splits.json). At most
+# MAX_DECODE_SPLITS. The count is fixed per batch size, as a CUDA graph captured for that
+# size keeps it. Off the GPU (the interpreted tests), HOST_DECODE_SPLITS.
 MAX_DECODE_SPLITS = 64
 HOST_DECODE_SPLITS = 8
+
+
+def decode_splits(num_reqs: int, kv_heads: int, multiprocessors: int) -> int:
+    """Split-K programs per (request, KV head) for a decode batch of num_reqs requests."""
+    wanted = multiprocessors // (num_reqs * kv_heads) - 1  # one 16-bit program per pair
+    return max(1, min(MAX_DECODE_SPLITS, wanted))
 
 
 def flash_attention_serves(head_size: int) -> bool:
@@ -102,12 +109,6 @@ def flash_attention_serves(head_size: int) -> bool:
         is_flash_attn_varlen_func_available()
         and get_flash_attn_version(head_size=head_size) is not None
     )
-
-
-def decode_splits(num_reqs: int, kv_heads: int, multiprocessors: int) -> int:
-    """Split-K programs per (request, KV head) for a decode batch of num_reqs requests."""
-    wanted = -(-2 * multiprocessors // (num_reqs * kv_heads))
-    return max(1, min(MAX_DECODE_SPLITS, wanted))
 
 
 class KVarNBackend(AttentionBackend):
