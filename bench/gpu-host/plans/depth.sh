@@ -8,22 +8,14 @@
 #             cold TTFT of depth131072 is issue 25's 128k one. KVarN is left out: its prefill
 #             took 87 s at 112k on the H100 (docs/results/2026-12-05-h100-27b-depth-kvarn.json),
 #             so its two 240k prompts alone would take most of a session
-# First (~2 min) what the depth run serves of KVarN since 2026-12-06: its graph-safe metadata
-# (a captured decode step replayed for the next ones against the eager forward) and its
-# prefill by dequantization through FlashAttention (against float64 and prefill.py's kernel).
+# First (~1 min) KVarN's graph-safe metadata, which the depth run serves since 2026-12-06 (a
+# captured decode step replayed for the next ones against the eager forward; the builder's
+# copies queued, not waited for).
 # Then, alone on the GPU: the stock side of the fp8 capacity row, and the sizing tests.
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh depth || exit 1
 step kvarn-graph python3 -m pytest -m gpu tests/test_kvarn_gpu.py \
-  -k 'cuda_graph or queued or dequantization'
-# KVarN's kernels alone (~3 min; before the served run, whose half hour a session's budget
-# may not reach), against FlashAttention over bf16 and fp8: decode's split
-# sweep at a C1 verify block (what backend.decode_splits should pick), and an 8k chunk's
-# prefill by dequantization beside the kernel at 32 rows
-step kvarn-decode python3 -m hyperqwen.kvarn.bench --contexts 32768 114688 --batch 1 \
-  --queries 4 --out "$P/kvarn-decode.json"
-step kvarn-prefill python3 -m hyperqwen.kvarn.bench --prefill --contexts 32768 114688 \
-  --chunks 8192 --rows 32 --out "$P/kvarn-prefill.json"
+  -k 'cuda_graph or queued'
 deep='--mode single --cohorts 1 --rounds 4 --prefill none --output-len 256 --temperature 0
   --seed 0 --synthetic-acceptance 0.77,0.55,0.4'
 step depth env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \
@@ -41,3 +33,10 @@ step capacity-fp8 python3 -m hyperqwen.cli bench capacity --kv fp8 \
   --work /tmp/capacity-work --out "$P/capacity-fp8.json"
 step capacity-tests python3 -m pytest -m gpu tests/test_capacity_gpu.py \
   -k 'sized_to_a_24gb or gdn_replay'
+# Last, KVarN's kernels alone (~3 min; published on 2026-12-06, so after the served rows),
+# against FlashAttention over bf16 and fp8: decode's split sweep at a C1 verify block (what backend.decode_splits should pick), and an 8k chunk's
+# prefill by dequantization beside the kernel at 32 rows
+step kvarn-decode python3 -m hyperqwen.kvarn.bench --contexts 32768 114688 --batch 1 \
+  --queries 4 --out "$P/kvarn-decode.json"
+step kvarn-prefill python3 -m hyperqwen.kvarn.bench --prefill --contexts 32768 114688 \
+  --chunks 8192 --rows 32 --out "$P/kvarn-prefill.json"
