@@ -16,6 +16,10 @@
 source bench/gpu-host/steps.sh depth || exit 1
 step kvarn-graph python3 -m pytest -m gpu tests/test_kvarn_gpu.py \
   -k 'cuda_graph or queued'
+# The decode partition kernel's tunings (~2 min): pipelined tile loads and biased codes
+# (decode.PartitionTuning), at 112k around the splits the SMs take once
+step kvarn-tuning python3 -m hyperqwen.kvarn.bench --contexts 114688 --batch 1 --queries 4 \
+  --splits 16 32 64 --stages 1 2 --biased both --out "$P/kvarn-tuning.json"
 deep='--mode single --cohorts 1 --rounds 4 --prefill none --output-len 256 --temperature 0
   --seed 0 --synthetic-acceptance 0.77,0.55,0.4'
 step depth env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \

@@ -119,8 +119,17 @@ def _copies(bytes_per_copy: int) -> int:
     return max(1, math.ceil(L2_ROTATION_BYTES / bytes_per_copy))
 
 
-def measure(context: int, batch: int, queries: int, splits: tuple[int, ...], log) -> dict:
-    """Times in µs of one layer's decode attention: {"kvarn": {splits: us}, "fa_bf16": us,
+def tuning_key(tuning, splits: int) -> str:
+    """A decode time's key under "kvarn": the split count, after the tuning's label where it
+    is not decode.DEFAULT_TUNING (so earlier results' keys read the same)."""
+    from hyperqwen.kvarn.decode import DEFAULT_TUNING
+
+    return str(splits) if tuning == DEFAULT_TUNING else f"{tuning.label}/{splits}"
+
+
+def measure(context: int, batch: int, queries: int, splits: tuple[int, ...], tunings: tuple,
+            log) -> dict:  # fmt: skip
+    """Times in µs of one layer's decode attention: {"kvarn": {tuning_key: us}, "fa_bf16": us,
     "fa_fp8": us} (a failure's message instead of a time), and the bytes each cache reads."""
     import torch
 
@@ -138,12 +147,15 @@ def measure(context: int, batch: int, queries: int, splits: tuple[int, ...], log
     entry = {"kvarn": {}, "bytes": {"kvarn": kvarn_bytes}}
     copies = [_kvarn_copy(context, batch, queries, source, g) for _ in range(_copies(kvarn_bytes))]
     del source
-    for n in splits:
-        launches = [
-            lambda c=c, n=n: decode_attention(query, **c, num_splits=n) for c in copies
-        ]  # fmt: skip
-        entry["kvarn"][str(n)] = round(graph_time_us(launches), 2)
-        log(f"  kvarn splits {n}: {entry['kvarn'][str(n)]} us")
+    for tuning in tunings:
+        for n in splits:
+            launches = [
+                lambda c=c, n=n, t=tuning: decode_attention(query, **c, num_splits=n, tuning=t)
+                for c in copies
+            ]  # fmt: skip
+            key = tuning_key(tuning, n)
+            entry["kvarn"][key] = round(graph_time_us(launches), 2)
+            log(f"  kvarn {key}: {entry['kvarn'][key]} us")
     del copies
     for name, dtype in (("fa_bf16", torch.bfloat16), ("fa_fp8", torch.float8_e4m3fn)):
         nbytes = batch * context * KV_HEADS * D * 2 * dtype.itemsize
@@ -245,8 +257,8 @@ def result(raw: dict, command: str, commit: str) -> dict:
             "chunk (kvarn_prefill_*), ms per launch, lower is better. stock = vLLM's "
             "FlashAttention (FA3 on sm90) over a paged fp8 e4m3 cache with unit scales; "
             "patched = KVarN (src/hyperqwen/kvarn/decode.py; prefill.py, prefill_dequant.py) at "
-            "its fastest split count or prefill path; raw holds every one, FA over bf16 and "
-            "the bytes each decode cache holds.",
+            "its fastest split count (and tuning, where swept) or prefill path; raw holds "
+            "every one, FA over bf16 and the bytes each decode cache holds.",
             "Decode: median of 15 CUDA-graph replays timed with CUDA events, one launch per "
             "layer copy, copies together past 256 MiB (hyperqwen/bench/timing.py). Prefill: "
             f"median of {EAGER_REPEATS} eager launches timed with CUDA events, one copy.",
@@ -268,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="query tokens per request: 1 decode, 1 + k an MTP verify block",
     )  # fmt: skip
     parser.add_argument("--splits", type=int, nargs="+", default=list(SPLITS))
+    parser.add_argument(
+        "--stages", type=int, nargs="+", choices=(1, 2), default=[1],
+        help="decode: the partition kernel's pipeline stages to sweep (decode.PartitionTuning)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--biased", choices=("off", "on", "both"), default="off",
+        help="decode: the partition kernel's codes as biased dot operands (decode.dot_codes)",
+    )  # fmt: skip
     parser.add_argument(
         "--prefill", action="store_true",
         help="time the prefill of a chunk of --chunks tokens after each context instead",
@@ -309,11 +329,15 @@ def main(argv: list[str] | None = None) -> int:
             for context in args.contexts for chunk in args.chunks
         ]  # fmt: skip
     else:
+        from hyperqwen.kvarn.decode import PartitionTuning
+
+        biased = {"off": (False,), "on": (True,), "both": (False, True)}[args.biased]
+        tunings = tuple(PartitionTuning(stages, b) for stages in args.stages for b in biased)
         cases = [
             (f"context {context}, batch {batch}, {queries} queries:",
              {"context": context, "batch": batch, "queries": queries},
              lambda context=context, batch=batch, queries=queries: measure(
-                 context, batch, queries, tuple(args.splits), print))
+                 context, batch, queries, tuple(args.splits), tunings, print))
             for context in args.contexts for batch in args.batch for queries in args.queries
         ]  # fmt: skip
     for title, shape, run in cases:

@@ -48,7 +48,7 @@ def _launches(d: int) -> dict:
     block_m = max(16, triton.next_power_of_2(VERIFY_QUERIES * GROUP_27B))
     partition_constants = dict(
         G=GROUP_27B, BLOCK_M=block_m, BLOCK_N=decode.BLOCK_N, T=layout.tokens, D=d,
-        AT=layout.offsets, DOT=tl.bfloat16,
+        AT=layout.offsets, DOT=tl.bfloat16, BIASED=decode.DEFAULT_TUNING.biased,
     )  # fmt: skip
     prefill_pointers = {
         name: kind for name, kind in partition_pointers.items() if not name.startswith("part_")
@@ -81,7 +81,7 @@ def _launches(d: int) -> dict:
             partition_pointers,
             partition_constants,
             decode.PARTITION_WARPS,
-            1,
+            decode.DEFAULT_TUNING.stages,
         ),
         "decode_merge": (
             decode._merge_kernel,
