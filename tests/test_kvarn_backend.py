@@ -29,6 +29,7 @@ from hyperqwen.bench.kernels import relative_error
 from hyperqwen.kvarn.attention import attention_reference
 from hyperqwen.kvarn.backend import KVarNBackend, KVarNImpl, SideCache
 from hyperqwen.kvarn.layout import TileLayout, bytes_per_token
+from hyperqwen.kvarn.prefill_dequant import plan_prefill
 from hyperqwen.kvarn.slots import SlotAllocator
 from hyperqwen.kvarn.store import store_tiles
 
@@ -270,6 +271,39 @@ def test_store_and_decode_through_the_impl_match_float64(vllm_cpu_platform, dequ
     assert int(meta.slot_of_block[6]) == -1 and stored(meta) == []
     assert (pool[[5, 7, 9]] == POISON_BYTE).all(), "a filling block was quantized"
     check_step(out, meta, pool, third, queries, layout, bound)
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_prefill_by_dequantization_is_planned_once_per_step(vllm_cpu_platform, monkeypatch):
+    """The step's layers share its metadata: the first layer's forward makes the prefill plan
+    (host work and a copy), the next ones reuse it and compute the same attention."""
+    from hyperqwen.kvarn import backend
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return plan_prefill(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "plan_prefill", counted)
+    layout = TileLayout(head_dim=D)
+    pool = torch.full(layout.pool_shape(6, KV_HEADS), POISON_BYTE, dtype=torch.uint8)
+    spec = KVarNBackend.kv_cache_spec(T, KV_HEADS, D)
+    builder = KVarNBackend.get_builder_cls()(spec, ["layer"], builder_config(6), pool.device)
+    impl = KVarNBackend.get_impl_cls()(HEADS, D, D**-0.5, KV_HEADS)
+    impl.dequantized_prefill = True
+    impl.side = SideCache(builder.slots.num_slots, KV_HEADS, D, DTYPE, "cpu")
+    requests = [(Sequence(T + 40, seed=2, blocks=[3, 1]), 0, T + 40)]
+    queries = torch.randn(T + 40, HEADS, D, generator=torch.Generator().manual_seed(4)).to(DTYPE)
+    first, meta = step(impl, builder, pool, requests, 0, queries)
+    plan = meta.prefill_plan
+    assert plan is not None and len(calls) == 1
+    second = torch.full((T + 40, HEADS * D), float("nan"), dtype=DTYPE)
+    qkv = [x.reshape(T + 40, -1) for x in (queries, *(getattr(requests[0][0], name)[: T + 40]
+                                                      for name in ("key", "value")))]  # fmt: skip
+    impl.forward(None, *qkv, pool, meta, second)
+    assert meta.prefill_plan is plan and len(calls) == 1
+    assert torch.equal(second.view(-1, HEADS, D), first)
 
 
 def test_the_builder_plans_from_the_host_table_not_the_device_copy(vllm_cpu_platform):

@@ -150,7 +150,11 @@ def test_prefill_by_dequantization_through_flash_attention_at_32k(monkeypatch):
     bound. The 32k context takes the scratch in one segment and then, at 2 tiles, in many
     (the merges' log-sum-exp from FlashAttention)."""
     from hyperqwen.kvarn import prefill_dequant
-    from hyperqwen.kvarn.prefill_dequant import attend_flash, prefill_by_dequantization
+    from hyperqwen.kvarn.prefill_dequant import (
+        attend_flash,
+        plan_prefill,
+        prefill_by_dequantization,
+    )
 
     past, chunk = 32768, 8192
     cache = build_cache([past + chunk, 5 * T + 17], [chunk, 300], 24, HEADS, D, seed=93,
@@ -165,9 +169,10 @@ def test_prefill_by_dequantization_through_flash_attention_at_32k(monkeypatch):
     for scratch_tiles in (prefill_dequant.SCRATCH_TILES, 2):
         monkeypatch.setattr(prefill_dequant, "SCRATCH_TILES", scratch_tiles)
         out = torch.full_like(cache.query, float("nan"))
+        plan = plan_prefill(cache.slot_of_block.cpu(), cache.block_table.cpu(), starts,
+                            lengths, range(2), T, "cuda")  # fmt: skip
         prefill_by_dequantization(
-            cache.query, cache.pool, cache.side_k, cache.side_v, cache.slot_of_block.cpu(),
-            cache.block_table.cpu(), starts, lengths, range(2), out, cache.layout,
+            cache.query, cache.pool, cache.side_k, cache.side_v, plan, out, cache.layout,
             attend=attend_flash,
         )  # fmt: skip
         assert not out.isnan().any()
@@ -184,7 +189,8 @@ def test_the_builders_copies_are_queued_not_waited_for():
     copies return while it still runs, and give the host's values once it has run."""
     from types import SimpleNamespace
 
-    from hyperqwen.kvarn.backend import filled_on_device, queued_copy
+    from hyperqwen.kvarn.backend import filled_on_device
+    from hyperqwen.kvarn.queued import queued_copy
 
     stream = torch.cuda.current_stream()
     # request 0 writes positions 255-258 (a verify block of 4), request 1 writes 129

@@ -22,7 +22,12 @@ from triton_bf16_dots import bf16_dots  # noqa: F401 (a fixture)
 
 from hyperqwen.bench.kernels import relative_error
 from hyperqwen.kvarn import prefill_dequant
-from hyperqwen.kvarn.prefill_dequant import filling_groups, merge_into, prefill_by_dequantization
+from hyperqwen.kvarn.prefill_dequant import (
+    filling_groups,
+    merge_into,
+    plan_prefill,
+    prefill_by_dequantization,
+)
 
 pytestmark = pytest.mark.usefixtures("interpreted")
 FP32_BOUND = 1e-4
@@ -41,10 +46,10 @@ CASES = [
 def dequantized(cache):
     out = torch.full_like(cache.query, float("nan"))
     starts, lengths = cache.query_start_loc.tolist(), cache.seq_lens.tolist()
+    plan = plan_prefill(cache.slot_of_block, cache.block_table, starts, lengths,
+                        range(len(lengths)), T, cache.query.device)  # fmt: skip
     result = prefill_by_dequantization(
-        cache.query, cache.pool, cache.side_k, cache.side_v, cache.slot_of_block,
-        cache.block_table, starts, lengths, range(len(lengths)), out,
-        cache.layout,
+        cache.query, cache.pool, cache.side_k, cache.side_v, plan, out, cache.layout,
     )  # fmt: skip
     assert result is out and not out.isnan().any()
     return out

@@ -44,8 +44,9 @@ What is not handled yet, and why:
   asks the backend (`kv_cache_spec` below) in both places; without it vLLM sizes bf16 pages and
   the pool shape does not fit them.
 - Prefill by dequantization (prefill_dequant.py, where vLLM has FlashAttention) is GPU-tested
-  and timed per layer, not yet served; its host planning (filling-tile groups, page tables) is
-  redone by every layer of a step. The prefill kernel (prefill.py) elsewhere is untuned.
+  and timed per layer, not yet served; its plan (filling-tile groups, page tables: host work
+  and one queued copy) is made by a step's first layer and kept on the metadata for the
+  others. The prefill kernel (prefill.py) elsewhere is untuned.
 - Speculative decoding (README, "Speculative decoding"): verify blocks are decodes, read at the
   device's exact lengths; the host's lengths are upper bounds under async scheduling, so the
   slot plan covers every tile the device may write or fill and the store skips, on the device,
@@ -73,8 +74,14 @@ from vllm.v1.attention.backends.utils import NULL_BLOCK_ID, split_decodes_and_pr
 from hyperqwen.kvarn.decode import decode_attention
 from hyperqwen.kvarn.layout import TileLayout
 from hyperqwen.kvarn.prefill import prefill_attention
-from hyperqwen.kvarn.prefill_dequant import Scratch, prefill_by_dequantization
+from hyperqwen.kvarn.prefill_dequant import (
+    PrefillPlan,
+    Scratch,
+    plan_prefill,
+    prefill_by_dequantization,
+)
 from hyperqwen.kvarn.quantize import TILE_TOKENS
+from hyperqwen.kvarn.queued import queued_copy
 from hyperqwen.kvarn.sizing import serving_side_slots
 from hyperqwen.kvarn.slots import RequestStep, SlotAllocator
 from hyperqwen.kvarn.store import store_tiles
@@ -190,6 +197,8 @@ class KVarNMetadata:
     side_rows: torch.Tensor  # int64 [num_tokens]: slot * 128 + offset; num_slots * 128 for padding
     store_blocks: torch.Tensor  # int64: the pool blocks this step fills; -1: a candidate it didn't
     store_slots: torch.Tensor  # int64: the slots their 16-bit tiles are in
+    # prefill by dequantization's plan, made by the step's first layer for all (KVarNImpl)
+    prefill_plan: PrefillPlan | None = None
 
 
 def side_cache_slots(vllm_config) -> int:
@@ -401,18 +410,6 @@ def filled_on_device(plan, seq_lens, query_start_loc, blocks_out, slots_out):
     return blocks_out, slots_out.copy_(slots)
 
 
-def queued_copy(host: torch.Tensor, device_tensor: torch.Tensor) -> torch.Tensor:
-    """`host` copied into `device_tensor` (returned), the copy queued behind the kernels
-    already there instead of waiting for them: a copy from pageable memory makes PyTorch
-    synchronize the stream, and the metadata is built four times a step (the verify, each
-    drafter pass), so every build would have drained the GPU's queue and no step's host work
-    could overlap the previous step's kernels. From pinned memory the copy is queued like a
-    kernel; PyTorch's caching host allocator keeps the pinned block until the copy has run."""
-    if device_tensor.device.type != "cuda":
-        return device_tensor.copy_(host)
-    return device_tensor.copy_(host.pin_memory(), non_blocking=True)
-
-
 class SideCache:
     """One layer's 16-bit K and V tiles of the side cache's slots, [num_slots * 128 + 1, Hkv, D]
     each: slot s's token t is row s * 128 + t (the metadata's side_rows), and the last row
@@ -559,11 +556,16 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
             )  # fmt: skip
         num_reqs = attn_metadata.seq_lens_cpu.shape[0]
         if num_reqs > decodes and self._prefill_by_dequantization(q.device):
+            if attn_metadata.prefill_plan is None:
+                attn_metadata.prefill_plan = plan_prefill(
+                    attn_metadata.slot_of_block_cpu, attn_metadata.block_table_cpu,
+                    attn_metadata.query_start_loc_cpu.tolist(),
+                    attn_metadata.seq_lens_cpu.tolist(), range(decodes, num_reqs),
+                    TILE_TOKENS, q.device,
+                )  # fmt: skip
             prefill_by_dequantization(
-                q, kv_cache, side_k, side_v, attn_metadata.slot_of_block_cpu,
-                attn_metadata.block_table_cpu, attn_metadata.query_start_loc_cpu.tolist(),
-                attn_metadata.seq_lens_cpu.tolist(), range(decodes, num_reqs), out,
-                self.layout, scale=self.scale,
+                q, kv_cache, side_k, side_v, attn_metadata.prefill_plan, out, self.layout,
+                scale=self.scale,
             )  # fmt: skip
         elif num_reqs > decodes:
             prefills = slice(decodes, num_reqs)

@@ -41,6 +41,7 @@ import torch
 
 from hyperqwen.kvarn.dequant import dequantize_tiles
 from hyperqwen.kvarn.layout import TileLayout
+from hyperqwen.kvarn.queued import queued_copy
 from hyperqwen.kvarn.sizing import SCRATCH_TILES
 
 
@@ -146,78 +147,108 @@ def merge_into(acc, acc_lse, rows, out, lse) -> None:
     acc_lse[:, rows] = torch.where(total > 0, top + total.log(), float("-inf"))
 
 
-def prefill_by_dequantization(
-    query: torch.Tensor,
-    pool: torch.Tensor,
-    side_k: torch.Tensor,
-    side_v: torch.Tensor,
+@dataclass(frozen=True)
+class Attendance:
+    """One attend call over some groups: `select`, their query rows among the plan's; the
+    rest are attend's arguments (cu_q, max_q, used_k, max_k, block_table, causal)."""
+
+    select: torch.Tensor
+    cu_q: torch.Tensor
+    max_q: int
+    used_k: torch.Tensor
+    max_k: int
+    table: torch.Tensor
+    causal: bool
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Part A over one segment of a request's context: its tiles' pool blocks (dequantized
+    into the scratch's first pages), the sink's side slot where the segment starts at the
+    sink and the sink has one (-1: none), and the attend call over the scratch."""
+
+    blocks: torch.Tensor
+    sink_slot: int
+    attendance: Attendance
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """What a step's prefill reads, the same for each layer: `index`, the prefill rows of the
+    step's query tensor (device, int64); part A's segments; part B's attend call over the
+    side slots (None when no query has a token of its filling tile before it)."""
+
+    index: torch.Tensor
+    segments: tuple[Segment, ...]
+    filling: Attendance | None
+
+
+class _Staging:
+    """Host int32 lists gathered for one copy to the device (queued: kvarn/queued.py), each
+    handed back as a view of the copy."""
+
+    def __init__(self) -> None:
+        self.parts: list[torch.Tensor] = []
+
+    def add(self, values) -> int:
+        self.parts.append(torch.as_tensor(values, dtype=torch.int32).reshape(-1))
+        return len(self.parts) - 1
+
+    def send(self, device) -> list[torch.Tensor]:
+        host = torch.cat(self.parts)
+        sent = queued_copy(host, torch.empty_like(host, device=device))
+        return list(sent.split([len(part) for part in self.parts]))
+
+
+def plan_prefill(
     host_slot_of_block: torch.Tensor,
     host_block_table: torch.Tensor,
     host_query_start_loc: list[int],
     host_seq_lens: list[int],
     rows: range,
-    out: torch.Tensor,
-    layout: TileLayout,
-    scale: float | None = None,
-    attend: Attend | None = None,
-) -> torch.Tensor:
-    """Attention of the chunks of requests `rows` (block-table rows; query_start_loc and
-    seq_lens given as host lists over all rows) over the KVarN cache (module docstring), into
-    their rows of out [num_tokens, Hq, D]. host_slot_of_block / host_block_table: the host's
-    copies of the step's slot map and block table (the builder plans from them; the tiles'
-    block ids go to the device per segment). attend:
-    attend_flash on a CUDA device, attend_torch elsewhere, unless given."""
+    tile: int,
+    device,
+) -> PrefillPlan | None:
+    """The step's PrefillPlan for the chunks of requests `rows` (block-table rows;
+    query_start_loc and seq_lens as host lists over all rows), from the host's slot map and
+    block table, or None without a query: host work and one queued copy, no wait for the
+    device. The backend plans once per step for all layers."""
     groups = filling_groups(host_query_start_loc, host_seq_lens, rows)
     if not groups:
-        return out
-    device, tile = query.device, layout.tokens
-    attend = attend or (attend_flash if device.type == "cuda" else attend_torch)
-    scale = scale if scale is not None else 1 / math.sqrt(layout.head_dim)
-    kv_heads = pool.shape[1]
-    scratch = Scratch.get(kv_heads, layout.head_dim, tile, query.dtype, device)
-    token_rows = torch.cat([torch.arange(g.first, g.first + g.count) for g in groups])
-    index = token_rows.to(device)
-    q = query[index]
-    acc = torch.zeros(q.shape, dtype=torch.float32, device=device)
-    acc_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=device)
+        return None
+    staging = _Staging()
+    index = staging.add(torch.cat([torch.arange(g.first, g.first + g.count) for g in groups]))
     offsets = torch.tensor([0, *[g.count for g in groups]]).cumsum(0).tolist()
 
-    def run(picked, k_pages, v_pages, table_rows, used, causal):
-        """One attend over the groups `picked` (indices into groups), merged into acc."""
-        select = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in picked])
+    def attendance(picked, table_rows, used, causal):
+        """An Attendance over the groups `picked` (indices into groups), its tensors staged."""
         counts = [groups[i].count for i in picked]
-        cu = torch.tensor([0, *counts]).cumsum(0).to(torch.int32)
         width = max(len(r) for r in table_rows)
         table = torch.zeros(len(picked), width, dtype=torch.int32)
         for i, pages in enumerate(table_rows):
             table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        select_d = select.to(device)
-        o, lse = attend(
-            q[select_d], k_pages, v_pages, cu.to(device), max(counts),
-            torch.tensor(used, dtype=torch.int32, device=device), max(used),
-            table.to(device), causal, scale,
+        return dict(
+            select=staging.add(torch.cat([torch.arange(offsets[i], offsets[i + 1])
+                                          for i in picked])),
+            cu_q=staging.add(torch.tensor([0, *counts]).cumsum(0)), max_q=max(counts),
+            used_k=staging.add(used), max_k=max(used), table=(staging.add(table), width),
+            causal=causal,
         )  # fmt: skip
-        merge_into(acc, acc_lse, select_d, o, lse)
 
     # part A, segment by segment of the tiles below the groups' filling tiles
+    segments = []
     for row in sorted({g.row for g in groups}):
         mine = [i for i, g in enumerate(groups) if g.row == row and g.filling > 0]
         top = max((groups[i].filling for i in mine), default=0)
         for first in range(0, top, SCRATCH_TILES):
             tiles = min(SCRATCH_TILES, top - first)
             blocks = host_block_table[row, first : first + tiles]
-            dequantize_tiles(
-                pool, blocks.to(device), layout,
-                out=(scratch.key[:tiles], scratch.value[:tiles]),
-            )  # fmt: skip
             sink_slot = int(host_slot_of_block[int(blocks[0])]) if first == 0 else -1
-            if sink_slot >= 0:  # the sink is read in 16 bits while it has its slot
-                scratch.key[0] = side_k[sink_slot]
-                scratch.value[0] = side_v[sink_slot]
             picked = [i for i in mine if groups[i].filling > first]
             pages = [list(range(min(groups[i].filling, first + tiles) - first)) for i in picked]
             used = [tile * len(p) for p in pages]
-            run(picked, scratch.key, scratch.value, pages, used, causal=False)
+            segments.append((staging.add(blocks), sink_slot,
+                             attendance(picked, pages, used, causal=False)))  # fmt: skip
 
     # part B: each group's filling tile, from its side slot, up to each query
     picked = [i for i, g in enumerate(groups) if g.last_context > tile * g.filling]
@@ -229,7 +260,64 @@ def prefill_by_dequantization(
             raise RuntimeError(f"KV=kvarn: filling block {block} has no side slot")
         slots.append([slot])
     used = [groups[i].last_context - tile * groups[i].filling for i in picked]
-    if picked:
-        run(picked, side_k, side_v, slots, used, causal=True)
-    out[index] = acc.to(out.dtype)
+    filling = attendance(picked, slots, used, causal=True) if picked else None
+
+    sent = staging.send(device)
+
+    def on_device(staged: dict) -> Attendance:
+        table, width = staged["table"]
+        return Attendance(
+            **{key: sent[staged[key]] for key in ("select", "cu_q", "used_k")},
+            max_q=staged["max_q"], max_k=staged["max_k"], causal=staged["causal"],
+            table=sent[table].view(-1, width),
+        )  # fmt: skip
+
+    parts = tuple(Segment(sent[blocks], slot, on_device(staged))
+                  for blocks, slot, staged in segments)  # fmt: skip
+    return PrefillPlan(sent[index].long(), parts, on_device(filling) if filling else None)
+
+
+def prefill_by_dequantization(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    side_k: torch.Tensor,
+    side_v: torch.Tensor,
+    plan: PrefillPlan | None,
+    out: torch.Tensor,
+    layout: TileLayout,
+    scale: float | None = None,
+    attend: Attend | None = None,
+) -> torch.Tensor:
+    """Attention of the prefill rows that `plan` (plan_prefill's) names over the KVarN cache
+    (module docstring), into those rows of out [num_tokens, Hq, D]; nothing without a plan.
+    attend: attend_flash on a CUDA device, attend_torch elsewhere, unless given. Queues
+    device work only."""
+    if plan is None:
+        return out
+    device = query.device
+    attend = attend or (attend_flash if device.type == "cuda" else attend_torch)
+    scale = scale if scale is not None else 1 / math.sqrt(layout.head_dim)
+    scratch = Scratch.get(pool.shape[1], layout.head_dim, layout.tokens, query.dtype, device)
+    q = query[plan.index]
+    acc = torch.zeros(q.shape, dtype=torch.float32, device=device)
+    acc_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=device)
+
+    def run(call: Attendance, k_pages, v_pages) -> None:
+        o, lse = attend(
+            q[call.select], k_pages, v_pages, call.cu_q, call.max_q, call.used_k, call.max_k,
+            call.table, call.causal, scale,
+        )  # fmt: skip
+        merge_into(acc, acc_lse, call.select, o, lse)
+
+    for segment in plan.segments:
+        tiles = segment.blocks.shape[0]
+        dequantize_tiles(pool, segment.blocks, layout,
+                         out=(scratch.key[:tiles], scratch.value[:tiles]))  # fmt: skip
+        if segment.sink_slot >= 0:  # the sink is read in 16 bits while it has its slot
+            scratch.key[0] = side_k[segment.sink_slot]
+            scratch.value[0] = side_v[segment.sink_slot]
+        run(segment.attendance, scratch.key, scratch.value)
+    if plan.filling is not None:
+        run(plan.filling, side_k, side_v)
+    out[plan.index] = acc.to(out.dtype)
     return out
