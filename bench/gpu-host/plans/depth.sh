@@ -10,12 +10,12 @@
 #             so its two 240k prompts alone would take most of a session
 # First (~1 min) KVarN's graph-safe metadata, which the depth run serves since 2026-12-06 (a
 # captured decode step replayed for the next ones against the eager forward; the builder's
-# copies queued, not waited for).
+# copies queued, not waited for), and the decode kernel's tunings against float64.
 # Then, alone on the GPU: the stock side of the fp8 capacity row, and the sizing tests.
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh depth || exit 1
 step kvarn-graph python3 -m pytest -m gpu tests/test_kvarn_gpu.py \
-  -k 'cuda_graph or queued'
+  -k 'cuda_graph or queued or decode_at_27b'
 # The decode partition kernel's tunings (~2 min): pipelined tile loads and biased codes
 # (decode.PartitionTuning), at 112k around the splits the SMs take once
 step kvarn-tuning python3 -m hyperqwen.kvarn.bench --contexts 114688 --batch 1 --queries 4 \
