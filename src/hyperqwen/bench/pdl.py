@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
-from hyperqwen.bench.timing import add_timing_parser, gpu_label, graph_time_us
+from hyperqwen.bench.timing import add_timing_parser, graph_time_us, kernel_run
 from hyperqwen.checkpoint.geometry import PRESETS
 
 TOKENS = (1, 4)  # a decode step and an MTP k=3 verify step of one sequence
@@ -38,15 +36,23 @@ def measure(geometry, layers: int, tokens: int, replays: int) -> dict[str, float
 def cmd_pdl(args: argparse.Namespace) -> int:
     import torch
 
-    from hyperqwen.bench.header import git_commit
-    from hyperqwen.bench.results import RESULT_SCHEMA, comparison_row
+    from hyperqwen.bench.results import comparison_row
 
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
         print("bench pdl: needs a CUDA GPU of sm90 or newer (PDL is Hopper's)", file=sys.stderr)
         return 3
+    run = kernel_run(
+        "pdl", args, "HyperQwen's kernels called directly (no server)",
+        f"{args.preset} geometry GDN layers, random weights, fp32 state",
+        ["stock = the chain without PDL, patched = with it (src/hyperqwen/bench/pdl.py: "
+         "w4a16, split_qkv, ba_proj, gdn_recurrent, w4a16, a torch add, per layer). Each "
+         "time is the median of the replays of one CUDA graph of every layer, per layer."],
+    )  # fmt: skip
+    if run is None:
+        return 3
+    raw, document = run
     geometry = PRESETS[args.preset]
-    raw = {"gpu": gpu_label(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "layers": args.layers, "replays": args.replays, "us_per_layer": {}}  # fmt: skip
+    raw |= {"layers": args.layers, "replays": args.replays, "us_per_layer": {}}
     rows = []
     for tokens in TOKENS:
         timed = measure(geometry, args.layers, tokens, args.replays)
@@ -54,22 +60,7 @@ def cmd_pdl(args: argparse.Namespace) -> int:
         off, on = round(timed["off"], 2), round(timed["on"], 2)
         rows.append(asdict(comparison_row(f"pdl_chain_t{tokens}", "us", off, on)))
         print(f"bench pdl: T={tokens}: {off} us per layer without PDL, {on} with", flush=True)
-    document = {
-        "schema": RESULT_SCHEMA,
-        "gpu": raw["gpu"],
-        "vllm": "none: HyperQwen's kernels called directly (no server)",
-        "commit": args.commit or git_commit(),
-        "date": raw["date"],
-        "command": shlex.join(["hyperqwen", "bench", "pdl", *sys.argv[3:]]),
-        "model": f"{args.preset} geometry GDN layers, random weights, fp32 state",
-        "notes": [
-            "stock = the chain without PDL, patched = with it (src/hyperqwen/bench/pdl.py: "
-            "w4a16, split_qkv, ba_proj, gdn_recurrent, w4a16, a torch add, per layer). Each "
-            "time is the median of the replays of one CUDA graph of every layer, per layer.",
-        ],
-        "rows": rows,
-        "raw": raw,
-    }
+    document |= {"rows": rows, "raw": raw}
     out = Path(args.out)
     out.write_text(json.dumps(document, indent=1) + "\n")
     print(f"bench pdl: wrote {out} (publish: hyperqwen bench publish {out} --name NAME)")
