@@ -38,7 +38,7 @@ def cmd_pdl(args: argparse.Namespace) -> int:
 
     from hyperqwen.bench.results import comparison_row
 
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         print("bench pdl: needs a CUDA GPU of sm90 or newer (PDL is Hopper's)", file=sys.stderr)
         return 3
     run = kernel_run(
