@@ -106,14 +106,14 @@ def code_bias(DOT: tl.constexpr):
 
 
 @triton.jit
-def attend_quantized_tile(tile, qr, reads, sm_scale, m_i, l_i, acc, BLOCK_N: tl.constexpr,
-                          T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
+def attend_quantized_part(tile, start, qr, reads, sm_scale, m_i, l_i, acc,
+                          BLOCK_N: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
                           DOT: tl.constexpr, BIASED: tl.constexpr):  # fmt: skip
-    """One quantized tile (its first byte `tile`) into the running softmax of the rotated
-    query rows qr [rows, D] (fp32) whose `reads` [rows] is set; acc accumulates in the rotated
-    basis. The scales are folded into the small operands (module docstring), BLOCK_N tokens
-    per dot; BIASED codes (dot_codes) with the bias times each row's operand sum taken off.
-    Returns (m, l, acc)."""
+    """Tokens start .. start + BLOCK_N - 1 of one quantized tile (its first byte `tile`) into
+    the running softmax of the rotated query rows qr [rows, D] (fp32) whose `reads` [rows] is
+    set; acc accumulates in the rotated basis. The scales are folded into the small operands
+    (module docstring); BIASED codes (dot_codes) with the bias times each row's operand sum
+    taken off. Returns (m, l, acc)."""
     d = tl.arange(0, D)
     k_scale = tl.load(fp16_section(tile, AT.k_scale) + d).to(tl.float32)
     k_zero = tl.load(fp16_section(tile, AT.k_zero) + d).to(tl.float32)
@@ -121,23 +121,22 @@ def attend_quantized_tile(tile, qr, reads, sm_scale, m_i, l_i, acc, BLOCK_N: tl.
     bias = tl.sum(qr * k_zero[None, :], axis=1)
     if BIASED:
         bias -= code_bias(DOT) * tl.sum(q_scaled.to(tl.float32), axis=1)
-    for start in tl.static_range(0, T, BLOCK_N):
-        rows = start + tl.arange(0, BLOCK_N)
-        codes = dot_codes(k_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D), DOT, BIASED)
-        r = tl.load(fp16_section(tile, AT.k_token_scale) + rows).to(tl.float32)
-        dots = tl.dot(q_scaled, tl.trans(codes))
-        scores = (dots + bias[:, None]) * (r * sm_scale)[None, :]
-        scores = tl.where(reads[:, None], scores, float("-inf"))
-        p, m_i, l_i, acc = _online_softmax(scores, m_i, l_i, acc)
-        v_scale = tl.load(fp16_section(tile, AT.v_scale) + rows).to(tl.float32)
-        v_zero = tl.load(fp16_section(tile, AT.v_zero) + rows).to(tl.float32)
-        weights = (p * v_scale[None, :]).to(DOT)
-        codes = dot_codes(v_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D), DOT, BIASED)
-        acc += tl.dot(weights, codes)
-        offset = p * v_zero[None, :]
-        if BIASED:
-            offset -= code_bias(DOT) * weights.to(tl.float32)
-        acc += tl.sum(offset, axis=1)[:, None]
+    rows = start + tl.arange(0, BLOCK_N)
+    codes = dot_codes(k_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D), DOT, BIASED)
+    r = tl.load(fp16_section(tile, AT.k_token_scale) + rows).to(tl.float32)
+    dots = tl.dot(q_scaled, tl.trans(codes))
+    scores = (dots + bias[:, None]) * (r * sm_scale)[None, :]
+    scores = tl.where(reads[:, None], scores, float("-inf"))
+    p, m_i, l_i, acc = _online_softmax(scores, m_i, l_i, acc)
+    v_scale = tl.load(fp16_section(tile, AT.v_scale) + rows).to(tl.float32)
+    v_zero = tl.load(fp16_section(tile, AT.v_zero) + rows).to(tl.float32)
+    weights = (p * v_scale[None, :]).to(DOT)
+    codes = dot_codes(v_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D), DOT, BIASED)
+    acc += tl.dot(weights, codes)
+    offset = p * v_zero[None, :]
+    if BIASED:
+        offset -= code_bias(DOT) * weights.to(tl.float32)
+    acc += tl.sum(offset, axis=1)[:, None]
     return m_i, l_i, acc
 
 
@@ -172,12 +171,17 @@ def attend_quantized_tiles(pool_ptr, table, stride_block, stride_head, kv_head, 
                            T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
                            DOT: tl.constexpr, BIASED: tl.constexpr):  # fmt: skip
     """Block positions first .. end - 1 of a request's table, read quantized from the pool by
-    the rows whose filling block [rows] is past them. Returns (m, l, acc)."""
-    for b in range(first, end):
+    the rows whose filling block [rows] is past them, BLOCK_N tokens per iteration of one
+    loop (so a pipelined launch copies the next part while this one's dots run). Returns
+    (m, l, acc)."""
+    PARTS: tl.constexpr = T // BLOCK_N
+    for part in range(first * PARTS, end * PARTS):
+        b = part // PARTS
         block = tl.load(table + b).to(tl.int64)
         tile = pool_ptr + block * stride_block + kv_head.to(tl.int64) * stride_head
-        m_i, l_i, acc = attend_quantized_tile(tile, qr, b < filling, sm_scale, m_i, l_i, acc,
-                                              BLOCK_N, T, D, AT, DOT, BIASED)  # fmt: skip
+        m_i, l_i, acc = attend_quantized_part(tile, (part % PARTS) * BLOCK_N, qr, b < filling,
+                                              sm_scale, m_i, l_i, acc, BLOCK_N, D, AT, DOT,
+                                              BIASED)  # fmt: skip
     return m_i, l_i, acc
 
 
