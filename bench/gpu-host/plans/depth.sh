@@ -10,16 +10,12 @@
 #             so its two 240k prompts alone would take most of a session
 # First (~1 min) KVarN's graph-safe metadata, which the depth run serves since 2026-12-06 (a
 # captured decode step replayed for the next ones against the eager forward; the builder's
-# copies queued, not waited for), and the decode kernel's tunings against float64.
+# copies queued, not waited for), and the decode kernel's two pipelines against float64.
 # Then, alone on the GPU: the stock side of the fp8 capacity row, and the sizing tests.
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh depth || exit 1
 step kvarn-graph python3 -m pytest -m gpu tests/test_kvarn_gpu.py \
   -k 'cuda_graph or queued or decode_at_27b'
-# The decode partition kernel's tunings (~2 min): pipelined tile loads and biased codes
-# (decode.PartitionTuning), at 112k around the splits the SMs take once
-step kvarn-tuning python3 -m hyperqwen.kvarn.bench --contexts 114688 --batch 1 --queries 4 \
-  --splits 16 32 64 --stages 1 2 --biased both --out "$P/kvarn-tuning.json"
 deep='--mode single --cohorts 1 --rounds 4 --prefill none --output-len 256 --temperature 0
   --seed 0 --synthetic-acceptance 0.77,0.55,0.4'
 step depth env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \

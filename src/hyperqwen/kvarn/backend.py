@@ -43,10 +43,10 @@ What is not handled yet, and why:
   page alignment (platforms/interface.py: _align_hybrid_block_size): serving needs a seam that
   asks the backend (`kv_cache_spec` below) in both places; without it vLLM sizes bf16 pages and
   the pool shape does not fit them.
-- Prefill by dequantization (prefill_dequant.py, where vLLM has FlashAttention) is GPU-tested
-  and timed per layer, not yet served; its plan (filling-tile groups, page tables: host work
-  and one queued copy) is made by a step's first layer and kept on the metadata for the
-  others. The prefill kernel (prefill.py) elsewhere is untuned.
+- Prefill by dequantization (prefill_dequant.py, where vLLM has FlashAttention) is served;
+  its plan (filling-tile groups, page tables: host work and one queued copy) is made by a
+  step's first layer and kept on the metadata for the others. The prefill kernel
+  (prefill.py) elsewhere is untuned.
 - Speculative decoding (README, "Speculative decoding"): verify blocks are decodes, read at the
   device's exact lengths; the host's lengths are upper bounds under async scheduling, so the
   slot plan covers every tile the device may write or fill and the store skips, on the device,

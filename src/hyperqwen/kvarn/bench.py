@@ -119,24 +119,25 @@ def _copies(bytes_per_copy: int) -> int:
     return max(1, math.ceil(L2_ROTATION_BYTES / bytes_per_copy))
 
 
-def tuning_key(tuning, splits: int) -> str:
-    """A decode time's key under "kvarn": the split count, after the tuning's label where it
-    is not decode.DEFAULT_TUNING (so earlier results' keys read the same)."""
-    from hyperqwen.kvarn.decode import DEFAULT_TUNING
-
-    return str(splits) if tuning == DEFAULT_TUNING else f"{tuning.label}/{splits}"
+def stages_key(stages: int, splits: int, served: int) -> str:
+    """A decode time's key under "kvarn": the split count, after "stagesN/" where the pipeline
+    is not the one served on this GPU (decode.served_stages)."""
+    return str(splits) if stages == served else f"stages{stages}/{splits}"
 
 
-def measure(context: int, batch: int, queries: int, splits: tuple[int, ...], tunings: tuple,
-            log) -> dict:  # fmt: skip
-    """Times in µs of one layer's decode attention: {"kvarn": {tuning_key: us}, "fa_bf16": us,
-    "fa_fp8": us} (a failure's message instead of a time), and the bytes each cache reads."""
+def measure(context: int, batch: int, queries: int, splits: tuple[int, ...],
+            stages: tuple[int, ...] | None, log) -> dict:  # fmt: skip
+    """Times in µs of one layer's decode attention: {"kvarn": {stages_key: us}, "fa_bf16": us,
+    "fa_fp8": us} (a failure's message instead of a time), and the bytes each cache reads.
+    stages: the partition kernel's pipelines to sweep, the served one if None."""
     import torch
 
     from hyperqwen.bench.timing import graph_time_us
-    from hyperqwen.kvarn.decode import decode_attention
+    from hyperqwen.kvarn.decode import decode_attention, partition_rows, served_stages
     from hyperqwen.kvarn.layout import TileLayout, bytes_per_token
 
+    rows = partition_rows(queries, HEADS // KV_HEADS)
+    served = served_stages(torch.device("cuda"), rows, D)
     g = torch.Generator().manual_seed(context + batch)
     query = torch.randn(batch * queries, HEADS, D, device="cuda", dtype=torch.bfloat16)
     source = tuple(
@@ -147,13 +148,14 @@ def measure(context: int, batch: int, queries: int, splits: tuple[int, ...], tun
     entry = {"kvarn": {}, "bytes": {"kvarn": kvarn_bytes}}
     copies = [_kvarn_copy(context, batch, queries, source, g) for _ in range(_copies(kvarn_bytes))]
     del source
-    for tuning in tunings:
+    for pipeline in stages or (served,):
         for n in splits:
             launches = [
-                lambda c=c, n=n, t=tuning: decode_attention(query, **c, num_splits=n, tuning=t)
+                lambda c=c, n=n, s=pipeline: decode_attention(query, **c, num_splits=n,
+                                                              num_stages=s)
                 for c in copies
             ]  # fmt: skip
-            key = tuning_key(tuning, n)
+            key = stages_key(pipeline, n, served)
             entry["kvarn"][key] = round(graph_time_us(launches), 2)
             log(f"  kvarn {key}: {entry['kvarn'][key]} us")
     del copies
@@ -258,7 +260,7 @@ def result(raw: dict, command: str, commit: str) -> dict:
             "chunk (kvarn_prefill_*), ms per launch, lower is better. stock = vLLM's "
             "FlashAttention (FA3 on sm90) over a paged fp8 e4m3 cache with unit scales; "
             "patched = KVarN (src/hyperqwen/kvarn/decode.py; prefill.py, prefill_dequant.py) at "
-            "its fastest split count (and tuning, where swept) or prefill path; raw holds "
+            "its fastest split count (and pipeline, where swept) or prefill path; raw holds "
             "every one, FA over bf16 and the bytes each decode cache holds.",
             "Decode: median of 15 CUDA-graph replays timed with CUDA events, one launch per "
             "layer copy, copies together past 256 MiB (hyperqwen/bench/timing.py). Prefill: "
@@ -282,12 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--splits", type=int, nargs="+", default=list(SPLITS))
     parser.add_argument(
-        "--stages", type=int, nargs="+", choices=(1, 2), default=[1],
-        help="decode: the partition kernel's pipeline stages to sweep (decode.PartitionTuning)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--biased", choices=("off", "on", "both"), default="off",
-        help="decode: the partition kernel's codes as biased dot operands (decode.dot_codes)",
+        "--stages", type=int, nargs="+", choices=(1, 2),
+        help="decode: the partition kernel's pipeline stages to sweep (default: the one served "
+        "on this GPU, decode.served_stages; 2 needs sm80's or sm90's shared memory)",
     )  # fmt: skip
     parser.add_argument(
         "--prefill", action="store_true",
@@ -330,15 +329,12 @@ def main(argv: list[str] | None = None) -> int:
             for context in args.contexts for chunk in args.chunks
         ]  # fmt: skip
     else:
-        from hyperqwen.kvarn.decode import PartitionTuning
-
-        biased = {"off": (False,), "on": (True,), "both": (False, True)}[args.biased]
-        tunings = tuple(PartitionTuning(stages, b) for stages in args.stages for b in biased)
+        stages = tuple(args.stages) if args.stages else None
         cases = [
             (f"context {context}, batch {batch}, {queries} queries:",
              {"context": context, "batch": batch, "queries": queries},
              lambda context=context, batch=batch, queries=queries: measure(
-                 context, batch, queries, tuple(args.splits), tunings, print))
+                 context, batch, queries, tuple(args.splits), stages, print))
             for context in args.contexts for batch in args.batch for queries in args.queries
         ]  # fmt: skip
     for title, shape, run in cases:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -52,22 +51,21 @@ from hyperqwen.kvarn.hadamard import hadamard_rows
 from hyperqwen.kvarn.layout import TileLayout
 from hyperqwen.kvarn.store import fp16_section
 
-
-@dataclass(frozen=True)
-class PartitionTuning:
-    """How the partition kernel compiles. stages: its tile loop's software pipelining (2
-    copies the next tile while this one's dots run, in shared memory sm86/89 lack: fit.py);
-    biased: its codes as dot_codes' BIASED operands."""
-
-    stages: int = 1
-    biased: bool = False
-
-    @property
-    def label(self) -> str:
-        return f"stages{self.stages}{'-biased' if self.biased else ''}"
+# The partition kernel's tile loop pipelined in 2 stages (the next half tile copied while this
+# one's dots run) takes about 150 KB of shared memory at the 27B's shapes (kvarn/fit.py), which
+# sm80 and sm90 have and sm86/89 (99 KB) do not; on the H100 it was the faster of 1 and 2
+# (docs/results/2026-12-06-h100-kvarn-decode-tuning.json). Fitted at rows <= 32, head_dim <= 256.
+PIPELINED_SHARED_BYTES = 160 * 1024
+PIPELINED_MAX_ROWS, PIPELINED_MAX_HEAD_DIM = 32, 256
 
 
-DEFAULT_TUNING = PartitionTuning()
+def pipeline_stages(shared_bytes: int, rows: int, head_dim: int) -> int:
+    """The partition kernel's num_stages for a GPU with `shared_bytes` of shared memory per
+    block (opt-in) at `rows` query rows per program (BLOCK_M) and this head_dim."""
+    fits = rows <= PIPELINED_MAX_ROWS and head_dim <= PIPELINED_MAX_HEAD_DIM
+    return 2 if fits and shared_bytes >= PIPELINED_SHARED_BYTES else 1
+
+
 BLOCK_N = 64  # tokens per dot: half a tile, so K or V codes as bf16 take 32 KB of shared memory
 # 8 warps: with 4, the partition kernel's [rows, 256] fp32 accumulator, query and operands
 # spill two to four times as many registers (SASS compiled for sm86, kvarn/fit.py's shapes)
@@ -86,43 +84,20 @@ def _online_softmax(scores, m_i, l_i, acc):
 
 
 @triton.jit
-def dot_codes(codes, DOT: tl.constexpr, BIASED: tl.constexpr):
-    """Codes (int32, 0..15) as dot operands of type DOT: converted, or BIASED, each code ORed
-    into the low bits of code_bias(DOT)'s bit pattern (the value code_bias + code, exact),
-    one integer op where a conversion takes an int-to-float instruction, which issues at a
-    quarter of the integer ops' rate on sm80-sm90; the caller subtracts the bias."""
-    if BIASED:
-        bits: tl.constexpr = 0x4300 if tl.bfloat16 == DOT else 0x6400
-        return (codes | bits).to(tl.int16).to(DOT, bitcast=True)
-    else:
-        return codes.to(DOT)
-
-
-@triton.jit
-def code_bias(DOT: tl.constexpr):
-    """What dot_codes adds to each BIASED code: 128 in bf16 (0x4300), 1024 in fp16 (0x6400),
-    the numbers whose last significand bit is worth 1."""
-    return 128.0 if tl.bfloat16 == DOT else 1024.0
-
-
-@triton.jit
 def attend_quantized_part(tile, start, qr, reads, sm_scale, m_i, l_i, acc,
                           BLOCK_N: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
-                          DOT: tl.constexpr, BIASED: tl.constexpr):  # fmt: skip
+                          DOT: tl.constexpr):  # fmt: skip
     """Tokens start .. start + BLOCK_N - 1 of one quantized tile (its first byte `tile`) into
     the running softmax of the rotated query rows qr [rows, D] (fp32) whose `reads` [rows] is
     set; acc accumulates in the rotated basis. The scales are folded into the small operands
-    (module docstring); BIASED codes (dot_codes) with the bias times each row's operand sum
-    taken off. Returns (m, l, acc)."""
+    (module docstring). Returns (m, l, acc)."""
     d = tl.arange(0, D)
     k_scale = tl.load(fp16_section(tile, AT.k_scale) + d).to(tl.float32)
     k_zero = tl.load(fp16_section(tile, AT.k_zero) + d).to(tl.float32)
     q_scaled = (qr * k_scale[None, :]).to(DOT)
     bias = tl.sum(qr * k_zero[None, :], axis=1)
-    if BIASED:
-        bias -= code_bias(DOT) * tl.sum(q_scaled.to(tl.float32), axis=1)
     rows = start + tl.arange(0, BLOCK_N)
-    codes = dot_codes(k_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D), DOT, BIASED)
+    codes = k_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D).to(DOT)
     r = tl.load(fp16_section(tile, AT.k_token_scale) + rows).to(tl.float32)
     dots = tl.dot(q_scaled, tl.trans(codes))
     scores = (dots + bias[:, None]) * (r * sm_scale)[None, :]
@@ -130,13 +105,9 @@ def attend_quantized_part(tile, start, qr, reads, sm_scale, m_i, l_i, acc,
     p, m_i, l_i, acc = _online_softmax(scores, m_i, l_i, acc)
     v_scale = tl.load(fp16_section(tile, AT.v_scale) + rows).to(tl.float32)
     v_zero = tl.load(fp16_section(tile, AT.v_zero) + rows).to(tl.float32)
-    weights = (p * v_scale[None, :]).to(DOT)
-    codes = dot_codes(v_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D), DOT, BIASED)
-    acc += tl.dot(weights, codes)
-    offset = p * v_zero[None, :]
-    if BIASED:
-        offset -= code_bias(DOT) * weights.to(tl.float32)
-    acc += tl.sum(offset, axis=1)[:, None]
+    codes = v_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D).to(DOT)
+    acc += tl.dot((p * v_scale[None, :]).to(DOT), codes)
+    acc += tl.sum(p * v_zero[None, :], axis=1)[:, None]
     return m_i, l_i, acc
 
 
@@ -169,7 +140,7 @@ def attend_side_tile(side_k, side_v, stride_kt, stride_vt, b, in_side, reads, q,
 def attend_quantized_tiles(pool_ptr, table, stride_block, stride_head, kv_head, first, end, qr,
                            filling, sm_scale, m_i, l_i, acc, BLOCK_N: tl.constexpr,
                            T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
-                           DOT: tl.constexpr, BIASED: tl.constexpr):  # fmt: skip
+                           DOT: tl.constexpr):  # fmt: skip
     """Block positions first .. end - 1 of a request's table, read quantized from the pool by
     the rows whose filling block [rows] is past them, BLOCK_N tokens per iteration of one
     loop (so a pipelined launch copies the next part while this one's dots run). Returns
@@ -180,8 +151,8 @@ def attend_quantized_tiles(pool_ptr, table, stride_block, stride_head, kv_head, 
         block = tl.load(table + b).to(tl.int64)
         tile = pool_ptr + block * stride_block + kv_head.to(tl.int64) * stride_head
         m_i, l_i, acc = attend_quantized_part(tile, (part % PARTS) * BLOCK_N, qr, b < filling,
-                                              sm_scale, m_i, l_i, acc, BLOCK_N, D, AT, DOT,
-                                              BIASED)  # fmt: skip
+                                              sm_scale, m_i, l_i, acc, BLOCK_N, D, AT,
+                                              DOT)  # fmt: skip
     return m_i, l_i, acc
 
 
@@ -222,7 +193,7 @@ def _partition_kernel(q_ptr, pool_ptr, block_table_ptr, side_k_ptr, side_v_ptr, 
                       stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh, stride_pms,
                       G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
-                      DOT: tl.constexpr, BIASED: tl.constexpr):  # fmt: skip
+                      DOT: tl.constexpr):  # fmt: skip
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -256,7 +227,7 @@ def _partition_kernel(q_ptr, pool_ptr, block_table_ptr, side_k_ptr, side_v_ptr, 
         m_i, l_i, acc = attend_quantized_tiles(
             pool_ptr, table, stride_block, stride_head, kv_head, first,
             tl.minimum(first + share, last_filling), qr, filling, sm_scale, m_i, l_i, acc,
-            BLOCK_N, T, D, AT, DOT, BIASED,
+            BLOCK_N, T, D, AT, DOT,
         )  # fmt: skip
     else:
         m_i, l_i, acc = attend_side_tiles(
@@ -304,6 +275,19 @@ def _merge_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_splits,
     out = (hadamard_rows(rotated, BLOCK_H, D) + plain) / total[:, None]
     dst = out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+def partition_rows(max_query_len: int, group: int) -> int:
+    """The partition kernel's BLOCK_M: a request's query rows per KV head, padded for the dots."""
+    return max(16, triton.next_power_of_2(max_query_len * group))
+
+
+def served_stages(device: torch.device, rows: int, head_dim: int) -> int:
+    """pipeline_stages for this device (1 off CUDA: the interpreter does not pipeline)."""
+    if device.type != "cuda":
+        return 1
+    shared = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return pipeline_stages(shared, rows, head_dim)
 
 
 def dot_operands(dtype: torch.dtype):
@@ -393,15 +377,16 @@ def decode_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     layout: TileLayout | None = None,
-    tuning: PartitionTuning = DEFAULT_TUNING,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of query [num_tokens, Hq, D] (bf16 or fp16; request r's queries are rows
-        query_start_loc[r] .. query_start_loc[r + 1] - 1, at most max_query_len of them, the last
-        of its seq_lens[r] tokens) over the KVarN cache described in the module docstring, into
-        out [num_tokens, Hq, D] (query's dtype). num_splits: how many programs share each
-        request's quantized blocks per KV head (a fixed number keeps the launch graph-capturable;
-        splits with no blocks write empty partials). tuning: how the partition kernel compiles
-    (the bench sweeps it). Indices are not checked on the GPU."""
+    query_start_loc[r] .. query_start_loc[r + 1] - 1, at most max_query_len of them, the last
+    of its seq_lens[r] tokens) over the KVarN cache described in the module docstring, into
+    out [num_tokens, Hq, D] (query's dtype). num_splits: how many programs share each
+    request's quantized blocks per KV head (a fixed number keeps the launch graph-capturable;
+    splits with no blocks write empty partials). num_stages: the partition kernel's pipeline
+    (served_stages for the query's GPU unless given; the bench sweeps it). Indices are not
+    checked on the GPU."""
     layout = check_cache_args(
         query, pool, block_table, side_k, side_v, slot_of_block, seq_lens, query_start_loc,
         layout,
@@ -417,6 +402,9 @@ def decode_attention(
         return out
 
     group = heads // kv_heads
+    block_m = partition_rows(max_query_len, group)
+    if num_stages is None:
+        num_stages = served_stages(query.device, block_m, d)
     partials = num_splits + 1
     part_o = torch.empty(num_tokens, heads, partials, d, dtype=torch.float32, device=query.device)
     part_ml = torch.empty(num_tokens, heads, partials, 2, dtype=torch.float32, device=query.device)
@@ -428,9 +416,9 @@ def decode_attention(
         block_table.stride(0),
         *side_k.stride()[:3], *side_v.stride()[:3],
         *part_o.stride()[:3], *part_ml.stride()[:3],
-        G=group, BLOCK_M=max(16, triton.next_power_of_2(max_query_len * group)),
+        G=group, BLOCK_M=block_m,
         BLOCK_N=BLOCK_N, T=layout.tokens, D=d, AT=layout.offsets, DOT=dot_operands(query.dtype),
-        BIASED=tuning.biased, num_warps=PARTITION_WARPS, num_stages=tuning.stages,
+        num_warps=PARTITION_WARPS, num_stages=num_stages,
     )  # fmt: skip
     _merge_kernel[(num_tokens, kv_heads)](
         part_o, part_ml, out, num_splits,

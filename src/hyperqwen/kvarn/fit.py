@@ -45,10 +45,10 @@ def _launches(d: int) -> dict:
         "query_start_ptr": "*i32", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",
         "sm_scale": "fp32",
     }  # fmt: skip
-    block_m = max(16, triton.next_power_of_2(VERIFY_QUERIES * GROUP_27B))
+    block_m = decode.partition_rows(VERIFY_QUERIES, GROUP_27B)
     partition_constants = dict(
         G=GROUP_27B, BLOCK_M=block_m, BLOCK_N=decode.BLOCK_N, T=layout.tokens, D=d,
-        AT=layout.offsets, DOT=tl.bfloat16, BIASED=decode.DEFAULT_TUNING.biased,
+        AT=layout.offsets, DOT=tl.bfloat16,
     )  # fmt: skip
     prefill_pointers = {
         name: kind for name, kind in partition_pointers.items() if not name.startswith("part_")
@@ -81,7 +81,7 @@ def _launches(d: int) -> dict:
             partition_pointers,
             partition_constants,
             decode.PARTITION_WARPS,
-            decode.DEFAULT_TUNING.stages,
+            None,  # the served pipeline for the architecture (compile_for)
         ),
         "decode_merge": (
             decode._merge_kernel,
@@ -103,11 +103,18 @@ def _launches(d: int) -> dict:
 def compile_for(name: str, arch: int, d: int = HEAD_DIM_27B):
     """Kernel `name` (a key of the table) compiled for sm<arch>, as its launcher runs it."""
     kernel, pointers, constants, warps, stages = _launches(d)[name]
+    if stages is None:
+        stages = decode.pipeline_stages(SHARED_LIMIT[arch], constants["BLOCK_M"], d)
     signature = {
         arg: pointers.get(arg, "constexpr" if arg in constants else "i32")
         for arg in kernel.arg_names
     }
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    # a launch specializes pointers and strides divisible by 16, which a pipelined loop needs
+    # for its asynchronous copies: hinted here, the shared memory is the launch's
+    hinted = [arg for arg in kernel.arg_names
+              if signature[arg].startswith("*") or arg.startswith("stride_")]  # fmt: skip
+    attrs = {(kernel.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in hinted}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages}
     if name == "store":
         options |= store.EXACT_ARITHMETIC

@@ -95,7 +95,6 @@ def _prefill_kernel(q_ptr, pool_ptr, block_table_ptr, side_k_ptr, side_v_ptr, sl
     m_i, l_i, acc = attend_quantized_tiles(
         pool_ptr, table, stride_block, stride_head, kv_head, tl.where(sink_in_side, 1, 0),
         last_context // T, qr, context // T, sm_scale, m_i, l_i, acc, BLOCK_N, T, D, AT, DOT,
-        False,
     )  # fmt: skip
     acc = hadamard_rows(acc, BLOCK_M, D)
     # loaded again rather than kept live through the quantized loop (registers)
