@@ -1,13 +1,16 @@
 #!/bin/bash
 # Issue 25, decode deep in a long context (~30 min on an H100): stock vLLM with an fp8 cache
 # against CTX=huge, C1, one cold (salted) prompt per depth, 256 tokens decoded after it.
-#   depth:    32k and 112k, stock fp8 against KV=fp8 and KV=kvarn (KVarN's decode tax at 112k,
-#             target <= 1.5x, decides CTX=huge's default KV); a 5 GiB pool each, so three
-#             servers fit an 80 GB card (the launcher fits 128,000 tokens of fp8 in it)
+#   depth:    32k and 112k, stock fp8 against KV=fp8 and KV=kvarn; a 5 GiB pool each, so three
+#             servers fit an 80 GB card (the launcher fits 128,000 tokens of fp8 in it). Run on
+#             2026-12-06 (docs/results/2026-12-06-h100-27b-depth-kvarn.json: KVarN 1.12x its
+#             own fp8's TPOT at 112k, 1.5x at 128 tokens, a per-step cost); again now with the
+#             decode kernel's 2-stage pipeline and 32 profiled C1 steps a side
+#             (--profile-steps: GPU ms per step by kernel category, host CPU ms per step),
+#             which say where KVarN's short-context step goes
 #   depth240: 128k and 240k, stock fp8 against KV=fp8, both in 9 GiB (~250k tokens); the
-#             cold TTFT of depth131072 is issue 25's 128k one. KVarN is left out: its prefill
-#             took 87 s at 112k on the H100 (docs/results/2026-12-05-h100-27b-depth-kvarn.json),
-#             so its two 240k prompts alone would take most of a session
+#             cold TTFT of depth131072 is issue 25's 128k one. KVarN is left out: a third
+#             server with a 9 GiB pool does not fit beside these two on an 80 GB card
 # First (~1 min) KVarN's graph-safe metadata, which the depth run serves since 2026-12-06 (a
 # captured decode step replayed for the next ones against the eager forward; the builder's
 # copies queued, not waited for), and the decode kernel's two pipelines against float64.
@@ -20,7 +23,8 @@ deep='--mode single --cohorts 1 --rounds 4 --prefill none --output-len 256 --tem
   --seed 0 --synthetic-acceptance 0.77,0.55,0.4'
 step depth env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \
   AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 120000 --max-num-seqs 1' \
-  bash bench/gpu-host/ab_together.sh depth "$deep --depths 32768,114688 --prefill-requests 1" \
+  bash bench/gpu-host/ab_together.sh depth \
+  "$deep --depths 32768,114688 --prefill-requests 1 --profile-steps 32" \
   'CTX=huge KV=fp8' 'CTX=huge KV=kvarn'
 step depth240 env AB_KV_MEM=9G \
   AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 250000 --max-num-seqs 1' \
