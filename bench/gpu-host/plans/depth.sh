@@ -11,6 +11,7 @@
 #   depth240: 128k and 240k, stock fp8 against KV=fp8, both in 9 GiB (~250k tokens); the
 #             cold TTFT of depth131072 is issue 25's 128k one. KVarN is left out: a third
 #             server with a 9 GiB pool does not fit beside these two on an 80 GB card
+#   ttft-machete: the 32k cold TTFT with vLLM's own int4 kernel choice (Machete on Hopper)
 # First (~1 min) KVarN's graph-safe metadata, which the depth run serves since 2026-12-06 (a
 # captured decode step replayed for the next ones against the eager forward; the builder's
 # copies queued, not waited for), and the decode kernel's two pipelines against float64.
@@ -30,6 +31,13 @@ step depth240 env AB_KV_MEM=9G \
   AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 250000 --max-num-seqs 1' \
   bash bench/gpu-host/ab_together.sh depth240 "$deep --depths 131072,245760 --prefill-requests 1" \
   'CTX=huge KV=fp8'
+# What of own fp8's cold TTFT above stock's (1.6x at 32k and 112k on 2026-12-06) is the int4
+# GEMMs: the single profile runs Marlin, Hopper's stock Machete; this variant takes vLLM's
+# choice (the rest would be CTX=huge's 4,096-token chunks against stock's 8,192)
+step ttft-machete env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \
+  AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 120000 --max-num-seqs 1' \
+  bash bench/gpu-host/ab_together.sh ttft-machete "$deep --depths 32768 --prefill-requests 1" \
+  'CTX=huge KV=fp8 LINEAR_BACKEND=auto'
 step tables python3 -m hyperqwen.cli bench table "$R"/depth/v1.json "$R"/depth/v2.json \
   "$R"/depth240/v1.json --labels fp8,kvarn,fp8-240 --rows 'depth*'
 step capacity-fp8 python3 -m hyperqwen.cli bench capacity --kv fp8 \
