@@ -221,18 +221,19 @@ def plan_prefill(
     offsets = torch.tensor([0, *[g.count for g in groups]]).cumsum(0).tolist()
 
     def attendance(picked, table_rows, used, causal):
-        """An Attendance over the groups `picked` (indices into groups), its tensors staged."""
+        """An attend call over the groups `picked` (indices into groups), its tensors staged:
+        returns what makes its Attendance from the sent views."""
         counts = [groups[i].count for i in picked]
         width = max(len(r) for r in table_rows)
         table = torch.zeros(len(picked), width, dtype=torch.int32)
         for i, pages in enumerate(table_rows):
             table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return dict(
-            select=staging.add(torch.cat([torch.arange(offsets[i], offsets[i + 1])
-                                          for i in picked])),
-            cu_q=staging.add(torch.tensor([0, *counts]).cumsum(0)), max_q=max(counts),
-            used_k=staging.add(used), max_k=max(used), table=(staging.add(table), width),
-            causal=causal,
+        select = staging.add(torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in picked]))
+        cu_q = staging.add(torch.tensor([0, *counts]).cumsum(0))
+        used_k, table_at = staging.add(used), staging.add(table)
+        return lambda sent: Attendance(
+            sent[select], sent[cu_q], max(counts), sent[used_k], max(used),
+            sent[table_at].view(-1, width), causal,
         )  # fmt: skip
 
     # part A, segment by segment of the tiles below the groups' filling tiles
@@ -263,18 +264,8 @@ def plan_prefill(
     filling = attendance(picked, slots, used, causal=True) if picked else None
 
     sent = staging.send(device)
-
-    def on_device(staged: dict) -> Attendance:
-        table, width = staged["table"]
-        return Attendance(
-            **{key: sent[staged[key]] for key in ("select", "cu_q", "used_k")},
-            max_q=staged["max_q"], max_k=staged["max_k"], causal=staged["causal"],
-            table=sent[table].view(-1, width),
-        )  # fmt: skip
-
-    parts = tuple(Segment(sent[blocks], slot, on_device(staged))
-                  for blocks, slot, staged in segments)  # fmt: skip
-    return PrefillPlan(sent[index].long(), parts, on_device(filling) if filling else None)
+    parts = tuple(Segment(sent[blocks], slot, make(sent)) for blocks, slot, make in segments)
+    return PrefillPlan(sent[index].long(), parts, filling(sent) if filling else None)
 
 
 def prefill_by_dequantization(
