@@ -38,6 +38,12 @@ class LoopCount:
     loads: dict[str, int]  # global loads and cp.async copies by their SASS suffix
 
 
+def divisible_by_16(kernel, names) -> dict:
+    """ASTSource attrs marking the kernel's arguments `names` divisible by 16, as Triton
+    specializes a launch's aligned pointers and multiple-of-16 integers."""
+    return {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in names}
+
+
 def compile_kernel(config, arch: int, block_m: int = 16):
     """The Triton-compiled kernel for one tile config and architecture (no GPU needed)."""
     import triton
@@ -54,8 +60,7 @@ def compile_kernel(config, arch: int, block_m: int = 16):
         name: pointers.get(name, "constexpr" if name in constants else "i32")
         for name in kernel.arg_names
     }
-    hinted = [*pointers, *DIVISIBLE]
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in hinted}
+    attrs = divisible_by_16(kernel, [*pointers, *DIVISIBLE])
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
