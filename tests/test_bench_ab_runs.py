@@ -26,7 +26,7 @@ from hyperqwen.bench.ab_argv import (
     settled_cohorts,
     spec_config,
 )
-from hyperqwen.bench.ab_compare import equivalent_command, model_fact, side_figures
+from hyperqwen.bench.ab_compare import compare, equivalent_command, model_fact, side_figures
 from hyperqwen.bench.ab_plan import SIDES, SideResult
 from hyperqwen.bench.results import (
     ComparisonRow,
@@ -360,6 +360,33 @@ def test_a_profile_of_a_cohort_names_its_rows_after_it(comparison, tmp_path, cap
     assert "--profile-cohort 3 is not among the cohorts (1,2)" in capsys.readouterr().err
     assert run_in_process("bench", *unprofiled, "--profile-cohort", "2") == 2
     assert "--profile-cohort 2 needs --profile-steps N" in capsys.readouterr().err
+
+
+def test_a_kernel_category_of_one_side_only_is_a_row_with_the_other_side_empty() -> None:
+    # KV=kvarn's attention kernels are Triton's, counted in `other`: its side has no
+    # `attention` category, the stock side's FlashAttention has (the 2026-12-06 depth run)
+    line = (
+        "ROW mode=single data=random prompt=salted C=1 n=4 in_tok=128 out_tok=256 "
+        "decode_tok_s_per_stream=170.0 decode_tok_s_total=150.0 e2e_s=1.600 ttft_p50_ms=120.0 "
+        "ttft_p99_ms=180.0 tpot_ms={tpot} tokens_per_step=2.67 cache_hit_pct=0.0 preemptions=0"
+    )
+
+    def side(name: str, tpot: str, categories: dict[str, float]) -> SideResult:
+        profile = {"cohort": 1, "steps": 32, "gpu_ms_per_step": sum(categories.values()),
+                   "categories": categories}  # fmt: skip
+        rows = [parse_row(line.format(tpot=tpot))]
+        return SideResult(name, name, [], "all", "0.26.0", 1.0, 1.0, rows, "log", profile=profile)
+
+    stock = side("stock", "5.14", {"attention": 0.66, "other": 0.25})
+    patched = side("patched", "5.84", {"memory": 0.47, "other": 1.03})
+    rows = {row.name: row for row in compare(stock, patched)}
+    assert (rows["step_gpu_ms_attention"].stock, rows["step_gpu_ms_attention"].patched) == (
+        0.66,
+        None,
+    )
+    assert (rows["step_gpu_ms_memory"].stock, rows["step_gpu_ms_memory"].patched) == (None, 0.47)
+    assert rows["step_gpu_ms_memory"].unit == "ms"
+    assert (rows["step_gpu_ms_other"].stock, rows["step_gpu_ms_other"].patched) == (0.25, 1.03)
 
 
 def test_copy_rows_get_their_own_names_and_the_repeat_command_keeps_copy(comparison) -> None:

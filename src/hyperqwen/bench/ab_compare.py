@@ -98,7 +98,9 @@ def compare(stock: SideResult, patched: SideResult) -> list[ComparisonRow]:
     stock_figures, patched_figures = side_figures(stock), side_figures(patched)
     rows = []
     for name in dict.fromkeys([*stock_figures, *patched_figures]):
-        unit, stock_value = stock_figures.get(name, (patched_figures[name][0], None))
+        # a kernel category may be one side's only (a backend's kernels in `other`)
+        unit = (stock_figures.get(name) or patched_figures[name])[0]
+        stock_value = stock_figures.get(name, (unit, None))[1]
         patched_value = patched_figures.get(name, (unit, None))[1]
         if stock_value is not None or patched_value is not None:
             rows.append(comparison_row(name, unit, stock_value, patched_value))
