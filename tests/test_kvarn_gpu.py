@@ -191,42 +191,46 @@ def test_prefill_by_dequantization_through_flash_attention_at_32k(monkeypatch):
 
 def test_the_builders_copies_are_queued_not_waited_for():
     """The metadata is built four times a step (the verify, each drafter pass): a copy that
-    waited for the GPU's queue would drain it each time. With seconds of work queued, both
-    copies return while it still runs, and give the host's values once it has run."""
+    waited for the GPU's queue would drain it each time. With seconds of work queued, the
+    build's copy and kernel (step_tensors.write_step_tensors) return while it still runs, and
+    give the host's values once it has run."""
     from types import SimpleNamespace
 
-    from hyperqwen.kvarn.backend import filled_on_device
-    from hyperqwen.kvarn.queued import queued_copy
+    from hyperqwen.kvarn.step_tensors import StepBuffers, write_step_tensors
 
     stream = torch.cuda.current_stream()
     # request 0 writes positions 255-258 (a verify block of 4), request 1 writes 129
     seq_lens = torch.tensor([258, 129], dtype=torch.int32, device="cuda")
     query_start_loc = torch.tensor([0, 4, 5], dtype=torch.int32, device="cuda")
+    mapping = torch.tensor([3 * 128 + 127, 5 * 128, 5 * 128 + 1, 5 * 128 + 2, 9 * 128 + 1, -1],
+                           device="cuda")  # fmt: skip
     plan = SimpleNamespace(  # candidate tiles ending at 256 and 384 (request 0), 128 (request 1)
+        slot_of_block=torch.arange(4096, dtype=torch.int32) % 7 - 1,
         store_blocks=[7, 9, 11],
         store_slots=[0, 1, 2],
         store_rows=[0, 0, 1],
         store_ends=[256, 384, 128],
     )
-    host = torch.arange(4096, dtype=torch.int32)
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=2, max_num_batched_tokens=64)
+    )
+    buffers = StepBuffers(4096, 8, config, "cuda")
 
-    def copies():
-        copied = queued_copy(host, torch.empty_like(host, device="cuda"))
-        blocks, slots = filled_on_device(
-            plan, seq_lens, query_start_loc,
-            *torch.empty(2, 3, dtype=torch.int64, device="cuda"),
-        )  # fmt: skip
-        return copied, blocks, slots
+    def build():
+        return write_step_tensors(buffers, plan, mapping, seq_lens, query_start_loc, 3, 8 * 128)
 
     # once first: PyTorch's caching host allocator gets its pinned blocks from cudaHostAlloc,
     # which waits for the device; a served step reuses blocks whose copies have run
-    copies()
+    build()
     torch.cuda.synchronize()
     torch.cuda._sleep(10_000_000_000)  # seconds of cycles queued ahead of the copies
-    copied, blocks, slots = copies()
+    slot_of_block, side_rows, blocks, slots = build()
     assert not stream.query(), "a copy waited for the queued work"
     torch.cuda.synchronize()
-    assert torch.equal(copied.cpu(), host)
+    assert torch.equal(slot_of_block.cpu(), plan.slot_of_block)
+    # block 3 -> slot 2, block 5 -> slot 4, block 9 -> slot 1 (arange % 7 - 1); -1: padding
+    rows = [2 * 128 + 127, 4 * 128, 4 * 128 + 1, 4 * 128 + 2, 128 + 1, 8 * 128]
+    assert side_rows.tolist() == rows
     # only the tile ending at 256 ends inside a step's writes, (254, 258]
     assert blocks.tolist() == [7, -1, -1] and slots.tolist() == [0, 1, 2]
 

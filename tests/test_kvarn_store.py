@@ -131,8 +131,9 @@ def test_27b_tiles_match_float64_and_nothing_else_is_written():
 
 @pytest.mark.usefixtures("interpreted")
 def test_a_negative_block_id_skips_its_tile():
-    """The backend's candidates the device did not fill come as -1 (backend.filled_on_device):
-    that tile writes nothing, the others exactly what a store of them alone writes."""
+    """The backend's candidates the device did not fill come as -1
+    (step_tensors.write_step_tensors): that tile writes nothing, the others exactly what a
+    store of them alone writes."""
     layout = TileLayout(head_dim=64)
     key, value = tiles(3, 2, 64, seed=17)
     g = torch.Generator().manual_seed(1)

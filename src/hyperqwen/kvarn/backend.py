@@ -27,7 +27,7 @@ The pieces:
   prefill.prefill_attention (one launch for all of them).
 - CUDA graphs (AttentionCGSupport.UNIFORM_BATCH): vLLM captures whole decode batches, verify
   blocks included, so everything the forward reads keeps its address (the builder's
-  StepBuffers) and its launch sizes (the store list padded to one entry per request with
+  step_tensors.StepBuffers, written by one copy and one kernel a build) and its launch sizes (the store list padded to one entry per request with
   skipped entries, which the store kernel reads through the slots, so padding moves no
   bytes); a FULL graph's padded requests and vLLM's dummy batches (on its null block) plan
   nothing, and the padded ones read nothing.
@@ -50,7 +50,7 @@ What is not handled yet, and why:
 - Speculative decoding (README, "Speculative decoding"): verify blocks are decodes, read at the
   device's exact lengths; the host's lengths are upper bounds under async scheduling, so the
   slot plan covers every tile the device may write or fill and the store skips, on the device,
-  the candidates this step did not fill (`filled_on_device`). Served with MTP (the drafter's
+  the candidates this step did not fill (step_tensors.py). Served with MTP (the drafter's
   builder plans its own layer's slots, `build_for_drafting`); kv_choices.py refuses n-gram
   drafters and more than 3 drafts.
 """
@@ -81,9 +81,9 @@ from hyperqwen.kvarn.prefill_dequant import (
     prefill_by_dequantization,
 )
 from hyperqwen.kvarn.quantize import TILE_TOKENS
-from hyperqwen.kvarn.queued import queued_copy
 from hyperqwen.kvarn.sizing import serving_side_slots
 from hyperqwen.kvarn.slots import RequestStep, SlotAllocator
+from hyperqwen.kvarn.step_tensors import StepBuffers, write_step_tensors
 from hyperqwen.kvarn.store import store_tiles
 
 # vLLM resolves a layer's backend by this name (Attention.__init__: AttentionBackendEnum[name])
@@ -223,24 +223,6 @@ def pool_blocks(vllm_config) -> int:
     return cache.num_gpu_blocks * (cache.block_size // TILE_TOKENS)
 
 
-class StepBuffers:
-    """The device tensors a step's metadata hands the layers, allocated once per builder: a
-    CUDA graph captured over the layers' forward reads them at the addresses it was captured
-    with, so every build writes into them, queued behind the previous step's kernels.
-    side_rows takes one entry per token of a step (at most max_num_batched_tokens, vLLM's
-    runner and drafter alike); the store lists one per candidate tile (each holds a slot, so
-    at most the slots) or per request, the padded length of a decode batch (below)."""
-
-    def __init__(self, num_blocks: int, num_slots: int, vllm_config, device) -> None:
-        scheduler = vllm_config.scheduler_config
-        stores = max(num_slots, scheduler.max_num_seqs)
-        self.slot_of_block = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
-        self.side_rows = torch.empty(scheduler.max_num_batched_tokens, dtype=torch.int64,
-                                     device=device)  # fmt: skip
-        self.store_blocks = torch.empty(stores, dtype=torch.int64, device=device)
-        self.store_slots = torch.empty(stores, dtype=torch.int64, device=device)
-
-
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
     # CUDA graphs of whole uniform decode batches (verify blocks included): the metadata
     # lives in StepBuffers, a padded request (vLLM's FULL graphs pad a batch to a captured
@@ -317,29 +299,11 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         tables = host_block_table(cam, width)
         slots = self.slots
         plan = slots.plan(self._request_steps(tables, seq_lens_cpu, query_lens, drafting))
-        buffers = self.buffers
-        if plan.slot_of_block.shape != buffers.slot_of_block.shape:
-            raise RuntimeError(
-                f"KV=kvarn: the slot allocator maps {plan.slot_of_block.shape[0]} pool blocks, "
-                f"the builder's buffer {buffers.slot_of_block.shape[0]}: a block id past the "
-                "pool's size reached the plan"
-            )
-        slot_of_block = queued_copy(plan.slot_of_block, buffers.slot_of_block)
-        mapping = cam.slot_mapping
-        side_rows = buffers.side_rows[: mapping.shape[0]]
-        token_slots = slot_of_block[mapping.clamp(min=0) // TILE_TOKENS].long()
-        # a padding token, or one whose block has no slot (never, by the plan), goes to the
-        # padding row, not to a negative row, which would index from the end
-        padding_row = slots.num_slots * TILE_TOKENS
-        valid = (mapping >= 0) & (token_slots >= 0)
-        side_rows.copy_(
-            torch.where(valid, token_slots * TILE_TOKENS + mapping % TILE_TOKENS, padding_row)
-        )
         # one store entry per request at least: a decode batch's launch keeps its size
         stores = max(len(plan.store_blocks), cam.num_reqs)
-        store_blocks, store_slots = filled_on_device(
-            plan, cam.seq_lens, cam.query_start_loc,
-            buffers.store_blocks[:stores], buffers.store_slots[:stores],
+        slot_of_block, side_rows, store_blocks, store_slots = write_step_tensors(
+            self.buffers, plan, cam.slot_mapping, cam.seq_lens, cam.query_start_loc, stores,
+            padding_row=slots.num_slots * TILE_TOKENS,
         )  # fmt: skip
         return KVarNMetadata(
             num_actual_tokens=cam.num_actual_tokens,
@@ -387,27 +351,6 @@ def check_decodes_first(seq_lens_cpu, query_lens, num_decodes: int, threshold: i
             "batch's first prefill: vLLM reordered the batch by a smaller decode threshold "
             "than KVarN's, whose prefill path would read it at the host's upper bound"
         )
-
-
-def filled_on_device(plan, seq_lens, query_start_loc, blocks_out, slots_out):
-    """The plan's candidate tiles into store_tiles' block ids and their slots (int64 tensors
-    on the device, returned): a tile's block where the device's exact lengths say this step
-    filled it (its end in (seq_len - query_len, seq_len]), else -1 (skipped), and -1 past the
-    candidates up to the outputs' length. One host-to-device copy for all four lists, queued
-    (queued_copy), then tensor ops queued on the device: no wait for the device's lengths
-    nor its queue."""
-    length = blocks_out.shape[0]
-    candidates = torch.zeros(4, length, dtype=torch.int64)
-    candidates[0] = -1
-    count = len(plan.store_blocks)
-    lists = [plan.store_blocks, plan.store_slots, plan.store_rows, plan.store_ends]
-    candidates[:, :count] = torch.tensor(lists, dtype=torch.int64).view(4, count)
-    staged = torch.empty_like(candidates, device=blocks_out.device)
-    blocks, slots, rows, ends = queued_copy(candidates, staged)
-    after = seq_lens[rows]
-    before = after - (query_start_loc[rows + 1] - query_start_loc[rows])
-    blocks_out.copy_(torch.where((before < ends) & (ends <= after), blocks, -1))
-    return blocks_out, slots_out.copy_(slots)
 
 
 class SideCache:
