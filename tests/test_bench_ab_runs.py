@@ -315,6 +315,9 @@ def test_profile_steps_add_gpu_time_per_step_by_kernel_category(comparison, tmp_
         assert 0 <= host["busiest_cpu_s"] <= host["total_cpu_s"]
         assert 0 <= getattr(busiest, side) <= getattr(every, side)
         assert abs(getattr(share, side) - getattr(busiest, side) / getattr(tpot, side)) <= 1e-3
+        # py-spy (the test extra) sampled the stand-in's process tree meanwhile
+        assert host["stacks"]["rate_hz"] > 0
+        assert Path(host["stacks_file"]) == tmp_path / "work" / f"{side}-host-stacks.txt"
     # the GPU's window: the stand-in's two kernels start together, so the busy time is the
     # longer one's (overlapping ops count once) where the kernel sum adds both
     busy = by_name["step_gpu_busy_ms"]

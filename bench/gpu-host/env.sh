@@ -22,6 +22,10 @@ patched_vllm_copy() {
   fi
 }
 patched_vllm_copy "$HYPERQWEN_PATCHED_VLLM" "$PWD/patches" "$R/patch.log"
+# py-spy for bench ab's host stacks (src/hyperqwen/bench/host_stacks.py): the kit has none, so a
+# run carries the binary as .gpu-kit/py-spy (an ignored path); kept in $R for later calls
+if [ -x .gpu-kit/py-spy ]; then cp .gpu-kit/py-spy "$R/py-spy"; fi
+if [ -x "$R/py-spy" ]; then export HYPERQWEN_PY_SPY=$R/py-spy; fi
 # vLLM finds the plugin through the installed package's entry point; here src/ is only on the
 # path, so the GPU tests' writer (tests/gpu_server.py) gives it pyproject.toml's entry points.
 # The kit's data folder holds SmolLM2's package (`bench smollm2`) where the kit was built with it.

@@ -26,7 +26,7 @@ from hyperqwen.bench.ab_plan import ABError, ABPlan, SideResult
 from hyperqwen.bench.client import BenchClient
 from hyperqwen.bench.copy_tasks import copy_prompts
 from hyperqwen.bench.header import server_version
-from hyperqwen.bench.host_cpu import measure_host_cpu
+from hyperqwen.bench.host_cpu import host_stack_lines, measure_host_cpu
 from hyperqwen.bench.options import DATE_FORMAT, build_plan
 from hyperqwen.bench.profile import ProfileError, load_trace, profile_one_request, summarize
 from hyperqwen.bench.quality import (
@@ -215,13 +215,15 @@ def run_side(side: str, plan: ABPlan, sharegpt_prompts: Sequence[str] | None) ->
             host_cpu = profile = None
             if plan.profile_steps:  # the host's CPU first: the profiler costs CPU of its own
                 host_cpu = measure_host_cpu(
-                    client, factory, healthy.process.pid, plan.input_len, plan.output_len
-                )
+                    client, factory, healthy.process.pid, plan.input_len, plan.output_len,
+                    stacks_out=plan.workdir / f"{side}-host-stacks.txt",
+                )  # fmt: skip
                 print(
                     f"   host CPU over {host_cpu['output_tokens']} C1 tokens: busiest process "
                     f"{host_cpu['busiest_cpu_s']:.2f} s, all {host_cpu['total_cpu_s']:.2f} s",
                     flush=True,
                 )
+                print("\n".join(host_stack_lines(host_cpu, rows)), flush=True)
                 profile = profile_side(client, factory, plan, side)
             quality = side_quality(side, plan, base, model, max_model_len) if plan.quality else None
     return SideResult(

@@ -6,11 +6,14 @@ time, the step waits on the host, and a shorter GPU step will not show in TPOT."
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import psutil
 
 from hyperqwen.bench.client import BenchClient
+from hyperqwen.bench.host_stacks import SAMPLE_RATE_HZ, parse, sampled, stack_lines, summarize
+from hyperqwen.bench.rows import Row
 from hyperqwen.bench.workload import RequestFactory, Workload
 
 HOST_CPU_REQUESTS = 4  # one after another, as the C1 row sends them
@@ -40,16 +43,37 @@ def cpu_spent(before: Mapping[int, float], after: Mapping[int, float]) -> dict[s
 
 
 def measure_host_cpu(
-    client: BenchClient, factory: RequestFactory, pid: int, input_len: int, output_len: int
-) -> dict[str, float | int]:
+    client: BenchClient,
+    factory: RequestFactory,
+    pid: int,
+    input_len: int,
+    output_len: int,
+    stacks_out: Path | None = None,
+) -> dict:
     """HOST_CPU_REQUESTS C1 requests of random tokens against the server whose process tree is
-    rooted at `pid`: the output tokens they made and the CPU seconds its processes spent."""
+    rooted at `pid`: the output tokens they made and the CPU seconds its processes spent; with
+    `stacks_out`, py-spy's samples of the tree meanwhile there (host_stacks.py) and their
+    summary under "stacks" (None, and "stacks_note" says why, where none were taken)."""
     workload = Workload("random", False, input_len, output_len)
-    before = tree_cpu_seconds(pid)
-    results, _ = client.stream_many(factory.requests(workload, HOST_CPU_REQUESTS), 1)
-    spent = cpu_spent(before, tree_cpu_seconds(pid))
+    with contextlib.ExitStack() as stack:
+        raw = stack.enter_context(sampled(pid, stacks_out)) if stacks_out else None
+        before = tree_cpu_seconds(pid)
+        results, _ = client.stream_many(factory.requests(workload, HOST_CPU_REQUESTS), 1)
+        spent = cpu_spent(before, tree_cpu_seconds(pid))
     tokens = sum(result.output_tokens for result in results)
-    return {"requests": HOST_CPU_REQUESTS, "output_tokens": tokens, **spent}
+    measured = {"requests": HOST_CPU_REQUESTS, "output_tokens": tokens, **spent}
+    if stacks_out is None:
+        return measured
+    if raw is None:
+        measured["stacks"] = None
+        measured["stacks_note"] = "no py-spy: set HYPERQWEN_PY_SPY or put it on PATH"
+    elif not raw.is_file():
+        measured["stacks"] = None
+        measured["stacks_note"] = f"py-spy wrote no samples: {raw.with_suffix('.log')}"
+    else:
+        measured["stacks_file"] = str(raw)
+        measured["stacks"] = summarize(parse(raw.read_text(encoding="utf-8")), SAMPLE_RATE_HZ)
+    return measured
 
 
 def host_cpu_rows(
@@ -67,3 +91,15 @@ def host_cpu_rows(
         "c1_host_cpu_all_processes_ms_per_step": ("ms", round(total, 3)),
         "c1_host_cpu_share_of_step": ("fraction", round(busiest / wall_ms_per_step, 3)),
     }
+
+
+def host_stack_lines(measured: Mapping, rows: Sequence[Row]) -> list[str]:
+    """Printable lines of measure_host_cpu's stacks, in ms per step by the C1 row's tokens per
+    step; none where stacks were not asked for."""
+    if "stacks" not in measured:
+        return []
+    if measured["stacks"] is None:
+        return [f"   host stacks: not sampled ({measured['stacks_note']})"]
+    c1 = [row.tokens_per_step or 1.0 for row in rows if row.data == "random" and row.C == 1]
+    steps = measured["output_tokens"] / c1[0] if c1 else None
+    return stack_lines(measured["stacks"], steps)

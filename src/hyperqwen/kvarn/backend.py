@@ -27,10 +27,11 @@ The pieces:
   prefill.prefill_attention (one launch for all of them).
 - CUDA graphs (AttentionCGSupport.UNIFORM_BATCH): vLLM captures whole decode batches, verify
   blocks included, so everything the forward reads keeps its address (the builder's
-  step_tensors.StepBuffers, written by one copy and one kernel a build) and its launch sizes (the store list padded to one entry per request with
-  skipped entries, which the store kernel reads through the slots, so padding moves no
-  bytes); a FULL graph's padded requests and vLLM's dummy batches (on its null block) plan
-  nothing, and the padded ones read nothing.
+  step_tensors.StepBuffers, written by one copy and one kernel a build) and its launch sizes
+  (the store list padded to one entry per request with skipped entries, which the store
+  kernel reads through the slots, so padding moves no bytes); a FULL graph's padded requests
+  and vLLM's dummy batches (on its null block) plan nothing, and the padded ones read
+  nothing.
   Prefills stay eager between piecewise graphs.
 
 What is not handled yet, and why:

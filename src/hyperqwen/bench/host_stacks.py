@@ -1,0 +1,156 @@
+"""Where a server's host CPU goes while it decodes: py-spy samples the server's processes
+(Python frames, every thread, without stopping them) during bench ab's host-CPU requests, and
+the samples become each busy thread's functions by share of its time.
+
+The C1 step of the single profile waits on the host (host_cpu.py: its busiest process is on a
+CPU for about the whole step), and the profiler's host rows name torch operations, not the
+Python that calls them. A sample is one thread's stack at one instant; a thread blocked in a
+wait is left out (py-spy's default), so a thread's samples over the sampling rate are its time
+on a CPU or in a native call (a CUDA launch, a copy) under that Python frame.
+
+py-spy (the test extra; on the GPU host a binary the run carries) is found as HYPERQWEN_PY_SPY,
+beside this Python or on PATH; without it nothing is sampled, and the result says so."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+SAMPLE_RATE_HZ = 250
+TOP_FUNCTIONS = 25
+BUSY_THREADS = 3
+STOP_WAIT_S = 30.0
+
+# py-spy's raw format (--subprocesses --threads): one line per distinct stack,
+#   process PID:"CMDLINE";[process PID:"CMDLINE";...]thread (TID): NAME;frame;...;frame COUNT
+# a frame "function (file:line)"
+_PROCESS = re.compile(r'process (?P<pid>\d+):".*?";(?=process \d+:|thread \()')
+_THREAD = re.compile(r"thread \((?P<tid>\w+)\)(?:: [^;]*)?(?:;|$)")
+_LINE_NUMBER = re.compile(r":\d+\)$")
+
+
+def py_spy() -> str | None:
+    """The py-spy executable: HYPERQWEN_PY_SPY, else py-spy beside this Python (a venv's
+    bin, which need not be on PATH) or on PATH, else None."""
+    named = os.environ.get("HYPERQWEN_PY_SPY")
+    if named:
+        if not os.access(named, os.X_OK):
+            raise FileNotFoundError(f"HYPERQWEN_PY_SPY={named} is not an executable file")
+        return named
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if os.access(beside, os.X_OK) else shutil.which("py-spy")
+
+
+@contextlib.contextmanager
+def sampled(pid: int, out: Path, rate_hz: int = SAMPLE_RATE_HZ) -> Iterator[Path | None]:
+    """py-spy recording the process tree rooted at `pid` into `out` (raw format) for the
+    body's duration; yields `out`, or None where py-spy is not there. The recorder is stopped
+    with SIGINT, on which py-spy writes what it sampled."""
+    executable = py_spy()
+    if executable is None:
+        yield None
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = [executable, "record", "--pid", str(pid), "--subprocesses", "--threads",
+               "--nonblocking", "--rate", str(rate_hz), "--format", "raw",
+               "--output", str(out)]  # fmt: skip
+    log = out.with_suffix(".log").open("w")
+    recorder = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield out
+    finally:
+        recorder.send_signal(signal.SIGINT)
+        try:
+            recorder.wait(timeout=STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            recorder.kill()
+            recorder.wait()
+        log.close()
+
+
+@dataclass(frozen=True)
+class Stack:
+    pid: int  # the innermost process of the line
+    thread: str  # its id
+    frames: tuple[str, ...]  # outermost first, line numbers dropped
+    count: int
+
+
+def function(frame: str) -> str:
+    """A frame without its line number: all lines of one function count together."""
+    return _LINE_NUMBER.sub(")", frame)
+
+
+def parse(raw: str) -> list[Stack]:
+    """py-spy's raw lines as stacks; a line without a thread part (not --threads) is refused."""
+    stacks = []
+    for line in raw.splitlines():
+        if not line.strip():
+            continue
+        body, _, count = line.rpartition(" ")
+        pid = None
+        while process := _PROCESS.match(body):  # a command line may hold ";"
+            pid, body = int(process["pid"]), body[process.end() :]
+        named = _THREAD.match(body)
+        thread = named["tid"] if named else None  # py-spy names a thread on some lines only
+        rest = body[named.end() :] if named else ""
+        frames = [function(part) for part in rest.split(";") if part]
+        if pid is None or thread is None:
+            raise ValueError(f"not a py-spy --subprocesses --threads raw line: {line[:120]!r}")
+        stacks.append(Stack(pid, thread, tuple(frames), int(count)))
+    return stacks
+
+
+def summarize(stacks: list[Stack], rate_hz: int, top: int = TOP_FUNCTIONS) -> dict:
+    """Per process (most sampled first), its BUSY_THREADS most sampled threads: their sampled
+    seconds, and their `top` functions by inclusive and by self share of the thread's samples
+    (a recursive function counts once per sample)."""
+    by_process: dict[int, Counter] = {}
+    for stack in stacks:
+        by_process.setdefault(stack.pid, Counter())[stack.thread] += stack.count
+    processes = []
+    for pid, threads in sorted(by_process.items(), key=lambda item: -item[1].total()):
+        busy = []
+        for thread, samples in threads.most_common(BUSY_THREADS):
+            inclusive, self_time = Counter(), Counter()
+            for stack in stacks:
+                if stack.pid != pid or stack.thread != thread:
+                    continue
+                for name in set(stack.frames):
+                    inclusive[name] += stack.count
+                self_time[stack.frames[-1] if stack.frames else "(no Python frame)"] += stack.count
+
+            def shares(counter: Counter, samples: int = samples) -> list[list]:
+                return [[name, round(n / samples, 4)] for name, n in counter.most_common(top)]
+
+            busy.append({"thread": thread, "samples": samples,
+                         "seconds": round(samples / rate_hz, 3),
+                         "inclusive": shares(inclusive), "self": shares(self_time)})  # fmt: skip
+        processes.append({"pid": pid, "samples": threads.total(), "threads": busy})
+    return {"rate_hz": rate_hz, "processes": processes}
+
+
+def stack_lines(summary: dict, steps: float | None = None, top: int = 12) -> list[str]:
+    """Printable lines of a summary: the busiest process's busiest thread and its top
+    functions by self time (the frame on top of the stack; the outer frames' inclusive shares
+    stay in the summary), by share of the thread's samples and, given the decode steps made
+    while sampling, in ms per step."""
+    if not summary.get("processes"):
+        return ["   host stacks: no samples"]
+    process = summary["processes"][0]
+    thread = process["threads"][0]
+    lines = [f"   host stacks: thread {thread['thread']} of pid {process['pid']}, "
+             f"{thread['seconds']:.2f} s sampled; self time:"]  # fmt: skip
+    for name, share in thread["self"][:top]:
+        per_step = f"  {share * thread['seconds'] * 1000 / steps:7.3f} ms/step" if steps else ""
+        lines.append(f"     {share:6.1%}{per_step}  {name[:110]}")
+    return lines
