@@ -15,7 +15,7 @@ Install HyperQwen and its pinned serving stack (vLLM 0.26.0, torch 2.11.0) into 
 environment, then apply and verify HyperQwen's vLLM patches there.
 
   VENV_DIR     virtual environment to create or update (default: $repo_root/.venv)
-  --with-test  also install the test tools (pytest, ruff, hadolint, shellcheck)
+  --with-test  also install the test tools (pytest, ruff, hadolint, shellcheck, py-spy)
   --editable   install the project in editable mode (pip install -e), so changes under src/
                take effect without reinstalling; CI uses it
   -h, --help   show this help and exit

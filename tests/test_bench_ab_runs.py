@@ -288,7 +288,9 @@ def test_stock_model_serves_the_base_on_the_stock_side_only(comparison, tmp_path
     assert "is not the model in" in error and "hidden_size 5120 vs 256" in error
 
 
-def test_profile_steps_add_gpu_time_per_step_by_kernel_category(comparison, tmp_path) -> None:
+def test_profile_steps_add_gpu_time_per_step_by_kernel_category(
+    comparison, tmp_path, capsys
+) -> None:
     argv = [*comparison, "--mode", "batch", "--cohorts", "1", "--prefill", "none"]
     out = tmp_path / "profiled.json"
     assert run_in_process("bench", *argv, "--profile-steps", "4", "--out", str(out)) == 0
@@ -318,6 +320,11 @@ def test_profile_steps_add_gpu_time_per_step_by_kernel_category(comparison, tmp_
         # py-spy (the test extra) sampled the stand-in's process tree meanwhile
         assert host["stacks"]["rate_hz"] > 0
         assert Path(host["stacks_file"]) == tmp_path / "work" / f"{side}-host-stacks.txt"
+    # and `bench hoststacks` compares them, the sampled thread's time first
+    capsys.readouterr()  # the run's own output
+    assert run_in_process("bench", "hoststacks", str(out)) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].split()[:3] == ["stock", "ms", "patched"] and printed[1].endswith("(thread)")
     # the GPU's window: the stand-in's two kernels start together, so the busy time is the
     # longer one's (overlapping ops count once) where the kernel sum adds both
     busy = by_name["step_gpu_busy_ms"]

@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from hyperqwen.bench.host_cpu import host_stack_lines
-from hyperqwen.bench.host_stacks import parse, py_spy, sampled, stack_lines, summarize
+from hyperqwen.bench.host_stacks import (
+    comparison_lines,
+    parse,
+    py_spy,
+    sampled,
+    stack_lines,
+    summarize,
+    thread_ms_per_step,
+)
 
 # vLLM's API server (pid 10) and its engine core (11), whose command line holds a ";"
 API = 'process 10:"vllm serve";'
@@ -110,3 +118,23 @@ def test_a_recorder_that_samples_nothing_or_is_not_there_is_said(tmp_path, monke
         "   host stacks: not sampled (py-spy wrote no samples: x.log)"
     ]
     assert host_stack_lines({"output_tokens": 8}, []) == []  # not asked for
+
+
+def test_two_sides_compare_by_inclusive_ms_per_step_largest_difference_first() -> None:
+    def side(build: float, launch: float) -> dict:
+        thread = {"thread": "7", "samples": 100, "seconds": 2.0,
+                  "inclusive": [["run (core.py)", 1.0], ["build (b.py)", build],
+                                ["launch (g.py)", launch]], "self": []}  # fmt: skip
+        stacks = {"rate_hz": 50, "processes": [{"pid": 1, "samples": 100, "threads": [thread]}]}
+        return {"host_cpu": {"output_tokens": 400, "stacks": stacks}}
+
+    # 400 tokens at 2 a step: 200 steps over 2 s sampled, 10 ms a step
+    stock = thread_ms_per_step(side(0.1, 0.3), tokens_per_step=2.0)
+    patched = thread_ms_per_step(side(0.4, 0.2), tokens_per_step=2.0)
+    assert stock == pytest.approx({"(thread)": 10.0, "run (core.py)": 10.0,
+                                   "build (b.py)": 1.0, "launch (g.py)": 3.0})  # fmt: skip
+    lines = comparison_lines(stock, patched, top=2)
+    names = [line.split(maxsplit=3)[3] for line in lines[1:]]
+    assert names == ["(thread)", "build (b.py)", "launch (g.py)"]  # run's is no difference
+    assert lines[2].split()[:3] == ["1.000", "4.000", "+3.000"]
+    assert thread_ms_per_step({"host_cpu": {"output_tokens": 4, "stacks": None}}, 1.0) is None

@@ -15,6 +15,7 @@ from hyperqwen.bench.copy_tasks import copy_prompts
 from hyperqwen.bench.draft_head import add_subcommand as add_draft_head_subcommand
 from hyperqwen.bench.gdn import add_subcommand as add_gdn_subcommand
 from hyperqwen.bench.header import collect_header, format_header
+from hyperqwen.bench.host_stacks import add_subcommand as add_hoststacks_subcommand
 from hyperqwen.bench.kernels import add_subcommand as add_kernels_subcommand
 from hyperqwen.bench.needle import add_subcommand as add_needle_subcommand
 from hyperqwen.bench.options import (
@@ -218,6 +219,7 @@ def add_subcommand(subparsers) -> None:
     add_sass_subcommand(actions)
     add_soak_subcommand(actions)
     add_stepmap_subcommand(actions)
+    add_hoststacks_subcommand(actions)
     add_quoting_subcommands(actions)
     add_ceiling_subcommands(actions)
     add_needle_subcommand(actions)

@@ -13,6 +13,7 @@ beside this Python or on PATH; without it nothing is sampled, and the result say
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -25,8 +26,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from hyperqwen.bench.results import ResultFileError, load_result
+
 SAMPLE_RATE_HZ = 250
-TOP_FUNCTIONS = 25
+TOP_FUNCTIONS = 60
 BUSY_THREADS = 3
 STOP_WAIT_S = 30.0
 
@@ -154,3 +157,72 @@ def stack_lines(summary: dict, steps: float | None = None, top: int = 12) -> lis
         per_step = f"  {share * thread['seconds'] * 1000 / steps:7.3f} ms/step" if steps else ""
         lines.append(f"     {share:6.1%}{per_step}  {name[:110]}")
     return lines
+
+
+def thread_ms_per_step(side: dict, tokens_per_step: float | None) -> dict[str, float] | None:
+    """A `bench ab` side's busiest thread, in ms per decode step: its functions' inclusive time
+    and, under "(thread)", the thread's whole sampled time; None without stacks."""
+    host = side.get("host_cpu") or {}
+    stacks = host.get("stacks")
+    if not stacks or not stacks["processes"] or not host.get("output_tokens"):
+        return None
+    thread = stacks["processes"][0]["threads"][0]
+    per_step = thread["seconds"] * 1000 / (host["output_tokens"] / (tokens_per_step or 1.0))
+    functions = {name: share * per_step for name, share in thread["inclusive"]}
+    return {"(thread)": per_step, **functions}
+
+
+def comparison_lines(stock: dict[str, float], patched: dict[str, float], top: int) -> list[str]:
+    """The thread's time, then the `top` functions whose inclusive ms per step differ most
+    between the sides (a function outside one side's list counts 0 there: below its top)."""
+
+    def difference(name: str) -> float:
+        return abs(patched.get(name, 0.0) - stock.get(name, 0.0))
+
+    names = sorted((set(stock) | set(patched)) - {"(thread)"}, key=difference, reverse=True)
+    lines = [f"{'stock ms':>9} {'patched':>9} {'diff':>8}  function (inclusive, per step)"]
+    for name in ["(thread)", *names[:top]]:
+        old, new = stock.get(name, 0.0), patched.get(name, 0.0)
+        lines.append(f"{old:9.3f} {new:9.3f} {new - old:+8.3f}  {name[:100]}")
+    return lines
+
+
+def cmd_hoststacks(args: argparse.Namespace) -> int:
+    try:
+        document, rows = load_result(Path(args.result))
+    except ResultFileError as error:
+        print(f"bench hoststacks: {error}", file=sys.stderr)
+        return 2
+    tokens = {row.name: row for row in rows}.get("c1_tokens_per_step")
+    sides = {}
+    for side in ("stock", "patched"):
+        per_step = getattr(tokens, side) if tokens else None
+        sides[side] = thread_ms_per_step(document.get(side) or {}, per_step)
+    missing = [side for side, stacks in sides.items() if stacks is None]
+    if missing:
+        sides_missing = " and ".join(missing)
+        why = "bench ab --profile-steps with py-spy: bench/README.md"
+        print(f"bench hoststacks: {args.result} has no host stacks for {sides_missing} ({why})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    print("\n".join(comparison_lines(sides["stock"], sides["patched"], args.top)))
+    return 0
+
+
+def add_subcommand(actions) -> None:
+    parser = actions.add_parser(
+        "hoststacks",
+        help="where each side's host CPU goes, function by function (py-spy's stacks)",
+        description=(
+            "Compare the host stacks of a `bench ab` result (recorded with --profile-steps "
+            "where py-spy is found): the busiest thread of each side's busiest process, its "
+            "functions' inclusive time in ms per decode step (the C1 row's tokens per step), "
+            "the functions that differ most first.\n\nExample:\n  hyperqwen bench "
+            "hoststacks /tmp/hq/depth/v2.json --top 30\n\nExit codes: 0 printed, 2 no result "
+            "or no stacks in it."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("result", metavar="RESULT.json", help="a `bench ab` result")
+    parser.add_argument("--top", type=int, default=25, help="functions to list (default 25)")
+    parser.set_defaults(func=cmd_hoststacks)

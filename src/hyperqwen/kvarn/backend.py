@@ -82,6 +82,7 @@ from hyperqwen.kvarn.prefill_dequant import (
     prefill_by_dequantization,
 )
 from hyperqwen.kvarn.quantize import TILE_TOKENS
+from hyperqwen.kvarn.side_write import write_side_rows
 from hyperqwen.kvarn.sizing import serving_side_slots
 from hyperqwen.kvarn.slots import RequestStep, SlotAllocator
 from hyperqwen.kvarn.step_tensors import StepBuffers, write_step_tensors
@@ -472,9 +473,8 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
         q = query[:n].reshape(n, heads, d)
         out = output[:n].view(n, heads, d)
         side = self._side_cache(attn_metadata.num_slots, q.dtype, q.device)
-        rows = attn_metadata.side_rows[:n]
-        side.key[rows] = key[:n].reshape(n, kv_heads, d).to(q.dtype)
-        side.value[rows] = value[:n].reshape(n, kv_heads, d).to(q.dtype)
+        new_k, new_v = key[:n].reshape(n, kv_heads, d), value[:n].reshape(n, kv_heads, d)
+        write_side_rows(side.key, side.value, attn_metadata.side_rows[:n], new_k, new_v)
         side_k, side_v = side.tiles(side.key), side.tiles(side.value)
         block_table, slot_of_block = attn_metadata.block_table, attn_metadata.slot_of_block
 
