@@ -38,6 +38,9 @@ step ttft-machete env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \
   'CTX=huge KV=fp8 LINEAR_BACKEND=auto'
 step tables python3 -m hyperqwen.cli bench table "$R"/depth240/v1.json "$R"/short/v1.json \
   "$R"/short/v2.json --labels fp8-240,fp8,kvarn --rows 'depth*' 'c1_*' 'step_*'
+# where the host's step goes, stock against each cache (py-spy's stacks, bench/README.md)
+step hoststacks-fp8 python3 -m hyperqwen.cli bench hoststacks "$R"/short/v1.json --top 40
+step hoststacks-kvarn python3 -m hyperqwen.cli bench hoststacks "$R"/short/v2.json --top 40
 step capacity-fp8 python3 -m hyperqwen.cli bench capacity --kv fp8 \
   --stock-vllm "$HYPERQWEN_STOCK_VLLM" --patched-vllm "$HYPERQWEN_PATCHED_VLLM" \
   --work /tmp/capacity-work --out "$P/capacity-fp8.json"

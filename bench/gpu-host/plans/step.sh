@@ -41,6 +41,10 @@ step host env AB_KV_MEM=4G AB_STOCK_ARGS="$stock_length" AB_STOCK_HALF="$R/feat/
   bash bench/gpu-host/ab_together.sh host "$c1" 'LOOKUP=0' 'MODEL_RUNNER=v2' ''
 step tables python3 -m hyperqwen.cli bench table "$R"/feat/v1.json "$R"/feat/v2.json \
   "$R"/host/v1.json "$R"/host/v2.json "$R"/host/v3.json --labels lookup0,knobs,twin,v2,defaults
+# where each side's host CPU goes, function by function (py-spy's stacks, bench/README.md):
+# stock against LOOKUP=0 and against the profile's defaults (quoting on)
+step hoststacks-feat python3 -m hyperqwen.cli bench hoststacks "$R"/feat/v1.json --top 40
+step hoststacks-defaults python3 -m hyperqwen.cli bench hoststacks "$R"/host/v3.json --top 40
 step stepmaps-feat stepmaps feat
 step stepmaps-host stepmaps host
 step step-knobs-test python3 -m pytest -m gpu -x tests/test_step_knobs_gpu.py
