@@ -43,6 +43,7 @@ def test_rows_land_where_an_indexed_assignment_puts_them(kv_heads, d, dtype) -> 
     assert any(torch.equal(side_key[-1], key[i]) for i in (n - 2, n - 1))
 
 
+@pytest.mark.usefixtures("interpreted")
 def test_shapes_the_kernel_does_not_take_are_refused() -> None:
     side = torch.zeros(10, 2, 64)
     rows = torch.arange(3)
@@ -55,3 +56,6 @@ def test_shapes_the_kernel_does_not_take_are_refused() -> None:
         write_side_rows(side, side, rows, torch.zeros(3, 64, 2).transpose(1, 2), key)
     with pytest.raises(ValueError, match="rows must be int64"):
         write_side_rows(side, side, rows.int(), key, key)
+    # one KV head: its stride is no matter (PyTorch may give a size-1 dimension any)
+    one_head = torch.zeros(3, 64).as_strided((3, 1, 64), (64, 1, 1))
+    write_side_rows(torch.zeros(10, 1, 64), torch.zeros(10, 1, 64), rows, one_head, one_head)

@@ -28,7 +28,8 @@ def write_side_rows(side_key: torch.Tensor, side_value: torch.Tensor, rows: torc
             f"{list(side_key.shape)} and {list(side_value.shape)}"
         )
     for name, tensor in (("key", key), ("value", value)):
-        if tensor.stride(2) != 1 or tensor.stride(1) != tensor.shape[2]:
+        heads_apart = tensor.shape[1] == 1 or tensor.stride(1) == tensor.shape[2]
+        if tensor.stride(2) != 1 or not heads_apart:
             raise ValueError(f"{name} must be contiguous within a row; stride {tensor.stride()}")
     if not (side_key.is_contiguous() and side_value.is_contiguous()):
         raise ValueError("the side cache's K and V must be contiguous")
