@@ -21,7 +21,16 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hyperqwen.kvarn import decode, dequant, hadamard, prefill, quantize, store
+from hyperqwen.kvarn import (
+    decode,
+    dequant,
+    hadamard,
+    prefill,
+    quantize,
+    side_write,
+    step_tensors,
+    store,
+)
 from hyperqwen.kvarn.layout import HEAD_DIM_27B, TileLayout
 
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -96,6 +105,35 @@ def _launches(d: int) -> dict:
             prefill_constants,
             prefill.PREFILL_WARPS,
             1,
+        ),
+        "step_tensors": (
+            step_tensors._step_tensors_kernel,
+            {
+                "staged_ptr": "*i32",
+                "mapping_ptr": "*i64",
+                "seq_lens_ptr": "*i32",
+                "query_start_ptr": "*i32",
+                "slot_of_block_ptr": "*i32",
+                "side_rows_ptr": "*i64",
+                "store_blocks_ptr": "*i64",
+                "store_slots_ptr": "*i64",
+            },
+            dict(T=layout.tokens, BLOCK=step_tensors.STEP_BLOCK),
+            4,
+            3,
+        ),
+        "side_write": (
+            side_write._side_write_kernel,
+            {
+                "key_ptr": "*bf16",
+                "value_ptr": "*bf16",
+                "rows_ptr": "*i64",
+                "side_k_ptr": "*bf16",
+                "side_v_ptr": "*bf16",
+            },
+            dict(WIDTH=4 * d, BLOCK=4 * d),  # the 27B's 4 KV heads
+            4,
+            3,
         ),
     }
 

@@ -101,7 +101,10 @@ def write_step_tensors(buffers: StepBuffers, plan, mapping: torch.Tensor,
     return buffers.slot_of_block, side_rows, store_blocks, store_slots
 
 
-@triton.jit
+# the sizes change from build to build (a prefill chunk's tokens, the candidates): one
+# compiled kernel for all, not a variant per value Triton would specialize on (1, multiples
+# of 16) compiled while serving
+@triton.jit(do_not_specialize=["num_blocks", "num_tokens", "stores", "padding_row"])
 def _step_tensors_kernel(staged_ptr, mapping_ptr, seq_lens_ptr, query_start_ptr,
                          slot_of_block_ptr, side_rows_ptr, store_blocks_ptr, store_slots_ptr,
                          num_blocks, num_tokens, stores, padding_row,
