@@ -12,7 +12,14 @@ from pathlib import Path
 import psutil
 
 from hyperqwen.bench.client import BenchClient
-from hyperqwen.bench.host_stacks import SAMPLE_RATE_HZ, parse, sampled, stack_lines, summarize
+from hyperqwen.bench.host_stacks import (
+    SAMPLE_RATE_HZ,
+    parse,
+    sampled,
+    stack_lines,
+    steps_sampled,
+    summarize,
+)
 from hyperqwen.bench.rows import Row
 from hyperqwen.bench.workload import RequestFactory, Workload
 
@@ -100,6 +107,6 @@ def host_stack_lines(measured: Mapping, rows: Sequence[Row]) -> list[str]:
         return []
     if measured["stacks"] is None:
         return [f"   host stacks: not sampled ({measured['stacks_note']})"]
-    c1 = [row.tokens_per_step or 1.0 for row in rows if row.data == "random" and row.C == 1]
-    steps = measured["output_tokens"] / c1[0] if c1 else None
+    c1 = [row.tokens_per_step for row in rows if row.data == "random" and row.C == 1]
+    steps = steps_sampled(measured["output_tokens"], c1[0]) if c1 else None
     return stack_lines(measured["stacks"], steps)

@@ -117,17 +117,18 @@ def summarize(stacks: list[Stack], rate_hz: int, top: int = TOP_FUNCTIONS) -> di
     """Per process (most sampled first), its BUSY_THREADS most sampled threads: their sampled
     seconds, and their `top` functions by inclusive and by self share of the thread's samples
     (a recursive function counts once per sample)."""
-    by_process: dict[int, Counter] = {}
+    by_thread: dict[tuple[int, str], list[Stack]] = {}
     for stack in stacks:
-        by_process.setdefault(stack.pid, Counter())[stack.thread] += stack.count
+        by_thread.setdefault((stack.pid, stack.thread), []).append(stack)
+    by_process: dict[int, Counter] = {}
+    for (pid, thread), lines in by_thread.items():
+        by_process.setdefault(pid, Counter())[thread] = sum(stack.count for stack in lines)
     processes = []
     for pid, threads in sorted(by_process.items(), key=lambda item: -item[1].total()):
         busy = []
         for thread, samples in threads.most_common(BUSY_THREADS):
             inclusive, self_time = Counter(), Counter()
-            for stack in stacks:
-                if stack.pid != pid or stack.thread != thread:
-                    continue
+            for stack in by_thread[pid, thread]:
                 for name in set(stack.frames):
                     inclusive[name] += stack.count
                 self_time[stack.frames[-1] if stack.frames else "(no Python frame)"] += stack.count
@@ -140,6 +141,12 @@ def summarize(stacks: list[Stack], rate_hz: int, top: int = TOP_FUNCTIONS) -> di
                          "inclusive": shares(inclusive), "self": shares(self_time)})  # fmt: skip
         processes.append({"pid": pid, "samples": threads.total(), "threads": busy})
     return {"rate_hz": rate_hz, "processes": processes}
+
+
+def steps_sampled(output_tokens: int, tokens_per_step: float | None) -> float:
+    """The decode steps that made `output_tokens` (one token a step without a C1 row's
+    tokens per step, as host_cpu.host_cpu_rows counts them)."""
+    return output_tokens / (tokens_per_step or 1.0)
 
 
 def stack_lines(summary: dict, steps: float | None = None, top: int = 12) -> list[str]:
@@ -159,31 +166,35 @@ def stack_lines(summary: dict, steps: float | None = None, top: int = 12) -> lis
     return lines
 
 
-def thread_ms_per_step(side: dict, tokens_per_step: float | None) -> dict[str, float] | None:
-    """A `bench ab` side's busiest thread, in ms per decode step: its functions' inclusive time
-    and, under "(thread)", the thread's whole sampled time; None without stacks."""
+def thread_ms_per_step(
+    side: dict, tokens_per_step: float | None
+) -> tuple[float, dict[str, float]] | None:
+    """A `bench ab` side's busiest thread in ms per decode step: its whole sampled time and
+    its functions' inclusive time; None without stacks."""
     host = side.get("host_cpu") or {}
     stacks = host.get("stacks")
     if not stacks or not stacks["processes"] or not host.get("output_tokens"):
         return None
     thread = stacks["processes"][0]["threads"][0]
-    per_step = thread["seconds"] * 1000 / (host["output_tokens"] / (tokens_per_step or 1.0))
-    functions = {name: share * per_step for name, share in thread["inclusive"]}
-    return {"(thread)": per_step, **functions}
+    per_step = thread["seconds"] * 1000 / steps_sampled(host["output_tokens"], tokens_per_step)
+    return per_step, {name: share * per_step for name, share in thread["inclusive"]}
 
 
-def comparison_lines(stock: dict[str, float], patched: dict[str, float], top: int) -> list[str]:
+def comparison_lines(stock: tuple[float, dict[str, float]],
+                     patched: tuple[float, dict[str, float]], top: int) -> list[str]:  # fmt: skip
     """The thread's time, then the `top` functions whose inclusive ms per step differ most
     between the sides (a function outside one side's list counts 0 there: below its top)."""
+    (stock_ms, old), (patched_ms, new) = stock, patched
 
     def difference(name: str) -> float:
-        return abs(patched.get(name, 0.0) - stock.get(name, 0.0))
+        return abs(new.get(name, 0.0) - old.get(name, 0.0))
 
-    names = sorted((set(stock) | set(patched)) - {"(thread)"}, key=difference, reverse=True)
+    names = sorted(set(old) | set(new), key=difference, reverse=True)[:top]
+    rows = [("(thread)", stock_ms, patched_ms)]
+    rows += [(name, old.get(name, 0.0), new.get(name, 0.0)) for name in names]
     lines = [f"{'stock ms':>9} {'patched':>9} {'diff':>8}  function (inclusive, per step)"]
-    for name in ["(thread)", *names[:top]]:
-        old, new = stock.get(name, 0.0), patched.get(name, 0.0)
-        lines.append(f"{old:9.3f} {new:9.3f} {new - old:+8.3f}  {name[:100]}")
+    for name, before, after in rows:
+        lines.append(f"{before:9.3f} {after:9.3f} {after - before:+8.3f}  {name[:100]}")
     return lines
 
 
