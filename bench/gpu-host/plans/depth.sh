@@ -21,14 +21,17 @@ step kvarn-graph python3 -m pytest -m gpu tests/test_kvarn_gpu.py \
   -k 'cuda_graph or queued or decode_at_27b'
 deep='--mode single --cohorts 1 --rounds 4 --prefill none --output-len 256 --temperature 0
   --seed 0 --synthetic-acceptance 0.77,0.55,0.4'
-step depth240 env AB_KV_MEM=9G \
-  AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 250000 --max-num-seqs 1' \
-  bash bench/gpu-host/ab_together.sh depth240 "$deep --depths 131072,245760 --prefill-requests 1" \
-  'CTX=huge KV=fp8'
 step short env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \
   AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 120000 --max-num-seqs 1' \
   bash bench/gpu-host/ab_together.sh short "$deep --profile-steps 32" \
   'CTX=huge KV=fp8' 'CTX=huge KV=kvarn'
+# where the host's step goes, stock against each cache (py-spy's stacks, bench/README.md)
+step hoststacks-fp8 python3 -m hyperqwen.cli bench hoststacks "$R"/short/v1.json --top 40
+step hoststacks-kvarn python3 -m hyperqwen.cli bench hoststacks "$R"/short/v2.json --top 40
+step depth240 env AB_KV_MEM=9G \
+  AB_STOCK_ARGS='--kv-cache-dtype fp8 --max-model-len 250000 --max-num-seqs 1' \
+  bash bench/gpu-host/ab_together.sh depth240 "$deep --depths 131072,245760 --prefill-requests 1" \
+  'CTX=huge KV=fp8'
 # What of own fp8's cold TTFT above stock's (1.6x at 32k and 112k on 2026-12-06) is the int4
 # GEMMs: the single profile runs Marlin, Hopper's stock Machete; this variant takes vLLM's
 # choice (the rest would be CTX=huge's 4,096-token chunks against stock's 8,192)
@@ -38,9 +41,6 @@ step ttft-machete env AB_KV_MEM=5G AB_GPU_UTIL=0.31 \
   'CTX=huge KV=fp8 LINEAR_BACKEND=auto'
 step tables python3 -m hyperqwen.cli bench table "$R"/depth240/v1.json "$R"/short/v1.json \
   "$R"/short/v2.json --labels fp8-240,fp8,kvarn --rows 'depth*' 'c1_*' 'step_*'
-# where the host's step goes, stock against each cache (py-spy's stacks, bench/README.md)
-step hoststacks-fp8 python3 -m hyperqwen.cli bench hoststacks "$R"/short/v1.json --top 40
-step hoststacks-kvarn python3 -m hyperqwen.cli bench hoststacks "$R"/short/v2.json --top 40
 step capacity-fp8 python3 -m hyperqwen.cli bench capacity --kv fp8 \
   --stock-vllm "$HYPERQWEN_STOCK_VLLM" --patched-vllm "$HYPERQWEN_PATCHED_VLLM" \
   --work /tmp/capacity-work --out "$P/capacity-fp8.json"
