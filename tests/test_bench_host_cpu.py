@@ -56,5 +56,19 @@ def test_per_step_figures_scale_by_tokens_per_step() -> None:
     assert host_cpu_rows({**measured, "output_tokens": 0}, 2.5, 12.5) == {}
 
 
+def test_with_stacks_the_wait_for_the_gpu_is_left_out_of_host_work() -> None:
+    runner = "GPUModelRunner._get_valid_sampled_token_count (vllm/v1/worker/gpu_model_runner.py)"
+    thread = {"thread": "7", "samples": 50, "seconds": 0.5,
+              "inclusive": [], "self": [[runner, 0.4], ["launch (g.py)", 0.6]]}  # fmt: skip
+    stacks = {"rate_hz": 100, "processes": [{"pid": 1, "samples": 50, "threads": [thread]}]}
+    measured = {"output_tokens": 100, "busiest_cpu_s": 0.5, "total_cpu_s": 0.8, "stacks": stacks}
+    rows = host_cpu_rows(measured, tokens_per_step=2.5, wall_ms_per_step=12.5)
+    # 40 steps: 12.5 ms of CPU a step, 40 % of the thread's 0.5 s waiting (5 ms a step)
+    assert rows["c1_host_gpu_wait_ms_per_step"] == ("ms", 5.0)
+    assert rows["c1_host_work_ms_per_step"] == ("ms", 7.5)
+    assert rows["c1_host_work_share_of_step"] == ("fraction", 0.6)
+    assert "c1_host_work_ms_per_step" not in host_cpu_rows({**measured, "stacks": None}, 2.5, 12.5)
+
+
 def test_a_process_that_is_not_there_reads_as_nothing() -> None:
     assert tree_cpu_seconds(0x7FFFFFF0) == {}  # above any pid_max Linux allows

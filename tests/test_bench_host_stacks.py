@@ -15,6 +15,7 @@ import pytest
 from hyperqwen.bench.host_cpu import host_stack_lines
 from hyperqwen.bench.host_stacks import (
     comparison_lines,
+    gpu_wait_share,
     parse,
     py_spy,
     sampled,
@@ -131,11 +132,35 @@ def test_two_sides_compare_by_inclusive_ms_per_step_largest_difference_first() -
     # 400 tokens at 2 a step: 200 steps over 2 s sampled, 10 ms a step
     stock = thread_ms_per_step(side(0.1, 0.3), tokens_per_step=2.0)
     patched = thread_ms_per_step(side(0.4, 0.2), tokens_per_step=2.0)
-    assert stock[0] == pytest.approx(10.0)
-    assert stock[1] == pytest.approx({"run (core.py)": 10.0, "build (b.py)": 1.0,
+    assert (stock.ms, stock.gpu_wait_ms) == pytest.approx((10.0, 0.0))
+    assert stock.functions == pytest.approx({"run (core.py)": 10.0, "build (b.py)": 1.0,
                                       "launch (g.py)": 3.0})  # fmt: skip
     lines = comparison_lines(stock, patched, top=2)
     names = [line.split(maxsplit=3)[3] for line in lines[1:]]
-    assert names == ["(thread)", "build (b.py)", "launch (g.py)"]  # run's is no difference
-    assert lines[2].split()[:3] == ["1.000", "4.000", "+3.000"]
+    assert names == ["(thread)", "(waiting for the GPU)", "(host work)", "build (b.py)",
+                     "launch (g.py)"]  # run's is no difference  # fmt: skip
+    assert lines[4].split()[:3] == ["1.000", "4.000", "+3.000"]
     assert thread_ms_per_step({"host_cpu": {"output_tokens": 4, "stacks": None}}, 1.0) is None
+
+
+def test_a_threads_wait_for_the_gpu_is_its_own_time_in_a_synchronize() -> None:
+    runner = "GPUModelRunner._get_valid_sampled_token_count (vllm/v1/worker/gpu_model_runner.py"
+    raw = "\n".join([
+        CORE + f"thread (0x7);step (core.py:20);{runner}:4966) 5",
+        CORE + "thread (0x7);step (core.py:20);get_output (runner.py:3);"
+        "Event.synchronize (torch/cuda/streams.py:231) 2",
+        # a wait function lower in the stack is not a wait: its callee was sampled
+        CORE + f"thread (0x7);step (core.py:20);{runner}:4967);tolist (tensor.py:1) 1",
+        CORE + "thread (0x7);step (core.py:21);launch (graph.py:5) 12",
+    ])  # fmt: skip
+    thread = summarize(parse(raw), rate_hz=100)["processes"][0]["threads"][0]
+    assert gpu_wait_share(thread) == pytest.approx(7 / 20)
+    assert (
+        "0.20 s sampled, 35.0% of it waiting for the GPU"
+        in stack_lines({"processes": [{"pid": 11, "threads": [thread]}]})[0]
+    )
+    side = {"host_cpu": {"output_tokens": 10, "stacks": {"processes": [{"threads": [thread]}]}}}
+    host = thread_ms_per_step(side, tokens_per_step=2.0)  # 5 steps over 0.2 s: 40 ms a step
+    assert (host.ms, host.gpu_wait_ms) == pytest.approx((40.0, 14.0))
+    lines = comparison_lines(host, host, top=1)
+    assert lines[2].split()[:2] == ["14.000", "14.000"] and lines[3].split()[:2] == ["26.000"] * 2

@@ -1,7 +1,10 @@
 """A server's host CPU per decode step: the processor time each of its processes spends while
-it decodes a few unprofiled C1 requests. When the busiest process (vLLM's engine core, which
-schedules, prepares inputs and launches the step) is on a CPU for about a whole step's wall
-time, the step waits on the host, and a shorter GPU step will not show in TPOT."""
+it decodes a few unprofiled C1 requests. The busiest process (vLLM's engine core, which
+schedules, prepares inputs and launches the step) also spins on a CPU while it waits for the
+GPU (a CUDA synchronize), so its CPU time is about a whole step's wall time either way; with
+py-spy's stacks (host_stacks.py) that wait is measured and left out: when the rest, the host
+work, is about a step's wall time, the step waits on the host and a shorter GPU step will not
+show in TPOT."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import psutil
 from hyperqwen.bench.client import BenchClient
 from hyperqwen.bench.host_stacks import (
     SAMPLE_RATE_HZ,
+    gpu_wait_share,
     parse,
     sampled,
     stack_lines,
@@ -84,20 +88,31 @@ def measure_host_cpu(
 
 
 def host_cpu_rows(
-    measured: Mapping[str, float | int], tokens_per_step: float | None, wall_ms_per_step: float
+    measured: Mapping, tokens_per_step: float | None, wall_ms_per_step: float
 ) -> dict[str, tuple[str, float | None]]:
     """bench ab figures: CPU ms per decode step of the busiest process and of all of them, and
-    the busiest one's share of the step's wall time (near 1: the step waits on the host)."""
+    the busiest one's share of the step's wall time; with stacks, the busiest thread's wait for
+    the GPU in ms per step, and the busiest process's CPU time without it (host work) in ms and
+    as a share of the step (near 1: the step waits on the host)."""
     tokens = measured["output_tokens"]
     if not tokens:
         return {}
     per_step = (tokens_per_step or 1.0) / tokens * 1000
     busiest, total = measured["busiest_cpu_s"] * per_step, measured["total_cpu_s"] * per_step
-    return {
+    rows = {
         "c1_host_cpu_ms_per_step": ("ms", round(busiest, 3)),
         "c1_host_cpu_all_processes_ms_per_step": ("ms", round(total, 3)),
         "c1_host_cpu_share_of_step": ("fraction", round(busiest / wall_ms_per_step, 3)),
     }
+    stacks = measured.get("stacks")
+    if stacks and stacks["processes"]:
+        thread = stacks["processes"][0]["threads"][0]
+        waiting = gpu_wait_share(thread) * thread["seconds"] * per_step
+        work = busiest - waiting
+        rows["c1_host_gpu_wait_ms_per_step"] = ("ms", round(waiting, 3))
+        rows["c1_host_work_ms_per_step"] = ("ms", round(work, 3))
+        rows["c1_host_work_share_of_step"] = ("fraction", round(work / wall_ms_per_step, 3))
+    return rows
 
 
 def host_stack_lines(measured: Mapping, rows: Sequence[Row]) -> list[str]:

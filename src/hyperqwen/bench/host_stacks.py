@@ -2,11 +2,13 @@
 (Python frames, every thread, without stopping them) during bench ab's host-CPU requests, and
 the samples become each busy thread's functions by share of its time.
 
-The C1 step of the single profile waits on the host (host_cpu.py: its busiest process is on a
-CPU for about the whole step), and the profiler's host rows name torch operations, not the
-Python that calls them. A sample is one thread's stack at one instant; a thread blocked in a
-wait is left out (py-spy's default), so a thread's samples over the sampling rate are its time
-on a CPU or in a native call (a CUDA launch, a copy) under that Python frame.
+The profiler's host rows name torch operations, not the Python that calls them. A sample is one
+thread's stack at one instant; a thread blocked in a system call is left out (py-spy's
+default), so a thread's samples over the sampling rate are its time on a CPU or in a native
+call (a CUDA launch, a copy) under that Python frame. A CUDA synchronize spins on a CPU by
+default, so a thread that waits for the GPU is sampled while it waits: the time whose innermost
+frame is one of GPU_WAITS is that wait, and a step's host work is the thread's time without
+it.
 
 py-spy (the test extra; on the GPU host a binary the run carries) is found as HYPERQWEN_PY_SPY,
 beside this Python or on PATH; without it nothing is sampled, and the result says so."""
@@ -32,6 +34,15 @@ SAMPLE_RATE_HZ = 250
 TOP_FUNCTIONS = 60
 BUSY_THREADS = 3
 STOP_WAIT_S = 30.0
+# Python functions whose own time (innermost frame) is a wait for the GPU: vLLM 0.26's V1 runner
+# waits on an event for the previous step's accepted-token counts before it schedules (MTP
+# steps), and torch's event, stream and device synchronize under anything else.
+GPU_WAITS = frozenset({
+    "GPUModelRunner._get_valid_sampled_token_count (vllm/v1/worker/gpu_model_runner.py)",
+    "Event.synchronize (torch/cuda/streams.py)",
+    "Stream.synchronize (torch/cuda/streams.py)",
+    "synchronize (torch/cuda/__init__.py)",
+})  # fmt: skip
 
 # py-spy's raw format (--subprocesses --threads): one line per distinct stack,
 #   process PID:"CMDLINE";[process PID:"CMDLINE";...]thread (TID): NAME;frame;...;frame COUNT
@@ -143,6 +154,12 @@ def summarize(stacks: list[Stack], rate_hz: int, top: int = TOP_FUNCTIONS) -> di
     return {"rate_hz": rate_hz, "processes": processes}
 
 
+def gpu_wait_share(thread: dict) -> float:
+    """The share of a summarized thread's samples spent waiting for the GPU: its functions'
+    self shares in GPU_WAITS."""
+    return sum(share for name, share in thread["self"] if name in GPU_WAITS)
+
+
 def steps_sampled(output_tokens: int, tokens_per_step: float | None) -> float:
     """The decode steps that made `output_tokens` (one token a step without a C1 row's
     tokens per step, as host_cpu.host_cpu_rows counts them)."""
@@ -158,39 +175,52 @@ def stack_lines(summary: dict, steps: float | None = None, top: int = 12) -> lis
         return ["   host stacks: no samples"]
     process = summary["processes"][0]
     thread = process["threads"][0]
+    wait = gpu_wait_share(thread)
     lines = [f"   host stacks: thread {thread['thread']} of pid {process['pid']}, "
-             f"{thread['seconds']:.2f} s sampled; self time:"]  # fmt: skip
+             f"{thread['seconds']:.2f} s sampled, {wait:.1%} of it waiting for the GPU; "
+             "self time:"]  # fmt: skip
     for name, share in thread["self"][:top]:
         per_step = f"  {share * thread['seconds'] * 1000 / steps:7.3f} ms/step" if steps else ""
         lines.append(f"     {share:6.1%}{per_step}  {name[:110]}")
     return lines
 
 
-def thread_ms_per_step(
-    side: dict, tokens_per_step: float | None
-) -> tuple[float, dict[str, float]] | None:
-    """A `bench ab` side's busiest thread in ms per decode step: its whole sampled time and
-    its functions' inclusive time; None without stacks."""
+@dataclass(frozen=True)
+class HostThread:
+    """A side's busiest thread in ms per decode step."""
+
+    ms: float  # its whole sampled time
+    gpu_wait_ms: float  # of it, waiting for the GPU
+    functions: dict[str, float]  # each function's inclusive time
+
+
+def thread_ms_per_step(side: dict, tokens_per_step: float | None) -> HostThread | None:
+    """A `bench ab` side's busiest thread in ms per decode step; None without stacks."""
     host = side.get("host_cpu") or {}
     stacks = host.get("stacks")
     if not stacks or not stacks["processes"] or not host.get("output_tokens"):
         return None
     thread = stacks["processes"][0]["threads"][0]
     per_step = thread["seconds"] * 1000 / steps_sampled(host["output_tokens"], tokens_per_step)
-    return per_step, {name: share * per_step for name, share in thread["inclusive"]}
+    functions = {name: share * per_step for name, share in thread["inclusive"]}
+    return HostThread(per_step, gpu_wait_share(thread) * per_step, functions)
 
 
-def comparison_lines(stock: tuple[float, dict[str, float]],
-                     patched: tuple[float, dict[str, float]], top: int) -> list[str]:  # fmt: skip
-    """The thread's time, then the `top` functions whose inclusive ms per step differ most
-    between the sides (a function outside one side's list counts 0 there: below its top)."""
-    (stock_ms, old), (patched_ms, new) = stock, patched
+def comparison_lines(stock: HostThread, patched: HostThread, top: int) -> list[str]:
+    """The thread's time, its wait for the GPU and the rest (host work), then the `top`
+    functions whose inclusive ms per step differ most between the sides (a function outside
+    one side's list counts 0 there: below its top)."""
+    old, new = stock.functions, patched.functions
 
     def difference(name: str) -> float:
         return abs(new.get(name, 0.0) - old.get(name, 0.0))
 
     names = sorted(set(old) | set(new), key=difference, reverse=True)[:top]
-    rows = [("(thread)", stock_ms, patched_ms)]
+    rows = [
+        ("(thread)", stock.ms, patched.ms),
+        ("(waiting for the GPU)", stock.gpu_wait_ms, patched.gpu_wait_ms),
+        ("(host work)", stock.ms - stock.gpu_wait_ms, patched.ms - patched.gpu_wait_ms),
+    ]
     rows += [(name, old.get(name, 0.0), new.get(name, 0.0)) for name in names]
     lines = [f"{'stock ms':>9} {'patched':>9} {'diff':>8}  function (inclusive, per step)"]
     for name, before, after in rows:
