@@ -87,17 +87,19 @@ def test_a_4_gib_pool_by_hand():
     # Each request keeps, in each GDN group, the running state, the last cached one (align
     # mode) and one per draft token: 3 groups x 5 = 15 blocks.
     assert layout.state_blocks_per_slot == 5
+    # While it prefills, each GDN group also holds the state of the chunk in flight: 18 blocks.
+    assert layout.peak_state_blocks_per_slot == 6
     capacity = Capacity(layout, 4 * GiB)
     # 4 GiB / 55,705,600 = 77.1 -> 77 blocks, one of them vLLM's null block.
     assert (capacity.blocks, capacity.usable_blocks) == (77, 76)
-    # One slot: 76 - 15 = 61 attention blocks x 1600 = 97,600 tokens.
-    assert capacity.max_len(1) == (76 - 15) * 1600 == 97_600
-    assert capacity.fits(97_600, 1) and not capacity.fits(97_601, 1)
-    # vLLM's log at that length: 77 blocks / (61 + 15) per request = 1.013x; x 97,600 tokens.
-    assert capacity.vllm_concurrency(97_600) == 77 / 76
-    assert capacity.vllm_tokens(97_600) == int(77 / 76 * 97_600) == 98_884
-    # Two slots: 76 // 2 = 38 blocks each, 38 - 15 = 23 for attention.
-    assert capacity.max_len(2) == 23 * 1600 == 36_800
+    # One slot: 76 - 18 = 58 attention blocks x 1600 = 92,800 tokens.
+    assert capacity.max_len(1) == (76 - 18) * 1600 == 92_800
+    assert capacity.fits(92_800, 1) and not capacity.fits(92_801, 1)
+    # vLLM's log at that length counts 15 state blocks: 77 blocks / (58 + 15) per request.
+    assert capacity.vllm_concurrency(92_800) == 77 / 73
+    assert capacity.vllm_tokens(92_800) == int(77 / 73 * 92_800) == 97_884
+    # Two slots: 76 // 2 = 38 blocks each, 38 - 18 = 20 for attention.
+    assert capacity.max_len(2) == 20 * 1600 == 32_000
 
 
 def test_a_24_gb_card_by_hand():
@@ -114,8 +116,8 @@ def test_a_24_gb_card_by_hand():
     assert "GPU_UTIL 0.9" in how and "15.31 GiB weights" in how
     capacity = Capacity(pool_layout(G27, MTP), pool)
     usable = pool // 55_705_600 - 1
-    assert capacity.max_len(1) == (usable - 15) * 1600
-    # 262,144 tokens (CTX=huge's old number) need 164 + 15 blocks: far beyond this card.
+    assert capacity.max_len(1) == (usable - 18) * 1600  # 15 state blocks and 3 in flight
+    # 262,144 tokens (CTX=huge's old number) need 164 + 18 blocks: far beyond this card.
     assert not capacity.fits(262_144, 1)
 
 
@@ -169,8 +171,11 @@ def test_card_sizes(gb, kv, mtp):
     longest = capacity.max_len(1)
     assert capacity.fits(longest, 1)
     assert not capacity.fits(longest + 1, 1)
-    # vLLM counts the null block and amortizes the state over max_len: it logs a bit more
-    assert longest <= capacity.vllm_tokens(longest) < longest + capacity.layout.block_tokens * 2
+    # vLLM counts the null block, leaves out the state of a chunk in flight and amortizes the
+    # state over max_len: it logs a bit more
+    layout = capacity.layout
+    spare = 2 + layout.state_groups * layout.prefill_state_blocks
+    assert longest <= capacity.vllm_tokens(longest) < longest + layout.block_tokens * spare
     for slots in (2, 4):
         assert capacity.fits(capacity.max_len(slots), slots) or capacity.max_len(slots) == 0
     bigger = [size for size in CARDS_MIB if size > gb]
@@ -182,7 +187,7 @@ def test_card_sizes(gb, kv, mtp):
 @pytest.mark.parametrize(
     ("gb", "holds"),
     # fp8 KV, MTP, prefix caching, CTX=huge's batch: tokens at one slot
-    [(24, 76_800), (32, 294_400), (48, 742_400), (80, 1_620_800), (141, 3_307_200)],
+    [(24, 72_000), (32, 289_600), (48, 737_600), (80, 1_616_000), (141, 3_302_400)],
 )
 def test_fp8_mtp_tokens_at_one_slot(gb, holds):
     pool, _ = card_pool_bytes(card(gb), 0.9, HUGE_BATCHED_TOKENS)
@@ -469,10 +474,12 @@ def assert_vllm_sizes_the_pool_as_computed(model_dir, setup: CacheSetup) -> None
         capacity.vllm_tokens(max_len),
         capacity.vllm_concurrency(max_len),
     )
-    # vLLM's own longest request can use the null block's room too: one block more than ours
+    # vLLM's own longest request uses the null block's room too, and the state blocks of a
+    # chunk in flight, which ours keeps free (prefix caching): that many blocks more than ours
     config.model_config.max_model_len = G27.max_position_embeddings  # the search's upper end
     longest = _estimate_max_model_len_from_groups(config, groups, capacity.pool_bytes)
-    assert longest == max_len + layout.block_tokens
+    spare = 1 + layout.state_groups * layout.prefill_state_blocks
+    assert longest == max_len + layout.block_tokens * spare
 
 
 def test_kvarn_pool_leaves_room_for_its_side_cache():
