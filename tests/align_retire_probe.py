@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
-from align_scheduler_probe import BLOCK, new_request
+from align_scheduler_probe import BLOCK, align_pool, new_request
 
 CHUNK_BLOCKS = 2
 PROMPT = 48 * CHUNK_BLOCKS * BLOCK  # 48 chunks
@@ -27,12 +26,6 @@ def make_scheduler(checkpoint: str, pool_blocks: int):
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        MambaSpec,
-    )
     from vllm.v1.structured_output import StructuredOutputManager
 
     init_none_hash(sha256)
@@ -47,14 +40,7 @@ def make_scheduler(checkpoint: str, pool_blocks: int):
         async_scheduling=True,
         speculative_config={"method": "mtp", "num_speculative_tokens": SPECULATIVE},
     ).create_engine_config()
-    assert config.cache_config.mamba_cache_mode == "align", config.cache_config.mamba_cache_mode
-    config.cache_config.num_gpu_blocks = pool_blocks
-    attention = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64,
-                                  dtype=torch.bfloat16)  # fmt: skip
-    state = MambaSpec(shapes=((4, 4),), dtypes=(torch.bfloat16,), block_size=BLOCK,
-                      mamba_cache_mode="align", num_speculative_blocks=SPECULATIVE)  # fmt: skip
-    groups = [KVCacheGroupSpec(["attention"], attention), KVCacheGroupSpec(["gdn"], state)]
-    pool = KVCacheConfig(num_blocks=pool_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    pool = align_pool(config, pool_blocks, SPECULATIVE)
     return AsyncScheduler(config, pool, StructuredOutputManager(config), block_size=BLOCK)
 
 

@@ -30,12 +30,6 @@ def make_scheduler(checkpoint: str):
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        MambaSpec,
-    )
     from vllm.v1.structured_output import StructuredOutputManager
 
     init_none_hash(sha256)  # the chain's first hash, drawn at random: once per scheduler
@@ -48,15 +42,29 @@ def make_scheduler(checkpoint: str):
         max_num_seqs=8,
         enable_prefix_caching=True,
     ).create_engine_config()
+    return Scheduler(config, align_pool(config, POOL_BLOCKS), StructuredOutputManager(config),
+                     block_size=BLOCK)  # fmt: skip
+
+
+def align_pool(config, num_blocks: int, speculative_blocks: int = 0):
+    """A pool of `num_blocks` for one small attention layer and one GDN layer in "align" mode
+    (and the drafts' state blocks), set in `config` too."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
     assert config.cache_config.mamba_cache_mode == "align", config.cache_config.mamba_cache_mode
-    config.cache_config.num_gpu_blocks = POOL_BLOCKS
+    config.cache_config.num_gpu_blocks = num_blocks
     attention = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64,
                                   dtype=torch.bfloat16)  # fmt: skip
     state = MambaSpec(shapes=((4, 4),), dtypes=(torch.bfloat16,), block_size=BLOCK,
-                      mamba_cache_mode="align")  # fmt: skip
+                      mamba_cache_mode="align",
+                      num_speculative_blocks=speculative_blocks)  # fmt: skip
     groups = [KVCacheGroupSpec(["attention"], attention), KVCacheGroupSpec(["gdn"], state)]
-    pool = KVCacheConfig(num_blocks=POOL_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
-    return Scheduler(config, pool, StructuredOutputManager(config), block_size=BLOCK)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 def new_request(index: int, prompt: list[int]):
