@@ -61,9 +61,10 @@ SERVERS = {
 }
 
 
-def answers(base: str) -> dict[str, dict]:
+def answers(base: str, prompts: dict[str, list[int]]) -> dict[str, dict]:
+    """Each prompt's greedy answer of TOKENS tokens, its top-2 margins and cached tokens."""
     out = {}
-    for name, prompt in {**COLD, **SHARED}.items():
+    for name, prompt in prompts.items():
         body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": TOKENS,
                 "min_tokens": TOKENS, "logprobs": 2, "return_token_ids": True}  # fmt: skip
         response = requests.post(f"{base}/v1/completions", json=body, timeout=300)
@@ -88,7 +89,7 @@ def test_the_same_answers_with_and_without_the_cache(tmp_path, tmp_path_factory)
         env = {**base_env, ALIGN_WHOLE_PROMPT.env: whole_prompt}
         log = logs / f"align-whole-prompt-{name}-server.log"
         with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
-            results[name] = answers(url)
+            results[name] = answers(url, {**COLD, **SHARED})
     (logs / "align-whole-prompt-summary.json").write_text(json.dumps(results))
     reference = results["no-cache"]
     for name in UNCACHED:

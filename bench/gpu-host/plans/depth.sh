@@ -11,12 +11,18 @@
 #                   third 27B server with a 9 GiB pool does not fit beside two on an 80 GB card)
 # First (~1 min) KVarN's graph-safe metadata (a captured decode step replayed for the next
 # ones against the eager forward; the build's copy and kernel queued, not waited for), and
-# the decode kernel's two pipelines against float64.
+# the decode kernel's two pipelines against float64; then (~5 min) prefix caching's answers
+# against none with the series' align-mode patch.
 # Then, alone on the GPU: the stock side of the fp8 capacity row, and the sizing tests.
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh depth || exit 1
 step kvarn-graph python3 -m pytest -m gpu tests/test_kvarn_gpu.py \
   -k 'cuda_graph or queued or decode_at_27b'
+# mamba-align-retire.patch's exactness: greedy answers with prefix caching against without it,
+# prompts prefilled in several chunks with MTP drafting (the GDN state blocks the patch now
+# retires as chunks complete), and the whole-prompt feature's check on the same series
+step align-exact python3 -m pytest -m gpu tests/test_mamba_align_retire_gpu.py \
+  tests/test_engine_align_whole_prompt_gpu.py
 deep='--mode single --cohorts 1 --rounds 4 --prefill none --output-len 256 --temperature 0
   --seed 0 --synthetic-acceptance 0.77,0.55,0.4 --depths 131072,245760 --prefill-requests 1'
 stock_240k='--kv-cache-dtype fp8 --max-model-len 250000 --max-num-seqs 1'
