@@ -77,20 +77,30 @@ def answers(base: str, prompts: dict[str, list[int]]) -> dict[str, dict]:
     return out
 
 
-def test_the_same_answers_with_and_without_the_cache(tmp_path, tmp_path_factory):
+def answers_per_server(tmp_path, tmp_path_factory, servers: dict, prompts: dict,
+                       speculative: dict | None, what: str) -> dict[str, dict]:  # fmt: skip
+    """The tiny model served once per entry of `servers` ({name: (flags, env)}), one after
+    another, each answering `prompts`; logs and a summary named after `what`."""
     require_gpu()
     logs = log_dir(tmp_path)
     base_env = with_vllm_first(patched_vllm_parent(tmp_path_factory))
     model = synthesize(tmp_path / "tiny", PRESETS["tiny"], progress=False).directory
     results = {}
-    for name, (flags, whole_prompt) in SERVERS.items():
+    for name, (flags, env) in servers.items():
         port = free_port()
-        command = [*tiny_server(model, port, None), *flags, "--enable-prompt-tokens-details"]
-        env = {**base_env, ALIGN_WHOLE_PROMPT.env: whole_prompt}
-        log = logs / f"align-whole-prompt-{name}-server.log"
-        with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
-            results[name] = answers(url, {**COLD, **SHARED})
-    (logs / "align-whole-prompt-summary.json").write_text(json.dumps(results))
+        command = [*tiny_server(model, port, speculative), *flags, "--enable-prompt-tokens-details"]
+        log = logs / f"{what}-{name}-server.log"
+        with running_server(command, f"http://127.0.0.1:{port}", log, {**base_env, **env}) as url:
+            results[name] = answers(url, prompts)
+    (logs / f"{what}-summary.json").write_text(json.dumps(results))
+    return results
+
+
+def test_the_same_answers_with_and_without_the_cache(tmp_path, tmp_path_factory):
+    servers = {name: (flags, {ALIGN_WHOLE_PROMPT.env: whole_prompt})
+               for name, (flags, whole_prompt) in SERVERS.items()}  # fmt: skip
+    results = answers_per_server(tmp_path, tmp_path_factory, servers, {**COLD, **SHARED}, None,
+                                 "align-whole-prompt")  # fmt: skip
     reference = results["no-cache"]
     for name in UNCACHED:
         assert results["whole-prompt"][name]["greedy_ids"] == reference[name]["greedy_ids"], name

@@ -11,24 +11,12 @@ Run on the GPU host: `pytest -m gpu tests/test_mamba_align_retire_gpu.py`.
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
-from gpu_server import (
-    agreeing_prefix,
-    log_dir,
-    patched_vllm_parent,
-    require_gpu,
-    running_server,
-    with_vllm_first,
-)
-from local_server import free_port
-from test_engine_align_whole_prompt_gpu import TOKENS, answers
-from test_prepare_gpu import MTP2, NEAR_TIE, tiny_server
-
-from hyperqwen.checkpoint.geometry import PRESETS
-from hyperqwen.checkpoint.synthesize import synthesize
+from gpu_server import agreeing_prefix
+from test_engine_align_whole_prompt_gpu import TOKENS, answers_per_server
+from test_prepare_gpu import MTP2, NEAR_TIE
 
 pytestmark = pytest.mark.gpu
 
@@ -41,19 +29,10 @@ SERVERS = {"no-cache": "--no-enable-prefix-caching", "align": "--enable-prefix-c
 
 
 def test_chunked_prefills_answer_the_same_with_and_without_the_cache(tmp_path, tmp_path_factory):
-    require_gpu()
-    logs = log_dir(tmp_path)
-    env = with_vllm_first(patched_vllm_parent(tmp_path_factory))
-    model = synthesize(tmp_path / "tiny", PRESETS["tiny"], progress=False).directory
-    results = {}
-    for name, caching in SERVERS.items():
-        port = free_port()
-        command = [*tiny_server(model, port, MTP2), caching, "--enable-prompt-tokens-details",
-                   "--max-num-batched-tokens", str(STEP_TOKENS)]  # fmt: skip
-        log = logs / f"align-retire-{name}-server.log"
-        with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
-            results[name] = answers(url, PROMPTS)
-    (logs / "align-retire-summary.json").write_text(json.dumps(results))
+    step = ["--max-num-batched-tokens", str(STEP_TOKENS)]
+    servers = {name: ([caching, *step], {}) for name, caching in SERVERS.items()}
+    results = answers_per_server(tmp_path, tmp_path_factory, servers, PROMPTS, MTP2,
+                                 "align-retire")  # fmt: skip
     for name, answer in results["align"].items():
         assert len(answer["greedy_ids"]) == TOKENS
         agreed, at_near_tie = agreeing_prefix(results["no-cache"][name], answer, NEAR_TIE)
