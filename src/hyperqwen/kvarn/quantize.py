@@ -163,9 +163,11 @@ def quantize_rotated(
     v: torch.Tensor,
     balance_rounds: int = BALANCE_ROUNDS,
     grid_rounds: int = GRID_ROUNDS,
+    v_levels: int = V_LEVELS,
 ) -> QuantizedTile:
     """Steps 2-3 on already rotated tiles [..., T, D] (or, for the no-rotation baseline,
-    plain ones); leading dimensions are independent tiles."""
+    plain ones); leading dimensions are independent tiles. `v_levels` other than V_LEVELS: a
+    format the kernels do not store, for format_sim.py's comparisons."""
     k, v = k.to(torch.float64), v.to(torch.float64)
     if k.dim() < 2 or k.shape != v.shape:
         raise ValueError(
@@ -178,22 +180,24 @@ def quantize_rotated(
     )
     y = k / r[..., None]
     k_scale, k_zero = fit_grid(y, K_LEVELS, dim=-2, rounds=grid_rounds)
-    v_scale, v_zero = fit_grid(v, V_LEVELS, dim=-1, rounds=grid_rounds)
+    v_scale, v_zero = fit_grid(v, v_levels, dim=-1, rounds=grid_rounds)
     return QuantizedTile(
         k_codes=codes_on_grid(y, k_scale, k_zero, K_LEVELS).to(torch.int64),
         k_scale=k_scale[..., 0, :],
         k_zero=k_zero[..., 0, :],
         k_token_scale=r,
-        v_codes=codes_on_grid(v, v_scale, v_zero, V_LEVELS).to(torch.int64),
+        v_codes=codes_on_grid(v, v_scale, v_zero, v_levels).to(torch.int64),
         v_scale=v_scale[..., 0],
         v_zero=v_zero[..., 0],
     )
 
 
-def quantize_tile(k: torch.Tensor, v: torch.Tensor) -> QuantizedTile:
+def quantize_tile(k: torch.Tensor, v: torch.Tensor, v_levels: int = V_LEVELS) -> QuantizedTile:
     """KVarN's encoding of tiles' K and V [..., T, D] (any float dtype), in float64."""
     return quantize_rotated(
-        rotate_reference(k.to(torch.float64)), rotate_reference(v.to(torch.float64))
+        rotate_reference(k.to(torch.float64)),
+        rotate_reference(v.to(torch.float64)),
+        v_levels=v_levels,
     )
 
 
