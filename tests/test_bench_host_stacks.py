@@ -127,7 +127,7 @@ def test_two_sides_compare_by_inclusive_ms_per_step_largest_difference_first() -
                   "inclusive": [["run (core.py)", 1.0], ["build (b.py)", build],
                                 ["launch (g.py)", launch]], "self": []}  # fmt: skip
         stacks = {"rate_hz": 50, "processes": [{"pid": 1, "samples": 100, "threads": [thread]}]}
-        return {"host_cpu": {"output_tokens": 400, "stacks": stacks}}
+        return {"output_tokens": 400, "stacks": stacks}
 
     # 400 tokens at 2 a step: 200 steps over 2 s sampled, 10 ms a step
     stock = thread_ms_per_step(side(0.1, 0.3), tokens_per_step=2.0)
@@ -140,7 +140,7 @@ def test_two_sides_compare_by_inclusive_ms_per_step_largest_difference_first() -
     assert names == ["(thread)", "(waiting for the GPU)", "(host work)", "build (b.py)",
                      "launch (g.py)"]  # run's is no difference  # fmt: skip
     assert lines[4].split()[:3] == ["1.000", "4.000", "+3.000"]
-    assert thread_ms_per_step({"host_cpu": {"output_tokens": 4, "stacks": None}}, 1.0) is None
+    assert thread_ms_per_step({"output_tokens": 4, "stacks": None}, 1.0) is None
 
 
 def test_a_threads_wait_for_the_gpu_is_its_own_time_in_a_synchronize() -> None:
@@ -159,8 +159,8 @@ def test_a_threads_wait_for_the_gpu_is_its_own_time_in_a_synchronize() -> None:
         "0.20 s sampled, 35.0% of it waiting for the GPU"
         in stack_lines({"processes": [{"pid": 11, "threads": [thread]}]})[0]
     )
-    side = {"host_cpu": {"output_tokens": 10, "stacks": {"processes": [{"threads": [thread]}]}}}
-    host = thread_ms_per_step(side, tokens_per_step=2.0)  # 5 steps over 0.2 s: 40 ms a step
+    measured = {"output_tokens": 10, "stacks": {"processes": [{"threads": [thread]}]}}
+    host = thread_ms_per_step(measured, tokens_per_step=2.0)  # 5 steps over 0.2 s: 40 ms a step
     assert (host.ms, host.gpu_wait_ms) == pytest.approx((40.0, 14.0))
     lines = comparison_lines(host, host, top=1)
     assert lines[2].split()[:2] == ["14.000", "14.000"] and lines[3].split()[:2] == ["26.000"] * 2

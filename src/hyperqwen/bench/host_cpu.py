@@ -17,12 +17,12 @@ import psutil
 from hyperqwen.bench.client import BenchClient
 from hyperqwen.bench.host_stacks import (
     SAMPLE_RATE_HZ,
-    gpu_wait_share,
     parse,
     sampled,
     stack_lines,
     steps_sampled,
     summarize,
+    thread_ms_per_step,
 )
 from hyperqwen.bench.rows import Row
 from hyperqwen.bench.workload import RequestFactory, Workload
@@ -104,12 +104,10 @@ def host_cpu_rows(
         "c1_host_cpu_all_processes_ms_per_step": ("ms", round(total, 3)),
         "c1_host_cpu_share_of_step": ("fraction", round(busiest / wall_ms_per_step, 3)),
     }
-    stacks = measured.get("stacks")
-    if stacks and stacks["processes"]:
-        thread = stacks["processes"][0]["threads"][0]
-        waiting = gpu_wait_share(thread) * thread["seconds"] * per_step
-        work = busiest - waiting
-        rows["c1_host_gpu_wait_ms_per_step"] = ("ms", round(waiting, 3))
+    thread = thread_ms_per_step(measured, tokens_per_step)
+    if thread:
+        work = busiest - thread.gpu_wait_ms
+        rows["c1_host_gpu_wait_ms_per_step"] = ("ms", round(thread.gpu_wait_ms, 3))
         rows["c1_host_work_ms_per_step"] = ("ms", round(work, 3))
         rows["c1_host_work_share_of_step"] = ("fraction", round(work / wall_ms_per_step, 3))
     return rows

@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,9 +194,9 @@ class HostThread:
     functions: dict[str, float]  # each function's inclusive time
 
 
-def thread_ms_per_step(side: dict, tokens_per_step: float | None) -> HostThread | None:
-    """A `bench ab` side's busiest thread in ms per decode step; None without stacks."""
-    host = side.get("host_cpu") or {}
+def thread_ms_per_step(host: Mapping, tokens_per_step: float | None) -> HostThread | None:
+    """The busiest thread of a `bench ab` side's host CPU measurement (its "host_cpu") in ms
+    per decode step; None without stacks."""
     stacks = host.get("stacks")
     if not stacks or not stacks["processes"] or not host.get("output_tokens"):
         return None
@@ -238,7 +238,7 @@ def cmd_hoststacks(args: argparse.Namespace) -> int:
     sides = {}
     for side in ("stock", "patched"):
         per_step = getattr(tokens, side) if tokens else None
-        sides[side] = thread_ms_per_step(document.get(side) or {}, per_step)
+        sides[side] = thread_ms_per_step((document.get(side) or {}).get("host_cpu") or {}, per_step)
     missing = [side for side, stacks in sides.items() if stacks is None]
     if missing:
         sides_missing = " and ".join(missing)
