@@ -1,7 +1,9 @@
 """kvarn/format_sim.py: its attention against transformers' own on a tiny random Llama, the
-read rules (what a query reads from the store), and the parsing of cache names."""
+read rules (what a query reads from the store), the parsing of cache names and the code text."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -9,10 +11,12 @@ import torch
 from hyperqwen.kvarn.format_sim import (
     ATTENTION,
     Cache,
+    main,
     perplexity,
     quantized_reads,
     register,
     stored,
+    tokenize_code,
 )
 from hyperqwen.kvarn.quantize import TILE_TOKENS, dequantize_tile, quantize_tile
 
@@ -100,3 +104,27 @@ def test_cache_names_parse(text, cache) -> None:
 def test_other_cache_names_are_refused_by_name(text) -> None:
     with pytest.raises(ValueError, match="cache"):
         Cache.parse(text)
+
+
+def byte_ids(text: str) -> list[int]:
+    """A tokenizer of one id a UTF-8 byte: the code text's files are ~100k bytes each."""
+    return list(text.encode())
+
+
+def test_the_code_text_is_stdlib_files_in_a_fixed_order_each_named() -> None:
+    ids, facts = tokenize_code(byte_ids, 150_000)  # argparse.py (~100 kB) and part of the next
+    assert len(ids) == facts["tokens"] == 150_000
+    assert ids[:20] == byte_ids("# file: argparse.py\n")
+    assert list(facts["files"]) == ["argparse.py", "inspect.py"]
+    assert facts["python"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}.")
+    assert (ids, facts) == tokenize_code(byte_ids, 150_000)
+    assert tokenize_code(byte_ids, 1000)[0] == ids[:1000]
+    with pytest.raises(ValueError, match="fewer than"):
+        tokenize_code(byte_ids, 10**7)
+
+
+def test_an_unknown_text_is_refused_before_the_model_loads(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--text", "bogus", "--out", "/dev/null"])
+    assert exit_.value.code == 2
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err

