@@ -94,12 +94,12 @@ class Cache:
 
 
 def build_cache(seq_lens, query_lens, heads, kv_heads, d, seed, dtype=torch.bfloat16,
-                device="cpu", pool_blocks=None, evicted_sinks=()) -> Cache:  # fmt: skip
-    """A cache of len(seq_lens) requests, query_lens[r] queries each, on `device`; the
-    requests in evicted_sinks have no 16-bit sink (their first query's context must hold the
-    whole sink). With pool_blocks, the pool has that many blocks and the last holds a tile a
-    quantized program reads (the int64 tests' large pools)."""
-    layout = TileLayout(head_dim=d)
+                device="cpu", pool_blocks=None, evicted_sinks=(), v_bits=2) -> Cache:  # fmt: skip
+    """A cache of len(seq_lens) requests, query_lens[r] queries each, on `device`, its tiles
+    of `v_bits`-bit values; the requests in evicted_sinks have no 16-bit sink (their first
+    query's context must hold the whole sink). With pool_blocks, the pool has that many blocks
+    and the last holds a tile a quantized program reads (the int64 tests' large pools)."""
+    layout = TileLayout(head_dim=d, v_bits=v_bits)
     g = torch.Generator().manual_seed(seed)
     keys = [outlier_keys(n, kv_heads, d, seed + 2 * i) for i, n in enumerate(seq_lens)]
     values = [outlier_values(n, kv_heads, d, seed + 2 * i + 1) for i, n in enumerate(seq_lens)]

@@ -104,21 +104,21 @@ def _grid_faults(name, y, weight, dim, levels, scale, zero, codes):
     return faults, error.sum((-2, -1))
 
 
-def encoding_faults(got: q.QuantizedTile, key, value) -> list[str]:
+def encoding_faults(got: q.QuantizedTile, key, value, v_levels: int = q.V_LEVELS) -> list[str]:
     """Every violation of the criterion above by stored tiles `got` (stored_tiles, [tiles,
-    heads]) of key and value [tiles, 128, heads, D], with the numbers that show how far off;
-    empty when they hold."""
+    heads]) of key and value [tiles, 128, heads, D], values of codes 0 .. v_levels, with the
+    numbers that show how far off; empty when they hold."""
     k_rot = rotate_reference(key.transpose(1, 2).to(torch.float64))
     v_rot = rotate_reference(value.transpose(1, 2).to(torch.float64))
     r = got.k_token_scale[..., None]
-    reference = q.quantize_rotated(k_rot, v_rot)
+    reference = q.quantize_rotated(k_rot, v_rot, v_levels=v_levels)
     want_k, want_v = q.dequantize_rotated(reference)
     faults = _token_scale_faults(got.k_token_scale, k_rot)
     errors = {}
     for name, y, weight, dim, levels, scale, zero, codes in (
         ("k", k_rot / r, r, -2, q.K_LEVELS, got.k_scale[..., None, :], got.k_zero[..., None, :],
          got.k_codes),
-        ("v", v_rot, 1.0, -1, q.V_LEVELS, got.v_scale[..., None], got.v_zero[..., None],
+        ("v", v_rot, 1.0, -1, v_levels, got.v_scale[..., None], got.v_zero[..., None],
          got.v_codes),
     ):  # fmt: skip
         found, errors[name] = _grid_faults(name, y, weight, dim, levels, scale, zero, codes)

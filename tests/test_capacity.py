@@ -446,6 +446,24 @@ def test_vllm_sizes_the_replay_pool_as_computed(
     assert_vllm_sizes_the_pool_as_computed(vllm_27b, setup)
 
 
+def test_vllm_sizes_a_pool_of_3_bit_kvarn_values_as_computed(vllm_27b, monkeypatch):
+    """KVARN_V_BITS=3 (its variable, as the launcher sets it): 238 bytes per token and KV head
+    at head_dim 256 (kvarn/layout.py), vLLM's alignment and KV cache config through the seam
+    agree, and the pool holds less context than 2-bit values'."""
+    from hyperqwen.engine.features import KVARN_V_BITS
+
+    monkeypatch.setenv(KVARN_FEATURE.env, "1")
+    monkeypatch.setenv(KVARN_V_BITS.env, "3")
+    assert attention_token_bytes(KVARN_CHOICE, 4, 256, v_bits=3) == 4 * 238
+    two = setup_for(KVARN_CHOICE, True)
+    three = replace(two, v_bits=3)
+    pool = 3 * GiB
+    assert Capacity(pool_layout(G27, three), pool).max_len(1) < (
+        Capacity(pool_layout(G27, two), pool).max_len(1)
+    )
+    assert_vllm_sizes_the_pool_as_computed(vllm_27b, three)
+
+
 def test_replay_without_drafts_is_vllms_pool():
     """No speculation, nothing verifies: the layer keeps vLLM's page (gdn_layer_built)."""
     setup = CacheSetup("fp8", "float32", 0, 0, True, replay=True)

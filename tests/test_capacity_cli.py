@@ -168,6 +168,18 @@ def test_kvarn_has_its_row_at_the_step_it_serves_with(tmp_path):
     assert holds == lengths[0] // 1024 * 1024
 
 
+def test_kvarn_row_sizes_the_value_bits_of_kvarn_v_bits(tmp_path):
+    """KVARN_V_BITS=3: kvarn's row sizes tiles of 3-bit values (more bytes a token, so less
+    context at each slot count) and its footnote says so; the other rows stay as they were."""
+    two = capacity(tmp_path, "--card-gib", "24", CTX="huge")
+    three = capacity(tmp_path, "--card-gib", "24", CTX="huge", KVARN_V_BITS="3")
+    lengths = [[int(c.replace(",", "")) for c in kvarn_cells(out)[1:-1]] for out in (two, three)]
+    assert all(t <= s for s, t in zip(*lengths, strict=True)), lengths
+    assert 0.75 * lengths[0][0] < lengths[1][0] < lengths[0][0], lengths  # at one slot
+    assert "kvarn: HyperQwen's 4-bit K / 3-bit V cache" in three
+    assert table(three) == table(two)
+
+
 @pytest.mark.parametrize("knobs", [{"SPEC": "ngram"}, {"DRAFT_TOKENS": "4"}])
 def test_kvarn_is_marked_refused_where_serve_refuses_it(tmp_path, knobs):
     assert kvarn_cells(capacity(tmp_path, "--card-gib", "24", **knobs))[-1] == "no: refused"

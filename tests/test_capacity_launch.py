@@ -131,6 +131,19 @@ def test_a_card_that_holds_the_profile_keeps_its_numbers(ctx):
     assert "H200, GPU_UTIL 0.9" in line and "GPU KV cache size: " in line
 
 
+def test_kvarn_is_sized_at_its_value_bits():
+    """KV=kvarn on a 24 GB card at CTX=huge (one slot): with KVARN_V_BITS=3 its pool holds the
+    tiles of 3-bit values, a sixth more bytes a token, so less context, and the startup line
+    names the bits it sized for."""
+    held = {}
+    for bits in ("2", "3"):
+        plan = build_launch(loaded(CTX="huge", KV="kvarn", KVARN_V_BITS=bits), "single", None,
+                            machine=RTX_4090)  # fmt: skip
+        assert f"for the KV cache (kvarn, {bits}-bit V)" in plan.fit.line
+        held[bits] = plan.fit.max_len
+    assert 0.8 * held["2"] < held["3"] < held["2"]
+
+
 def test_huge_on_a_24_gb_card_takes_what_fits():
     argv = build_launch(loaded(CTX="huge"), "single", api_key=None, machine=RTX_4090).argv
     assert steps(argv) == MIN_BATCHED_TOKENS

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from hyperqwen.engine import seams
-from hyperqwen.engine.features import KVARN
+from hyperqwen.engine.features import KVARN, KVARN_V_BITS
 from hyperqwen.kvarn.backend import KVarNBackend, KVarNImpl
 from hyperqwen.kvarn.layout import TileLayout
 from hyperqwen.patches.tree import series_status
@@ -24,6 +24,15 @@ def test_the_seam_sizes_kvarn_pages_only_for_its_backend(monkeypatch):
     per_token = seams.attention_kv_spec(KVarNBackend, 1, 4, 256).page_size_bytes
     assert per_token == 4 * TileLayout(head_dim=256).slot_bytes
     assert seams.attention_kv_spec(object, 256, 4, 256) is None
+
+
+def test_the_seam_sizes_3_bit_pages_with_kvarn_v_bits_3(monkeypatch):
+    """The variable the launcher sets from KVARN_V_BITS: the seam's pages, and so vLLM's hybrid
+    alignment's bytes per token, are those of 3-bit values."""
+    monkeypatch.setenv(KVARN.env, "1")
+    monkeypatch.setenv(KVARN_V_BITS.env, "3")
+    per_token = seams.attention_kv_spec(KVarNBackend, 1, 4, 256).page_size_bytes
+    assert per_token == 4 * TileLayout(head_dim=256, v_bits=3).slot_bytes == 4 * 238
 
 
 @pytest.mark.parametrize("switch", ["1", "0"])

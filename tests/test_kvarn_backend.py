@@ -26,6 +26,7 @@ import torch
 from kvarn_data import outlier_keys, outlier_values
 
 from hyperqwen.bench.kernels import relative_error
+from hyperqwen.engine.features import KVARN_V_BITS, FeatureSwitchError
 from hyperqwen.kvarn.attention import attention_reference
 from hyperqwen.kvarn.backend import KVarNBackend, KVarNImpl, SideCache
 from hyperqwen.kvarn.layout import TileLayout, bytes_per_token
@@ -41,9 +42,15 @@ DEQUANTIZED_BOUND = 1e-2
 POISON_BYTE = 0xFF
 
 
+@pytest.mark.parametrize("v_bits", [None, "2", "3"])
 @pytest.mark.parametrize("head_size", [64, 128, 256])
-def test_pages_are_the_pool_and_cost_the_layouts_bytes_per_token(head_size):
-    layout = TileLayout(head_dim=head_size)
+def test_pages_are_the_pool_and_cost_the_layouts_bytes_per_token(head_size, v_bits, monkeypatch):
+    """The tiles' value bits are the variable's (the launcher's KVARN_V_BITS; unset: 2)."""
+    if v_bits is None:
+        monkeypatch.delenv(KVARN_V_BITS.env, raising=False)
+    else:
+        monkeypatch.setenv(KVARN_V_BITS.env, v_bits)
+    layout = TileLayout(head_dim=head_size, v_bits=int(v_bits or 2))
     shape = KVarNBackend.get_kv_cache_shape(7, T, 4, head_size)
     assert shape == layout.pool_shape(7, 4)
     spec = KVarNBackend.kv_cache_spec(T, 4, head_size)
@@ -53,6 +60,19 @@ def test_pages_are_the_pool_and_cost_the_layouts_bytes_per_token(head_size):
     assert spec.dtype == torch.uint8
     with pytest.raises(ValueError, match="128-token tile"):
         KVarNBackend.get_kv_cache_shape(7, 64, 4, head_size)
+
+
+@pytest.mark.parametrize("value", ["4", "abc", ""])
+def test_value_bits_the_backend_does_not_take_are_refused_by_name(value, monkeypatch):
+    monkeypatch.setenv(KVARN_V_BITS.env, value)
+    refusal = rf"{KVARN_V_BITS.env}='{value}': expected one of 2, 3 \(the launcher sets it from "
+    for build in (
+        lambda: KVarNBackend.get_kv_cache_shape(7, T, 4, 256),
+        lambda: KVarNBackend.kv_cache_spec(T, 4, 256),
+        lambda: KVarNImpl(HEADS, D, 1.0, KV_HEADS),
+    ):
+        with pytest.raises(FeatureSwitchError, match=refusal + "the KVARN_V_BITS knob"):
+            build()
 
 
 def test_vllms_runner_views_a_layers_bytes_as_the_pool():
@@ -214,14 +234,22 @@ def check_step(out, meta, pool, requests, queries, layout, bound=BOUND):
 
 
 @pytest.mark.usefixtures("interpreted")
-@pytest.mark.parametrize("dequantized_prefill", [False, True], ids=["kernel", "dequantized"])
-def test_store_and_decode_through_the_impl_match_float64(vllm_cpu_platform, dequantized_prefill):
+@pytest.mark.parametrize(
+    ("dequantized_prefill", "v_bits"),
+    [(False, 2), (True, 2), (False, 3)],
+    ids=["kernel", "dequantized", "kernel-3-bit-values"],
+)
+def test_store_and_decode_through_the_impl_match_float64(
+    vllm_cpu_platform, dequantized_prefill, v_bits, monkeypatch
+):
     """Prefill by prefill.py's kernel (the CPU's path) and by prefill_dequant.py's (the GPU's
     where vLLM has FlashAttention; here with attend_torch): the latter's bound is its fp16
     scratch's rounding of the outlier keys (tests/test_kvarn_prefill_dequant.py bounds it by
-    the kernel's in bf16); a wrong tile or row errs by far more."""
+    the kernel's in bf16); a wrong tile or row errs by far more. With 3-bit values (the
+    variable KVARN_V_BITS=3 sets) the impl's tiles, stores and reads are 3-bit ones."""
+    monkeypatch.setenv(KVARN_V_BITS.env, str(v_bits))
     bound = DEQUANTIZED_BOUND if dequantized_prefill else BOUND
-    layout = TileLayout(head_dim=D)
+    layout = TileLayout(head_dim=D, v_bits=v_bits)
     num_blocks = 10
     pool = torch.full(layout.pool_shape(num_blocks, KV_HEADS), POISON_BYTE, dtype=torch.uint8)
     spec = KVarNBackend.kv_cache_spec(T, KV_HEADS, D)
@@ -231,6 +259,7 @@ def test_store_and_decode_through_the_impl_match_float64(vllm_cpu_platform, dequ
     assert builder.reorder_batch_threshold == 1  # vLLM puts decodes first
     builder.slots = SlotAllocator(4, num_blocks)  # few enough to run out in step 2
     impl = KVarNBackend.get_impl_cls()(HEADS, D, D**-0.5, KV_HEADS)
+    assert impl.layout == layout
     impl.dequantized_prefill = dequantized_prefill
     impl.side = SideCache(4, KV_HEADS, D, DTYPE, "cpu")
     impl.side.key.fill_(float("nan"))

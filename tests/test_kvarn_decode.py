@@ -8,9 +8,10 @@ heads of head_dim 256; plain decodes and verify blocks of 2 and 4 queries, one c
 boundary; contexts inside the sink, ending on a tile boundary, with and without a filling tile;
 splits sharing the quantized blocks unevenly and splits left empty; sinks evicted from the side
 cache (read quantized), also where no 16-bit token is left to read; bf16 and fp16; a pool past
-2^32 bytes. Under the interpreter the dots' operands are fp32 (decode.dot_operands says why)
-and its bf16 output conversion truncates: the bounds below are that truncation (2^-8 per
-element) and fp32 sums; tests/test_kvarn_gpu.py checks the 16-bit operands on the GPU.
+2^32 bytes; tiles of 3-bit values (KVARN_V_BITS=3) at a small shape. Under the interpreter the
+dots' operands are fp32 (decode.dot_operands says why) and its bf16 output conversion truncates:
+the bounds below are that truncation (2^-8 per element) and fp32 sums; tests/test_kvarn_gpu.py
+checks the 16-bit operands on the GPU.
 """
 
 from __future__ import annotations
@@ -61,6 +62,20 @@ def test_decode_matches_float64(seq_lens, query_lens, heads, kv_heads, d, dtype,
     expected = cache.expected()
     for row in range(out.shape[0]):
         assert relative_error(out[row], expected[row]) < BOUND[dtype], row
+
+
+def test_3_bit_values_decode_as_float64():
+    """Tiles of 3-bit values (dequant.v_codes' high plane): a verify block of 3 crossing into
+    block 2 beside a plain decode, both sinks evicted (read quantized) in one and kept in the
+    other, uneven splits; every unread byte poisoned as above."""
+    cache = build_cache([2 * T + 1, 3 * T + 5], [3, 1], 4, 2, 64, seed=13, evicted_sinks=(0,),
+                        v_bits=3)  # fmt: skip
+    assert cache.pool.shape[-1] == cache.layout.tile_bytes and cache.layout.v_bits == 3
+    out = run(cache, 3)
+    assert not out.isnan().any()
+    expected = cache.expected()
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], expected[row]) < BOUND[torch.bfloat16], row
 
 
 def test_a_verify_block_reads_what_decode_steps_at_its_lengths_read():

@@ -1,8 +1,9 @@
-"""Every KVarN kernel fits the shared memory of an sm86/sm89 card (RTX 3090/4090: 99 KB per
-block), compiled here for sm86 at the 27B's shapes by `python -m hyperqwen.kvarn.fit` (no GPU
-needed). The store and dequantize kernels needed 129 KB when they rotated a whole tile with one
-dot; a kernel that outgrows the limit fails to launch on those cards, which this catches first.
-The same compile checks that the store kernel's PTX divides and takes roots correctly rounded.
+"""Every KVarN kernel fits the shared memory of an sm86/sm89 card (RTX 3090/4090: 99 KB per block),
+compiled here for sm86 at the 27B's shapes by `python -m hyperqwen.kvarn.fit` (no GPU needed),
+those that read or write value codes also for 3-bit values (NAME_v3). The store and dequantize
+kernels needed 129 KB when they rotated a whole tile with one dot; a kernel that outgrows the
+limit fails to launch on those cards, which this catches first. The same compile checks that the
+store kernel's PTX divides and takes roots correctly rounded.
 
 The command runs in its own Python: the test session sets TRITON_INTERPRET=1 (conftest), under
 which Triton interprets kernels instead of compiling them."""
@@ -31,8 +32,10 @@ def test_every_kernel_fits_99_kb_of_shared_memory():
     # (side_write, a copy, has none)
     assert min(sizes["decode_partition"], sizes["prefill"], sizes["store"]) > 0, sizes
     assert sizes["side_write"] == 0
-    # the store's fp32 rounds as the interpreter's does (store.py): no approximate / or sqrt
-    assert compiled["store"]["approximate_math"] == 0, compiled["store"]
+    # the store's fp32 rounds as the interpreter's does (store.py): no approximate / or sqrt,
+    # for 3-bit values too
+    for store in ("store", "store_v3"):
+        assert compiled[store]["approximate_math"] == 0, compiled[store]
 
 
 def test_the_command_refuses_to_run_interpreted():

@@ -5,7 +5,8 @@ ties; a failure lists each violation's first place and the worst tile's error ra
 outside the named blocks left alone, outputs poisoned; the
 decode kernel at the 27B's 24 / 4 heads with its 16-bit dot operands, decodes and verify
 blocks, in a pool past 2^32 bytes; the prefill kernel there at a long context (an 8k chunk
-after 32k tokens) beside a short chunk with its sink evicted."""
+after 32k tokens) beside a short chunk with its sink evicted. The store, dequantize and decode
+tests also with tiles of 3-bit values (KVARN_V_BITS=3)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ HEADS, D, TILES = 4, 256, 64
 PREFILL_BOUND_32K = 5e-2  # the prefill test's docstring says why
 
 
-def test_27b_tiles_in_a_pool_past_2_32_bytes():
-    layout = TileLayout(head_dim=D)
+@pytest.mark.parametrize("v_bits", [2, 3])
+def test_27b_tiles_in_a_pool_past_2_32_bytes(v_bits):
+    layout = TileLayout(head_dim=D, v_bits=v_bits)
     blocks = 2**32 // (HEADS * layout.tile_bytes) + 8
     pool = torch.full(layout.pool_shape(blocks, HEADS), POISON, dtype=torch.uint8, device="cuda")
     ids = torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(0))[: TILES - 1]
@@ -69,21 +71,23 @@ def test_rotate_rows_on_the_gpu(n):
     assert relative_error(out.cpu(), rotate_reference(x.double())) < 1e-6
 
 
+@pytest.mark.parametrize("v_bits", [2, 3])
 @pytest.mark.parametrize("num_stages", [1, 2])
 @pytest.mark.parametrize("num_splits", [3, 32])
-def test_decode_at_27b_shapes_in_a_pool_past_2_32_bytes(num_splits, num_stages):
+def test_decode_at_27b_shapes_in_a_pool_past_2_32_bytes(num_splits, num_stages, v_bits):
     """A verify block of 4 crossing a tile boundary, 2 inside a tile, decodes inside the
     sink, on a tile boundary and at 64 tiles; the pool's last block (past 2^32 bytes) holds
     a tile. Bound: the bf16 operands (query times key scales, weights times value scales,
     2^-9 each) and bf16 output; the CPU tests bound the same arithmetic in fp32 by 8e-3.
     Both pipelines of the partition kernel (decode.pipeline_stages: 2 where the GPU's shared
-    memory holds it)."""
+    memory holds it); tiles of 2- and 3-bit values."""
     if num_stages > served_stages(torch.device("cuda"), 32, D):
         pytest.skip("a 2-stage partition kernel needs sm80's or sm90's shared memory")
-    layout = TileLayout(head_dim=D)
+    layout = TileLayout(head_dim=D, v_bits=v_bits)
     blocks = 2**32 // (HEADS * layout.tile_bytes) + 8
     cache = build_cache([4 * T + 2, 20 * T, 100, 64 * T + 77, 9 * T + 60], [4, 1, 1, 1, 2],
-                        24, HEADS, D, seed=91, device="cuda", pool_blocks=blocks)  # fmt: skip
+                        24, HEADS, D, seed=91, device="cuda", pool_blocks=blocks,
+                        v_bits=v_bits)  # fmt: skip
     out = torch.full_like(cache.query, float("nan"))
     decode_attention(cache.query, **cache.kernel_args(), num_splits=num_splits, out=out,
                      num_stages=num_stages)  # fmt: skip

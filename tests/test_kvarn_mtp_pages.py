@@ -23,7 +23,7 @@ from test_capacity import gdn_state_spec
 
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
-from hyperqwen.engine.features import KVARN
+from hyperqwen.engine.features import FEATURES, KVARN
 from hyperqwen.kv_choices import CUSTOM, KVARN_CHOICE, KVARN_MAX_DRAFTS
 from hyperqwen.kvarn.backend import KVarNBackend
 from hyperqwen.kvarn.layout import TileLayout
@@ -50,18 +50,24 @@ def kvarn_registered(monkeypatch):
     register()
 
 
-def served_config(vllm_serve, model, drafts: int, drafter_backend: bool = True):
-    """vLLM's config from the launcher's argv for KV=kvarn, SPEC=mtp, as `vllm serve` builds it;
-    with `drafter_backend=False`, the speculative config as it was before (no backend)."""
+def served_config(vllm_serve, model, drafts: int, drafter_backend: bool = True, monkeypatch=None,
+                  **more_knobs):  # fmt: skip
+    """vLLM's config from the launcher's argv for KV=kvarn, SPEC=mtp (and `more_knobs`), as
+    `vllm serve` builds it; with `drafter_backend=False`, the speculative config as it was
+    before (no backend). With monkeypatch, the engine features' variables of the launcher's
+    environment are set in this process, as `hyperqwen serve` gives them to vLLM's."""
     import json
 
     from vllm.engine.arg_utils import EngineArgs
 
     knobs = {"KV": KVARN_CHOICE, "SPEC": "mtp", "DRAFT_TOKENS": str(drafts), "MODEL": str(model)}
-    knobs |= {"MAX_LEN": "2048", "MAX_SEQS": "2"}
-    argv = build_launch(
+    knobs |= {"MAX_LEN": "2048", "MAX_SEQS": "2", **more_knobs}
+    plan = build_launch(
         LoadedSettings(Settings.model_validate(knobs), frozenset(knobs)), "single", None
-    ).argv
+    )
+    argv = plan.argv
+    for name in (feature.env for feature in FEATURES if monkeypatch and feature.env in plan.env):
+        monkeypatch.setenv(name, plan.env[name])
     if not drafter_backend:
         at = argv.index("--speculative-config") + 1
         spec = json.loads(argv[at])
@@ -159,6 +165,28 @@ def test_vllm_unifies_the_drafters_kvarn_pages_with_the_targets(preset, vllm_ser
             assert spec == kvarn and block_size % layout.tokens == 0
             tiles = block_size // layout.tokens
             assert spec.page_size_bytes == tiles * geometry.num_key_value_heads * layout.tile_bytes
+
+
+def test_3_bit_values_reach_vllms_pages_through_the_launchers_environment(
+    preset, vllm_serve, monkeypatch
+):
+    """KVARN_V_BITS=3: the launcher's variable gives every KVarN layer, the drafter's too,
+    tiles of 3-bit values, and vLLM's alignment and unification size the pool with them."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    name, model = preset
+    geometry = PRESETS[name]
+    config = served_config(vllm_serve, model, KVARN_MAX_DRAFTS, monkeypatch=monkeypatch,
+                           KVARN_V_BITS="3")  # fmt: skip
+    specs, _ = kv_cache_specs(config, geometry)
+    (kv_cache,) = get_kv_cache_configs(config, [specs], [GiB])
+    layout = TileLayout(head_dim=geometry.head_dim, v_bits=3)
+    tiles = config.cache_config.block_size // layout.tokens
+    page = tiles * geometry.num_key_value_heads * layout.tile_bytes
+    attention = [s for s in specs.values() if not isinstance(s, MambaSpec)]
+    assert all(spec.tq_slot_size == layout.slot_bytes for spec in attention)
+    assert {group.kv_cache_spec.page_size_bytes for group in kv_cache.kv_cache_groups} == {page}
 
 
 def test_without_the_drafters_backend_vllm_refuses_kvarns_pages(preset, vllm_serve):

@@ -9,10 +9,11 @@ Shapes: several requests of different context and chunk lengths in one launch (w
 chunks starting mid-tile and crossing tile boundaries, a chunk ending on one, a chunk of one
 query); programs smaller than a tile's queries, so that one program's queries read different
 filling blocks; grouped heads (2 per KV head), one query head per KV head, the 27B's 24 / 4 of
-head_dim 256; sinks evicted from the side cache (read quantized) beside one in 16 bits; bf16
-and fp16; a pool past 2^32 bytes. Under the interpreter the dots' operands are fp32
-(decode.dot_operands) and bf16 output conversion truncates, so the bounds are
-test_kvarn_decode.py's; tests/test_kvarn_gpu.py checks the 16-bit operands at long contexts.
+head_dim 256; sinks evicted from the side cache (read quantized) beside one in 16 bits; bf16 and
+fp16; a pool past 2^32 bytes; tiles of 3-bit values (KVARN_V_BITS=3) at a small shape. Under the
+interpreter the dots' operands are fp32 (decode.dot_operands) and bf16 output conversion
+truncates, so the bounds are test_kvarn_decode.py's; tests/test_kvarn_gpu.py checks the 16-bit
+operands at long contexts.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ def test_prefill_matches_float64(seq_lens, query_lens, heads, kv_heads, d, dtype
         evicted_sinks=evicted,
     )  # fmt: skip
     assert_matches_float64(cache, run(cache, rows=rows))
+
+
+def test_3_bit_values_prefill_as_float64():
+    """Tiles of 3-bit values: a chunk after 2 tiles with its sink evicted (tiles 0 and 1 read
+    quantized), beside a whole prompt past its sink."""
+    cache = build_cache([2 * T + 30, T + 20], [90, T + 20], 4, 2, 64, seed=23,
+                        evicted_sinks=(0,), v_bits=3)  # fmt: skip
+    assert_matches_float64(cache, run(cache, rows=32))
 
 
 @pytest.mark.parametrize("evicted", [(), (0,)])

@@ -9,7 +9,8 @@ tiles, so that contexts take several) and the log-sum-exp merges are checked to 
 error. In bf16, with the interpreter rounding as a GPU does (tests/triton_bf16_dots.py), its
 error is bounded by the served kernel's (prefill.py with its bf16 dot operands) on the same
 cache: the scratch rounds the dequantized values to bf16 where the kernel rounds the query
-times the scales, and the test data's outliers make either rounding show.
+times the scales, and the test data's outliers make either rounding show. Tiles of 3-bit
+values (KVARN_V_BITS=3) in fp32 at a small shape.
 """
 
 from __future__ import annotations
@@ -67,6 +68,14 @@ def test_prefill_by_dequantization_matches_float64(
     monkeypatch.setattr(prefill_dequant, "SCRATCH_TILES", scratch_tiles)
     cache = build_cache(seq_lens, query_lens, heads, kv_heads, d, seed=len(seq_lens) + d,
                         dtype=torch.float32, evicted_sinks=evicted)  # fmt: skip
+    assert worst_error(dequantized(cache), cache.expected()) < FP32_BOUND
+
+
+def test_3_bit_values_by_dequantization_match_float64():
+    """Tiles of 3-bit values (dequantize_tiles reads the high plane) in the scratch: one
+    request's sink evicted (read quantized from the scratch), the other's kept."""
+    cache = build_cache([3 * T + 5, T + 9], [200, T + 9], 4, 2, 64, seed=29,
+                        dtype=torch.float32, evicted_sinks=(0,), v_bits=3)  # fmt: skip
     assert worst_error(dequantized(cache), cache.expected()) < FP32_BOUND
 
 

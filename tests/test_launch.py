@@ -15,6 +15,7 @@ from hyperqwen.engine.features import (
     DRAFT_VOCAB,
     GDN_BA,
     GDN_RECURRENT,
+    KVARN_V_BITS,
     LOOKUP,
     W4A16_LINEAR,
 )
@@ -317,6 +318,25 @@ def test_overlap_asked_for_without_prefix_caching_warns():
 def test_draft_vocab_reaches_the_patched_vllm_through_its_env(mode, values, expected):
     plan = build_launch(loaded(**values), mode, None)
     assert plan.env.get(DRAFT_VOCAB.env) == expected
+
+
+@pytest.mark.parametrize(
+    ("mode", "values", "expected", "warning"),
+    [
+        ("single", {"KV": "kvarn"}, None, None),  # unset: 2, the default
+        ("single", {"KV": "kvarn", "KVARN_V_BITS": "3"}, "3", None),
+        ("batch", {"KV": "kvarn", "KVARN_V_BITS": "3"}, "3", None),
+        ("single", {"KVARN_V_BITS": "3"}, None, "KVARN_V_BITS is ignored without KV=kvarn"),
+        ("batch", {"KV": "fp8", "KVARN_V_BITS": "2"}, None, "ignored without KV=kvarn"),
+    ],
+)
+def test_kvarn_v_bits_reach_the_backend_through_its_env(mode, values, expected, warning):
+    """KVarN's value bits become the variable its backend builds its tiles with (unset: 2),
+    only with KV=kvarn; set without it, the launch warns."""
+    plan = build_launch(loaded(**values), mode, None)
+    assert plan.env.get(KVARN_V_BITS.env) == expected
+    said = [w for w in plan.warnings if "KVARN_V_BITS" in w]
+    assert (warning is None and not said) or any(warning in w for w in said)
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,9 @@ def test_unknown_variables_are_ignored_and_defaults_hold():
         # vLLM takes no fp8 GDN state (config/cache.py: MambaDType)
         ("STATE_DTYPE", "fp8", "auto | float32 | bfloat16 | float16"),
         ("STATE_DTYPE", "bf16", "auto | float32 | bfloat16 | float16"),
+        # KVarN's value bits: 2 or 3 (kvarn/layout.py stores no other)
+        ("KVARN_V_BITS", "4", "2 | 3"),
+        ("KVARN_V_BITS", "abc", "2 | 3"),
     ],
 )
 def test_refusal_names_knob_value_and_allowed(name, value, allowed):

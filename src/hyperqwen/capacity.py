@@ -40,8 +40,10 @@ GiB = 1 << 30
 # (interface.py: _align_hybrid_block_size, kernel_block_alignment_size).
 KERNEL_BLOCK_TOKENS = 16
 # KVarN's backend takes only its 128-token tiles (kvarn/quantize.py: TILE_TOKENS; not imported
-# here, which would load torch and Triton into every launch)
+# here, which would load torch and Triton into every launch), of 2-bit values unless its value
+# bits say otherwise (quantize.py: V_BITS; CacheSetup.v_bits)
 KVARN_TILE_TOKENS = 128
+KVARN_DEFAULT_VALUE_BITS = 2
 # Qwen3.5 checkpoints are bfloat16: the conv state and an "auto" KV cache take the model dtype
 # (mamba_utils.py: MambaStateDtypeCalculator._mamba_state_dtype).
 MODEL_DTYPE_BYTES = 2
@@ -92,9 +94,12 @@ CUDA_GRAPH_BYTES = 768 * MiB
 ACTIVATION_SCALE = 2.4
 
 
-def attention_token_bytes(kv_cache_dtype: str, kv_heads: int, head_dim: int) -> int:
+def attention_token_bytes(
+    kv_cache_dtype: str, kv_heads: int, head_dim: int, v_bits: int = KVARN_DEFAULT_VALUE_BITS
+) -> int:
     """Bytes one token's K and V take in one attention layer (kv_cache_interface.py:
-    AttentionSpec.page_size_bytes at block_size 1; TQFullAttentionSpec for TurboQuant)."""
+    AttentionSpec.page_size_bytes at block_size 1; TQFullAttentionSpec for TurboQuant and
+    KVarN, whose tiles hold values of v_bits)."""
     if kv_cache_dtype in ("auto", "bfloat16", "float16"):
         return 2 * kv_heads * head_dim * MODEL_DTYPE_BYTES
     if kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
@@ -111,7 +116,7 @@ def attention_token_bytes(kv_cache_dtype: str, kv_heads: int, head_dim: int) -> 
     if kv_cache_dtype == KVARN_CHOICE:  # the pool vLLM budgets; its side cache: kvarn_side_bytes
         from hyperqwen.kvarn.layout import TileLayout
 
-        return kv_heads * TileLayout(head_dim=head_dim).slot_bytes
+        return kv_heads * TileLayout(head_dim=head_dim, v_bits=v_bits).slot_bytes
     raise ValueError(f"kv cache dtype {kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
 
 
@@ -181,6 +186,16 @@ class CacheSetup:
     # the replay verify (an engine feature's one_gdn_state_per_request) with drafts: one state
     # block per request (two under prefix caching), its page holding the verify's inputs too
     replay: bool = False
+    # the bits of each value in KVarN's tiles (an engine feature's kvarn_value_bits), whatever
+    # the cache: `hyperqwen capacity` sizes kvarn beside it
+    v_bits: int = KVARN_DEFAULT_VALUE_BITS
+
+    @property
+    def kv_name(self) -> str:
+        """The KV cache as messages name it: its dtype, with KVarN's value bits."""
+        if self.kv_cache_dtype == KVARN_CHOICE:
+            return f"{KVARN_CHOICE}, {self.v_bits}-bit V"
+        return self.kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -237,7 +252,7 @@ def state_terms(setup: CacheSetup) -> str:
 def pool_layout(g: Geometry, setup: CacheSetup) -> PoolLayout:
     tp = setup.tensor_parallel
     kv_heads = max(1, g.num_key_value_heads // tp)  # ModelConfig.get_num_kv_heads
-    token_bytes = attention_token_bytes(setup.kv_cache_dtype, kv_heads, g.head_dim)
+    token_bytes = attention_token_bytes(setup.kv_cache_dtype, kv_heads, g.head_dim, setup.v_bits)
     replay = setup.replay and setup.draft_tokens > 0  # without drafts the layer keeps vLLM's page
     state = recurrent_state_bytes(g, setup.ssm_dtype, setup.draft_tokens, tp)
     if replay:

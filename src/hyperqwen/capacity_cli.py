@@ -104,9 +104,9 @@ def kvarn_row(
     return [
         f"| {KVARN_CHOICE} | {layout.block_tokens:,} | {' | '.join(lengths)} | {serves} |",
         "",
-        f"{KVARN_CHOICE}: HyperQwen's 4-bit K / 2-bit V cache (src/hyperqwen/kvarn), at "
-        f"{step:,} tokens a step, less its 16-bit side cache for that many slots and its "
-        "prefill scratch.",
+        f"{KVARN_CHOICE}: HyperQwen's 4-bit K / {kvarn.v_bits}-bit V cache "
+        f"(src/hyperqwen/kvarn), at {step:,} tokens a step, less its 16-bit side cache for that "
+        "many slots and its prefill scratch.",
     ]
 
 
@@ -118,7 +118,7 @@ def residency_table(machine: Machine, setup: CacheSetup, gpu_util: float, batche
     lengths = " | ".join(f"resident at {n:,} tokens" for n in BATCH_REQUEST_TOKENS)
     lines = [
         f"{how}, at {batched:,} tokens a step: {pool / GiB:.2f} GiB for KV cache "
-        f"({setup.kv_cache_dtype}) and recurrent state (prefix caching "
+        f"({setup.kv_name}) and recurrent state (prefix caching "
         f"{'on' if setup.prefix_caching else 'off'}). A run at "
         + " or ".join(f"C{c}" for c in BATCH_CONCURRENCY)
         + " keeps every request resident only where the count is at least C (and MAX_SEQS "
@@ -189,14 +189,16 @@ def add_subcommand(sub) -> None:
     state_features = [feature for feature in FEATURES if feature.one_gdn_state_per_request]
     state_knobs = ", ".join(feature.knob for feature in state_features)
     state_knobs_on = " ".join(f"{feature.knob}=1" for feature in state_features)
+    # the knob of KVarN's value bits, which its row sizes with
+    bits_knobs = "".join(f"{f.knob} (kvarn's row), " for f in FEATURES if f.kvarn_value_bits)
     parser = sub.add_parser(
         "capacity",
         help="how many tokens of context this card holds per KV-cache dtype (single mode), "
         "or how many requests stay resident per state dtype (--mode batch)",
         description=(__doc__ or "").split("\n\n", 1)[-1],
         epilog=f"The model, SPEC, DRAFT_TOKENS, {state_knobs}, PREFIX_CACHE, GPU_UTIL, KV, "
-        "STATE_DTYPE and CTX (its prefill batch) come from the environment or .env, as for "
-        "`hyperqwen serve`.\nExamples: hyperqwen capacity --card-gib 24; hyperqwen capacity "
+        f"{bits_knobs}STATE_DTYPE and CTX (its prefill batch) come from the environment or .env, "
+        "as for `hyperqwen serve`.\nExamples: hyperqwen capacity --card-gib 24; hyperqwen capacity "
         f"--mode batch --card-gib 140; DRAFT_TOKENS=15 {state_knobs_on} hyperqwen capacity "
         "--card-gib 24",
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -83,7 +83,7 @@ def _card_capacity(
             how += f" - {gib(side)} GiB KVarN side cache ({seqs} sequences) and prefill scratch"
     capacity = Capacity(pool_layout(machine.geometry, setup), pool)
     room = (
-        f"{how} leaves {gib(max(pool, 0))} GiB for the KV cache ({setup.kv_cache_dtype}) and "
+        f"{how} leaves {gib(max(pool, 0))} GiB for the KV cache ({setup.kv_name}) and "
         f"recurrent state ({state_terms(setup)})"
     )
     return capacity, room

@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hyperqwen.capacity import CacheSetup, Machine
+from hyperqwen.capacity import KVARN_DEFAULT_VALUE_BITS, CacheSetup, Machine
 from hyperqwen.capacity_fit import (
     CapacityRefusal,
     ContextFit,
@@ -32,7 +32,7 @@ from hyperqwen.engine.features import (
     serve_refusal as feature_refusal,
 )
 from hyperqwen.gpu import cards_below
-from hyperqwen.kv_choices import KV_CHOICES, capability_refusal, speculation_refusal
+from hyperqwen.kv_choices import KV_CHOICES, KVARN_CHOICE, capability_refusal, speculation_refusal
 from hyperqwen.settings import (
     NO_REASONING_PARSER,
     LoadedSettings,
@@ -264,6 +264,13 @@ def cache_setup(
         feature.one_gdn_state_per_request and feature.env_for(settings, mode) == ON
         for feature in FEATURES
     )
+    # KVarN's value bits as KV=kvarn serves them, whatever KV is: `hyperqwen capacity` sizes
+    # kvarn beside the chosen cache
+    as_kvarn = settings.model_copy(update={"KV": KVARN_CHOICE})
+    v_bits = next(
+        (int(f.state(f.env_for(as_kvarn, mode))) for f in FEATURES if f.kvarn_value_bits),
+        KVARN_DEFAULT_VALUE_BITS,
+    )
     return CacheSetup(
         kv_cache_dtype(settings, profile),
         ssm_cache_dtype(settings, profile),
@@ -272,6 +279,7 @@ def cache_setup(
         prefix_caching=settings.PREFIX_CACHE == "1",
         tensor_parallel=tensor_parallel,
         replay=replay,
+        v_bits=v_bits,
     )
 
 

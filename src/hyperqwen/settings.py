@@ -165,8 +165,9 @@ class ServingKnobs(BaseModel):
         "(fp8_e4m3 is the same; fp8_e5m2 keeps less precision); *_per_token_head add a scale "
         "per token and head (int4 halves fp8 again) and run Triton attention, fp8_per_token_head "
         "on sm89+ only; turboquant_* (3-4 bit) run TurboQuant, never with SPEC other than off; "
-        "kvarn: HyperQwen's 4-bit K / 2-bit V tiles (src/hyperqwen/kvarn), SPEC=mtp (at most 3 "
-        "drafts) or off; the most context per GiB, but slower than fp8 today, in decode and "
+        "kvarn: HyperQwen's 4-bit K / 2-bit (or 3-bit) V tiles (src/hyperqwen/kvarn), SPEC=mtp "
+        "(at most 3 drafts) or off; the most context per GiB, but slower than fp8 today, in "
+        "decode and "
         "far more in a cold prefill (docs/long-context.md, 'Decode deep in a long context'). "
         "Which works with what, and what a card holds with each: docs/long-context.md; "
         "batch/README.md has fp8's measured cost.",

@@ -169,6 +169,10 @@ class Feature:
     """Whether `hyperqwen serve` asks its module's `serve_refusal(value, gpus, model_dir)`,
     before vLLM starts, why the variable's value cannot serve on these GPUs (hyperqwen.gpu.Gpu)
     and this model folder (None: it can). Only a feature whose variable is set is asked."""
+    kvarn_value_bits: bool = False
+    """Whether its variable's value (unset: its `unset`) is the bits of each value in KV=kvarn's
+    tiles: the capacity budget sizes KVarN's pages with it (capacity.py, through the launcher's
+    cache setup), as the backend does its pool."""
 
     @property
     def needs_v1_runner(self) -> bool:

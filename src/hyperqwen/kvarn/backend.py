@@ -10,7 +10,9 @@ The pieces:
 - KV cache: one tensor per layer, layout.py's pool uint8 [num_blocks, num_kv_heads, tile_bytes]
   with vLLM blocks of 128 tokens (the only kernel block size it declares); `kv_cache_spec`
   budgets a page as `TQFullAttentionSpec(tq_slot_size=slot_bytes)` does, block_size *
-  num_kv_heads * slot_bytes bytes, uint8.
+  num_kv_heads * slot_bytes bytes, uint8. The tiles' value bits are the process's
+  (`served_layout`: HYPERQWEN_KVARN_V_BITS, which the launcher sets from KVARN_V_BITS), so the
+  pages, the pool and the kernels agree.
 - The side cache: 16-bit K and V tiles in a few slots per running request (sizing.py), one
   per layer; which slot holds which pool block (`slot_of_block`) is decided on the host by
   the builder's slots.SlotAllocator from the block tables and each request's token counts,
@@ -72,6 +74,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID, split_decodes_and_prefills
 
+from hyperqwen.engine.kvarn_v_bits import value_bits
 from hyperqwen.kvarn.decode import decode_attention
 from hyperqwen.kvarn.layout import TileLayout
 from hyperqwen.kvarn.prefill import prefill_attention
@@ -106,6 +109,12 @@ def decode_splits(num_reqs: int, kv_heads: int, multiprocessors: int) -> int:
     """Split-K programs per (request, KV head) for a decode batch of num_reqs requests."""
     wanted = multiprocessors // (num_reqs * kv_heads) - 1  # one 16-bit program per pair
     return max(1, min(MAX_DECODE_SPLITS, wanted))
+
+
+def served_layout(head_size: int) -> TileLayout:
+    """The tiles this process serves: head_size's, of this process's value bits (its variable,
+    engine/kvarn_v_bits.py; a value it does not take is refused by name)."""
+    return TileLayout(head_dim=head_size, v_bits=value_bits())
 
 
 def flash_attention_serves(head_size: int) -> bool:
@@ -161,7 +170,7 @@ class KVarNBackend(AttentionBackend):
                 f"KVarN's kernel block is one {TILE_TOKENS}-token tile; vLLM asked for "
                 f"{block_size} (KV=kvarn)"
             )
-        return TileLayout(head_dim=head_size).pool_shape(num_blocks, num_kv_heads)
+        return served_layout(head_size).pool_shape(num_blocks, num_kv_heads)
 
     @staticmethod
     def kv_cache_spec(block_size: int, num_kv_heads: int, head_size: int):
@@ -174,7 +183,7 @@ class KVarNBackend(AttentionBackend):
             head_size=head_size,
             head_size_v=head_size,
             dtype=torch.uint8,
-            tq_slot_size=TileLayout(head_dim=head_size).slot_bytes,
+            tq_slot_size=served_layout(head_size).slot_bytes,
         )
 
 
@@ -411,7 +420,7 @@ class KVarNImpl(AttentionImpl[KVarNMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
-        self.layout = TileLayout(head_dim=head_size)
+        self.layout = served_layout(head_size)
         self.side: SideCache | None = None
         self.multiprocessors: int | None = None  # the GPU's, read at the first decode
         self.dequantized_prefill: bool | None = None  # decided at the first forward

@@ -23,6 +23,8 @@ one cache copy (every work item reads the whole context, so L2 serves most reads
 
     python -m hyperqwen.kvarn.bench --prefill --contexts 32768 114688 --chunks 8192 \\
         --out kvarn-prefill.json
+
+`--v-bits 3` times KVarN's tiles of 3-bit values (KVARN_V_BITS=3) instead of 2-bit ones.
 """
 
 from __future__ import annotations
@@ -49,15 +51,15 @@ def _tables(batch: int, blocks_per_req: int, generator):
     return order.reshape(batch, blocks_per_req).cuda()
 
 
-def _kvarn_copy(context: int, batch: int, queries: int, source, generator):
-    """One layer's KVarN cache for `batch` requests of `context` tokens: a dict of
-    decode_attention's arguments."""
+def _kvarn_copy(context: int, batch: int, queries: int, source, generator, v_bits: int):
+    """One layer's KVarN cache of `v_bits`-bit values for `batch` requests of `context`
+    tokens: a dict of decode_attention's arguments."""
     import torch
 
     from hyperqwen.kvarn.layout import TileLayout
     from hyperqwen.kvarn.store import store_tiles
 
-    layout = TileLayout(head_dim=D)
+    layout = TileLayout(head_dim=D, v_bits=v_bits)
     blocks = math.ceil(context / T)
     block_table = _tables(batch, blocks, generator)
     pool = torch.empty(
@@ -126,7 +128,7 @@ def stages_key(stages: int, splits: int, served: int) -> str:
 
 
 def measure(context: int, batch: int, queries: int, splits: tuple[int, ...],
-            stages: tuple[int, ...] | None, log) -> dict:  # fmt: skip
+            stages: tuple[int, ...] | None, log, v_bits: int = 2) -> dict:  # fmt: skip
     """Times in µs of one layer's decode attention: {"kvarn": {stages_key: us}, "fa_bf16": us,
     "fa_fp8": us} (a failure's message instead of a time), and the bytes each cache reads.
     stages: the partition kernel's pipelines to sweep, the served one if None."""
@@ -143,10 +145,12 @@ def measure(context: int, batch: int, queries: int, splits: tuple[int, ...],
     source = tuple(
         torch.randn(context, KV_HEADS, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)
     )
-    layout = TileLayout(head_dim=D)
+    layout = TileLayout(head_dim=D, v_bits=v_bits)
     kvarn_bytes = int(batch * KV_HEADS * bytes_per_token(layout, context) * context)
     entry = {"kvarn": {}, "bytes": {"kvarn": kvarn_bytes}}
-    copies = [_kvarn_copy(context, batch, queries, source, g) for _ in range(_copies(kvarn_bytes))]
+    copies = [
+        _kvarn_copy(context, batch, queries, source, g, v_bits) for _ in range(_copies(kvarn_bytes))
+    ]
     del source
     for pipeline in stages or (served,):
         for n in splits:
@@ -193,7 +197,7 @@ def eager_time_us(launch, repeats: int = EAGER_REPEATS) -> float:
     return statistics.median(times)
 
 
-def measure_prefill(context: int, chunk: int, rows: tuple[int, ...], log) -> dict:
+def measure_prefill(context: int, chunk: int, rows: tuple[int, ...], log, v_bits: int = 2) -> dict:
     """Times in µs of one layer's prefill attention of a `chunk`-token chunk after `context`
     tokens: {"kvarn": {rows: us, "dequantized": us}, "fa_bf16": us, "fa_fp8": us} (a failure's
     message instead of a time)."""
@@ -208,7 +212,7 @@ def measure_prefill(context: int, chunk: int, rows: tuple[int, ...], log) -> dic
     source = tuple(
         torch.randn(total, KV_HEADS, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)
     )
-    kvarn = _kvarn_copy(total, 1, chunk, source, g)
+    kvarn = _kvarn_copy(total, 1, chunk, source, g, v_bits)
     del source, kvarn["max_query_len"]
     kvarn["host_query_start_loc"] = kvarn["query_start_loc"].cpu()
     kvarn["host_seq_lens"] = kvarn["seq_lens"].cpu()
@@ -259,9 +263,10 @@ def result(raw: dict, command: str, commit: str) -> dict:
             "One layer's decode attention (rows kvarn_decode_*) or prefill attention of one "
             "chunk (kvarn_prefill_*), ms per launch, lower is better. stock = vLLM's "
             "FlashAttention (FA3 on sm90) over a paged fp8 e4m3 cache with unit scales; "
-            "patched = KVarN (src/hyperqwen/kvarn/decode.py; prefill.py, prefill_dequant.py) at "
-            "its fastest split count (and pipeline, where swept) or prefill path; raw holds "
-            "every one, FA over bf16 and the bytes each decode cache holds.",
+            f"patched = KVarN with {raw['v_bits']}-bit values (src/hyperqwen/kvarn/decode.py; "
+            "prefill.py, prefill_dequant.py) at its fastest split count (and pipeline, where "
+            "swept) or prefill path; raw holds every one, FA over bf16 and the bytes each "
+            "decode cache holds.",
             "Decode: median of 15 CUDA-graph replays timed with CUDA events, one launch per "
             "layer copy, copies together past 256 MiB (hyperqwen/bench/timing.py). Prefill: "
             f"median of {EAGER_REPEATS} eager launches timed with CUDA events, one copy.",
@@ -295,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunks", type=int, nargs="+", default=[8192])
     parser.add_argument("--rows", type=int, nargs="+", default=list(PREFILL_ROWS),
                         help="prefill: query rows per program")  # fmt: skip
+    parser.add_argument("--v-bits", type=int, choices=(2, 3), default=2,
+                        help="bits per value in KVarN's tiles (layout.py)")  # fmt: skip
     parser.add_argument("--out", help="default kvarn-decode.json (kvarn-prefill.json)")
     parser.add_argument("--commit", help="the checkout's commit (default: git describe)")
     return parser
@@ -317,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_version = f"vLLM {vllm.__version__}: its FlashAttention called directly"
     except ImportError as missing:
         vllm_version = f"vLLM not importable ({missing}): no FlashAttention baseline"
-    raw = {"gpu": gpu_label(), "vllm": vllm_version,
+    raw = {"gpu": gpu_label(), "vllm": vllm_version, "v_bits": args.v_bits,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cases": []}  # fmt: skip
     command = shlex.join(["python", "-m", "hyperqwen.kvarn.bench", *sys.argv[1:]])
     out = Path(args.out or ("kvarn-prefill.json" if args.prefill else "kvarn-decode.json"))
@@ -325,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [
             (f"context {context}, chunk {chunk}:", {"context": context, "chunk": chunk},
              lambda context=context, chunk=chunk: measure_prefill(
-                 context, chunk, tuple(args.rows), print))
+                 context, chunk, tuple(args.rows), print, args.v_bits))
             for context in args.contexts for chunk in args.chunks
         ]  # fmt: skip
     else:
@@ -334,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             (f"context {context}, batch {batch}, {queries} queries:",
              {"context": context, "batch": batch, "queries": queries},
              lambda context=context, batch=batch, queries=queries: measure(
-                 context, batch, queries, tuple(args.splits), stages, print))
+                 context, batch, queries, tuple(args.splits), stages, print, args.v_bits))
             for context in args.contexts for batch in args.batch for queries in args.queries
         ]  # fmt: skip
     for title, shape, run in cases:

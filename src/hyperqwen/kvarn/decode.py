@@ -86,7 +86,7 @@ def _online_softmax(scores, m_i, l_i, acc):
 @triton.jit
 def attend_quantized_part(tile, start, qr, reads, sm_scale, m_i, l_i, acc,
                           BLOCK_N: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
-                          DOT: tl.constexpr):  # fmt: skip
+                          V_LEVELS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
     """Tokens start .. start + BLOCK_N - 1 of one quantized tile (its first byte `tile`) into
     the running softmax of the rotated query rows qr [rows, D] (fp32) whose `reads` [rows] is
     set; acc accumulates in the rotated basis. The scales are folded into the small operands
@@ -105,7 +105,7 @@ def attend_quantized_part(tile, start, qr, reads, sm_scale, m_i, l_i, acc,
     p, m_i, l_i, acc = _online_softmax(scores, m_i, l_i, acc)
     v_scale = tl.load(fp16_section(tile, AT.v_scale) + rows).to(tl.float32)
     v_zero = tl.load(fp16_section(tile, AT.v_zero) + rows).to(tl.float32)
-    codes = v_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D).to(DOT)
+    codes = v_codes(tile, rows[:, None], 0, BLOCK_N, D, AT, D, V_LEVELS).to(DOT)
     acc += tl.dot((p * v_scale[None, :]).to(DOT), codes)
     acc += tl.sum(p * v_zero[None, :], axis=1)[:, None]
     return m_i, l_i, acc
@@ -140,7 +140,7 @@ def attend_side_tile(side_k, side_v, stride_kt, stride_vt, b, in_side, reads, q,
 def attend_quantized_tiles(pool_ptr, table, stride_block, stride_head, kv_head, first, end, qr,
                            filling, sm_scale, m_i, l_i, acc, BLOCK_N: tl.constexpr,
                            T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
-                           DOT: tl.constexpr):  # fmt: skip
+                           V_LEVELS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
     """Block positions first .. end - 1 of a request's table, read quantized from the pool by
     the rows whose filling block [rows] is past them, BLOCK_N tokens per iteration of one
     loop (so a pipelined launch copies the next part while this one's dots run). Returns
@@ -152,7 +152,7 @@ def attend_quantized_tiles(pool_ptr, table, stride_block, stride_head, kv_head, 
         tile = pool_ptr + block * stride_block + kv_head.to(tl.int64) * stride_head
         m_i, l_i, acc = attend_quantized_part(tile, (part % PARTS) * BLOCK_N, qr, b < filling,
                                               sm_scale, m_i, l_i, acc, BLOCK_N, D, AT,
-                                              DOT)  # fmt: skip
+                                              V_LEVELS, DOT)  # fmt: skip
     return m_i, l_i, acc
 
 
@@ -193,7 +193,7 @@ def _partition_kernel(q_ptr, pool_ptr, block_table_ptr, side_k_ptr, side_v_ptr, 
                       stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh, stride_pms,
                       G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
-                      DOT: tl.constexpr):  # fmt: skip
+                      V_LEVELS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -227,7 +227,7 @@ def _partition_kernel(q_ptr, pool_ptr, block_table_ptr, side_k_ptr, side_v_ptr, 
         m_i, l_i, acc = attend_quantized_tiles(
             pool_ptr, table, stride_block, stride_head, kv_head, first,
             tl.minimum(first + share, last_filling), qr, filling, sm_scale, m_i, l_i, acc,
-            BLOCK_N, T, D, AT, DOT,
+            BLOCK_N, T, D, AT, V_LEVELS, DOT,
         )  # fmt: skip
     else:
         m_i, l_i, acc = attend_side_tiles(
@@ -417,8 +417,8 @@ def decode_attention(
         *side_k.stride()[:3], *side_v.stride()[:3],
         *part_o.stride()[:3], *part_ml.stride()[:3],
         G=group, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, T=layout.tokens, D=d, AT=layout.offsets, DOT=dot_operands(query.dtype),
-        num_warps=PARTITION_WARPS, num_stages=num_stages,
+        BLOCK_N=BLOCK_N, T=layout.tokens, D=d, AT=layout.offsets, V_LEVELS=layout.v_levels,
+        DOT=dot_operands(query.dtype), num_warps=PARTITION_WARPS, num_stages=num_stages,
     )  # fmt: skip
     _merge_kernel[(num_tokens, kv_heads)](
         part_o, part_ml, out, num_splits,

@@ -40,15 +40,23 @@ def k_codes(tile, rows, first, ROWS: tl.constexpr, WIDTH: tl.constexpr, AT: tl.c
 
 @triton.jit
 def v_codes(tile, rows, first, ROWS: tl.constexpr, WIDTH: tl.constexpr, AT: tl.constexpr,
-            D: tl.constexpr):  # fmt: skip
-    """As k_codes for the 2-bit value codes; first a multiple of 4."""
+            D: tl.constexpr, V_LEVELS: tl.constexpr):  # fmt: skip
+    """As k_codes for the value codes, 2-bit (V_LEVELS 3) or 3-bit (7: the low two bits as
+    2-bit ones, bit 2 from the v_high plane, layout.py); first a multiple of 4 (of 8 for
+    3-bit codes)."""
     columns = first // 4 + tl.arange(0, WIDTH // 4)[None, :]
     packed = tl.load(tile + AT.v_codes + rows * (D // 4) + columns).to(tl.int32)
     # channel 4b + 2j + i sits at bits 2(2j + i); joining the i = 0 and i = 1 pairs last
     # puts i innermost
     evens = tl.join(packed & 3, (packed >> 4) & 3)
     odds = tl.join((packed >> 2) & 3, (packed >> 6) & 3)
-    return tl.reshape(tl.join(evens, odds), (ROWS, WIDTH))
+    codes = tl.reshape(tl.join(evens, odds), (ROWS, WIDTH))
+    if V_LEVELS > 3:  # a constexpr branch: 2-bit tiles compile without it
+        planes = first // 8 + tl.arange(0, WIDTH // 8)[None, :]
+        high = tl.load(tile + AT.v_high + rows * (D // 8) + planes).to(tl.int32)
+        bits = (high[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1  # channel 8b + i
+        codes += tl.reshape(bits, (ROWS, WIDTH)) << 2
+    return codes
 
 
 @triton.jit
@@ -65,16 +73,17 @@ def _keys(tile, rows, first, ROWS: tl.constexpr, WIDTH: tl.constexpr, AT: tl.con
 
 @triton.jit
 def _values(tile, rows, first, ROWS: tl.constexpr, WIDTH: tl.constexpr, AT: tl.constexpr,
-            D: tl.constexpr):  # fmt: skip
+            D: tl.constexpr, V_LEVELS: tl.constexpr):  # fmt: skip
     """q·s + z of those channels, fp32 [ROWS, WIDTH], in the rotated basis."""
     scale = tl.load(fp16_section(tile, AT.v_scale) + rows).to(tl.float32)
     zero = tl.load(fp16_section(tile, AT.v_zero) + rows).to(tl.float32)
-    return v_codes(tile, rows, first, ROWS, WIDTH, AT, D).to(tl.float32) * scale + zero
+    codes = v_codes(tile, rows, first, ROWS, WIDTH, AT, D, V_LEVELS)
+    return codes.to(tl.float32) * scale + zero
 
 
 @triton.jit
 def _decoded(tile, rows, IS_KEY: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-             AT: tl.constexpr, UNROTATE: tl.constexpr):  # fmt: skip
+             AT: tl.constexpr, V_LEVELS: tl.constexpr, UNROTATE: tl.constexpr):  # fmt: skip
     """A tile's keys or values, fp32 [T, D]; rotated back 16 channels at a time (hadamard.py:
     one dot over the whole tile would need more shared memory than sm86 has)."""
     if UNROTATE:
@@ -83,13 +92,13 @@ def _decoded(tile, rows, IS_KEY: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
             if IS_KEY:
                 chunk = _keys(tile, rows, first, T, 16, AT, D)
             else:
-                chunk = _values(tile, rows, first, T, 16, AT, D)
+                chunk = _values(tile, rows, first, T, 16, AT, D, V_LEVELS)
             acc = hadamard_chunk_into(acc, chunk, first, D)
         out = hadamard_chunks_done(acc, D)
     elif IS_KEY:
         out = _keys(tile, rows, 0, T, D, AT, D)
     else:
-        out = _values(tile, rows, 0, T, D, AT, D)
+        out = _values(tile, rows, 0, T, D, AT, D, V_LEVELS)
     return out
 
 
@@ -98,14 +107,14 @@ def _dequant_kernel(pool_ptr, block_ids_ptr, k_ptr, v_ptr,
                     stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
                     stride_block, stride_head,
                     T: tl.constexpr, D: tl.constexpr, AT: tl.constexpr,
-                    UNROTATE: tl.constexpr):  # fmt: skip
+                    V_LEVELS: tl.constexpr, UNROTATE: tl.constexpr):  # fmt: skip
     index, head, tile = program_tile(pool_ptr, block_ids_ptr, stride_block, stride_head)
     rows = tl.arange(0, T)[:, None].to(tl.int64)
     d = tl.arange(0, D)[None, :]
-    k = _decoded(tile, rows, True, T, D, AT, UNROTATE)
+    k = _decoded(tile, rows, True, T, D, AT, V_LEVELS, UNROTATE)
     k_dst = k_ptr + index.to(tl.int64) * stride_kn + head.to(tl.int64) * stride_kh
     tl.store(k_dst + rows * stride_kt + d, k.to(k_ptr.dtype.element_ty))
-    v = _decoded(tile, rows, False, T, D, AT, UNROTATE)
+    v = _decoded(tile, rows, False, T, D, AT, V_LEVELS, UNROTATE)
     v_dst = v_ptr + index.to(tl.int64) * stride_vn + head.to(tl.int64) * stride_vh
     tl.store(v_dst + rows * stride_vt + d, v.to(v_ptr.dtype.element_ty))
 
@@ -132,7 +141,8 @@ def dequantize_tiles(
             pool, block_ids, k, v,
             *k.stride()[:3], *v.stride()[:3],
             pool.stride(0), pool.stride(1),
-            T=layout.tokens, D=layout.head_dim, AT=layout.offsets, UNROTATE=unrotate,
+            T=layout.tokens, D=layout.head_dim, AT=layout.offsets, V_LEVELS=layout.v_levels,
+            UNROTATE=unrotate,
             num_warps=8,
         )  # fmt: skip
     return k, v

@@ -5,8 +5,9 @@ asks for more than the card allows per block fails. sm86 and sm89 (RTX 3090, 409
 99 KB, sm80 (A100) 163 KB, sm90 (H100, H200) 227 KB. Each kernel is compiled with the
 arguments its launcher gives at the 27B's shapes (4 KV heads of head_dim 256, 24 query heads,
 a verify block of 4 queries, prefill programs of
-prefill.PREFILL_ROWS rows). `python -m hyperqwen.kvarn.fit [--json] [arch ...]` prints them,
-with each kernel's register spill stores.
+prefill.PREFILL_ROWS rows), in 2-bit tiles, and those that read or write value codes again in
+3-bit ones (NAME_v3). `python -m hyperqwen.kvarn.fit [--json] [arch ...]` prints them, with
+each kernel's register spill stores.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 GROUP_27B, VERIFY_QUERIES = 6, 4
 
 
-def _launches(d: int) -> dict:
+def _launches(d: int, v_bits: int = quantize.V_BITS) -> dict:
     """kernel name -> (jit function, pointer types, constexprs, num_warps, num_stages), as
-    the launchers call them for bf16 data."""
-    layout = TileLayout(head_dim=d)
+    the launchers call them for bf16 data in tiles of `v_bits`-bit values."""
+    layout = TileLayout(head_dim=d, v_bits=v_bits)
     tile_io = {"k_ptr": "*bf16", "v_ptr": "*bf16", "pool_ptr": "*u8", "block_ids_ptr": "*i32"}
     store_constants = dict(
         T=layout.tokens, D=d, AT=layout.offsets, K_LEVELS=quantize.K_LEVELS,
-        V_LEVELS=quantize.V_LEVELS, BALANCE_ROUNDS=quantize.BALANCE_ROUNDS,
+        V_LEVELS=layout.v_levels, BALANCE_ROUNDS=quantize.BALANCE_ROUNDS,
         GRID_ROUNDS=quantize.GRID_ROUNDS, MIN_SCALE=quantize.MIN_SCALE,
         MIN_STEP=quantize.MIN_STEP, K_COLUMNS=store.K_COLUMNS, V_ROWS=store.V_ROWS,
     )  # fmt: skip
@@ -57,17 +58,20 @@ def _launches(d: int) -> dict:
     block_m = decode.partition_rows(VERIFY_QUERIES, GROUP_27B)
     partition_constants = dict(
         G=GROUP_27B, BLOCK_M=block_m, BLOCK_N=decode.BLOCK_N, T=layout.tokens, D=d,
-        AT=layout.offsets, DOT=tl.bfloat16,
+        AT=layout.offsets, V_LEVELS=layout.v_levels, DOT=tl.bfloat16,
     )  # fmt: skip
     prefill_pointers = {
         name: kind for name, kind in partition_pointers.items() if not name.startswith("part_")
     } | {"work_ptr": "*i32", "out_ptr": "*bf16"}
     prefill_constants = dict(
         G=GROUP_27B, QUERIES=prefill.PREFILL_ROWS // GROUP_27B, BLOCK_M=prefill.PREFILL_ROWS,
-        BLOCK_N=decode.BLOCK_N, T=layout.tokens, D=d, AT=layout.offsets, DOT=tl.bfloat16,
+        BLOCK_N=decode.BLOCK_N, T=layout.tokens, D=d, AT=layout.offsets,
+        V_LEVELS=layout.v_levels, DOT=tl.bfloat16,
     )  # fmt: skip
     merge_pointers = {"part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16"}
-    dequant_constants = dict(T=layout.tokens, D=d, AT=layout.offsets, UNROTATE=True)
+    dequant_constants = dict(
+        T=layout.tokens, D=d, AT=layout.offsets, V_LEVELS=layout.v_levels, UNROTATE=True
+    )
     rotate_constants = dict(BLOCK_ROWS=hadamard.ROTATE_BLOCK_ROWS, N=d)
     return {
         "store": (
@@ -138,9 +142,20 @@ def _launches(d: int) -> dict:
     }
 
 
+# the kernels that read or write value codes, compiled again for 3-bit values (their own
+# branch of dequant.v_codes and of the store: KVARN_V_BITS=3), as NAME_v3
+VALUE_KERNELS = ("store", "dequant", "decode_partition", "prefill")
+
+
+def _table(d: int) -> dict:
+    """_launches' kernels of 2-bit tiles, and the VALUE_KERNELS of 3-bit ones."""
+    three = _launches(d, v_bits=3)
+    return _launches(d) | {f"{name}_v3": three[name] for name in VALUE_KERNELS}
+
+
 def compile_for(name: str, arch: int, d: int = HEAD_DIM_27B):
     """Kernel `name` (a key of the table) compiled for sm<arch>, as its launcher runs it."""
-    kernel, pointers, constants, warps, stages = _launches(d)[name]
+    kernel, pointers, constants, warps, stages = _table(d)[name]
     if stages is None:
         stages = decode.pipeline_stages(SHARED_LIMIT[arch], constants["BLOCK_M"], d)
     signature = {
@@ -156,7 +171,7 @@ def compile_for(name: str, arch: int, d: int = HEAD_DIM_27B):
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants,
                        attrs=divisible_by_16(kernel, hinted))  # fmt: skip
     options = {"num_warps": warps, "num_stages": stages}
-    if name == "store":
+    if kernel is store._store_kernel:
         options |= store.EXACT_ARITHMETIC
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
@@ -181,7 +196,7 @@ def footprint(name: str, arch: int) -> dict[str, int]:
     }
 
 
-KERNELS = tuple(_launches(HEAD_DIM_27B))
+KERNELS = tuple(_table(HEAD_DIM_27B))
 
 
 def main(argv: list[str]) -> int:

@@ -18,15 +18,23 @@ bits) to 4b + 3. Scales, zeros and token scales are fp16 (quantize.py says what 
     k_scale        [D] fp16         key grid step per channel
     k_zero         [D] fp16         key grid zero per channel
     k_token_scale  [T] fp16         r, the key normalisation per token
-    v_codes        [T, D/4] uint8   2-bit value codes, per-token grid
+    v_codes        [T, D/4] uint8   2-bit value codes (the low two bits of 3-bit ones),
+                                    per-token grid
     v_scale        [T] fp16         value grid step per token
     v_zero         [T] fp16         value grid zero per token
+    v_high         [T, D/8] uint8   3-bit values only (`v_bits=3`, else 0 bytes): bit 2 of
+                                    each value code, channel 8b + i in bit i
+
+Values take 2 bits (the default, issue 25's format) or 3 (the KVARN_V_BITS knob). The third
+bit is a plane of its own, last, so a 3-bit tile is the 2-bit tile with v_high appended: every
+other section keeps its offset, and a reader of the low two bits is the 2-bit one.
 
 The 16-bit parts of a sequence (its first 128 tokens, the attention sink, and its newest,
 still-filling tile) are not in the pool: the table below counts them as two bf16 tiles per
 sequence and KV head, spread over the context. The module appends both tables (sections,
 bytes per token) to this docstring when imported, so `help()` shows the code's numbers, not
-typed ones; `python -m hyperqwen.kvarn.layout` prints them.
+typed ones; `python -m hyperqwen.kvarn.layout` prints them (the sections of a 3-bit tile; the
+2-bit tile is the same without v_high).
 """
 
 from __future__ import annotations
@@ -39,12 +47,13 @@ from typing import NamedTuple
 import torch
 
 from hyperqwen.kvarn.hadamard import check_power_of_two
-from hyperqwen.kvarn.quantize import TILE_TOKENS, QuantizedTile
+from hyperqwen.kvarn.quantize import TILE_TOKENS, V_BITS, QuantizedTile
 
 SECTION_ALIGN = 16
 FP16_SECTIONS = ("k_scale", "k_zero", "k_token_scale", "v_scale", "v_zero")
 KV_HEADS_27B, FULL_ATTENTION_LAYERS_27B, HEAD_DIM_27B = 4, 16, 256
 TABLE_CONTEXTS = (4096, 32768, 114688)  # 114688 = 112k, issue 25's decode-tax context
+V_BITS_CHOICES = (2, 3)  # bits per value code a tile can store
 
 
 class SectionOffsets(NamedTuple):
@@ -57,23 +66,37 @@ class SectionOffsets(NamedTuple):
     v_codes: int
     v_scale: int
     v_zero: int
+    v_high: int
 
 
 @dataclass(frozen=True)
 class TileLayout:
     head_dim: int = HEAD_DIM_27B
     tokens: int = TILE_TOKENS
+    v_bits: int = V_BITS
 
     def __post_init__(self) -> None:
         check_power_of_two(self.head_dim, minimum=16)
         check_power_of_two(self.tokens, minimum=16, what="tile tokens")
+        if self.v_bits not in V_BITS_CHOICES:
+            raise ValueError(
+                f"v_bits={self.v_bits!r}: a KVarN tile stores values in "
+                f"{' or '.join(map(str, V_BITS_CHOICES))} bits"
+            )
+
+    @property
+    def v_levels(self) -> int:
+        """The highest value code: the kernels' V_LEVELS, quantize.py's v_levels."""
+        return 2**self.v_bits - 1
 
     @cached_property
     def sections(self) -> dict[str, tuple[int, int]]:
         """Section name -> (byte offset in the tile, byte size)."""
         t, d = self.tokens, self.head_dim
+        high = t * d // 8 if self.v_bits == 3 else 0
         sizes = {"k_codes": t * d // 2, "k_scale": 2 * d, "k_zero": 2 * d, "k_token_scale": 2 * t,
-                 "v_codes": t * d // 4, "v_scale": 2 * t, "v_zero": 2 * t}  # fmt: skip
+                 "v_codes": t * d // 4, "v_scale": 2 * t, "v_zero": 2 * t,
+                 "v_high": high}  # fmt: skip
         assert tuple(sizes) == SectionOffsets._fields
         offsets, at = {}, 0
         for name, size in sizes.items():
@@ -107,8 +130,8 @@ class TileLayout:
         ):
             raise ValueError(
                 f"a KVarN pool for head_dim {self.head_dim} is uint8 [num_blocks, num_kv_heads, "
-                f"{self.tile_bytes}] with contiguous tiles; got {pool.dtype} {list(pool.shape)} "
-                f"stride {pool.stride()}"
+                f"{self.tile_bytes}] with contiguous tiles ({self.v_bits}-bit values); got "
+                f"{pool.dtype} {list(pool.shape)} stride {pool.stride()}"
             )
 
 
@@ -121,9 +144,16 @@ def pack_tile(tile: QuantizedTile, layout: TileLayout) -> torch.Tensor:
     """The tile's bytes, uint8 [tile_bytes], padding zero (the reference for store.py)."""
     raw = torch.zeros(layout.tile_bytes, dtype=torch.uint8)
     k, v = tile.k_codes.to(torch.uint8), tile.v_codes.to(torch.uint8)
+    if int(v.max()) > layout.v_levels:
+        raise ValueError(f"value code {int(v.max())} in a tile of {layout.v_bits}-bit values")
     _section(raw, layout, "k_codes")[:] = (k[:, 0::2] | k[:, 1::2] << 4).reshape(-1)
-    v_bytes = v[:, 0::4] | v[:, 1::4] << 2 | v[:, 2::4] << 4 | v[:, 3::4] << 6
+    low = v & 3
+    v_bytes = low[:, 0::4] | low[:, 1::4] << 2 | low[:, 2::4] << 4 | low[:, 3::4] << 6
     _section(raw, layout, "v_codes")[:] = v_bytes.reshape(-1)
+    if layout.v_bits == 3:
+        high = (v >> 2).reshape(layout.tokens, -1, 8)
+        planes = sum(high[..., i] << i for i in range(8))
+        _section(raw, layout, "v_high")[:] = planes.reshape(-1)
     for name in FP16_SECTIONS:
         _section(raw, layout, name)[:] = getattr(tile, name).to(torch.float16).view(torch.uint8)
     return raw
@@ -136,6 +166,10 @@ def unpack_tile(raw: torch.Tensor, layout: TileLayout) -> QuantizedTile:
     v_bytes = _section(raw, layout, "v_codes").reshape(t, d // 4).to(torch.int64)
     k_codes = torch.stack((k_bytes & 15, k_bytes >> 4), dim=2).reshape(t, d)
     v_codes = torch.stack([(v_bytes >> (2 * i)) & 3 for i in range(4)], dim=2).reshape(t, d)
+    if layout.v_bits == 3:
+        planes = _section(raw, layout, "v_high").reshape(t, d // 8).to(torch.int64)
+        high = torch.stack([(planes >> i) & 1 for i in range(8)], dim=2).reshape(t, d)
+        v_codes = v_codes | high << 2
     numbers = {
         name: _section(raw, layout, name).clone().view(torch.float16).to(torch.float64)
         for name in FP16_SECTIONS
@@ -160,18 +194,20 @@ def fp8_bytes_per_token(head_dim: int) -> int:
     return 2 * head_dim  # vLLM's fp8 cache: one byte per element, per-layer scales only
 
 
-def bytes_table(layout: TileLayout | None = None) -> str:
+def bytes_table(head_dim: int = HEAD_DIM_27B) -> str:
     """Markdown: bytes per token against bf16 and fp8, per KV head and for the 27B's 16
-    full-attention layers of 4 KV heads each."""
-    layout = layout or TileLayout()
-    d = layout.head_dim
+    full-attention layers of 4 KV heads each, for each choice of value bits."""
+    d = head_dim
     per_model = KV_HEADS_27B * FULL_ATTENTION_LAYERS_27B
-    rows = [("bf16", bf16_bytes_per_token(d)), ("fp8", fp8_bytes_per_token(d)),
-            ("KVarN tiles (pool only)", bytes_per_token(layout))]  # fmt: skip
-    rows += [
-        (f"KVarN at {n} tokens, 16-bit sink + filling tile", bytes_per_token(layout, n))
-        for n in TABLE_CONTEXTS
-    ]
+    rows = [("bf16", bf16_bytes_per_token(d)), ("fp8", fp8_bytes_per_token(d))]
+    for v_bits in V_BITS_CHOICES:
+        layout = TileLayout(head_dim=d, v_bits=v_bits)
+        name = f"KVarN, {v_bits}-bit V"
+        rows.append((f"{name}: tiles (pool only)", bytes_per_token(layout)))
+        rows += [
+            (f"{name}, at {n} tokens, 16-bit sink + filling tile", bytes_per_token(layout, n))
+            for n in TABLE_CONTEXTS
+        ]
     lines = [f"| head_dim {d} | bytes/token/KV head | vs bf16 | vs fp8 | 27B KiB/token |",
              "|---|---:|---:|---:|---:|"]  # fmt: skip
     for name, b in rows:
@@ -183,9 +219,15 @@ def bytes_table(layout: TileLayout | None = None) -> str:
 
 
 def sections_table(layout: TileLayout | None = None) -> str:
-    layout = layout or TileLayout()
-    lines = [f"| section (head_dim {layout.head_dim}) | offset | bytes |", "|---|---:|---:|"]
-    lines += [f"| {name} | {offset} | {size} |" for name, (offset, size) in layout.sections.items()]
+    """Markdown: the sections a tile has (none of 0 bytes), by default a 3-bit tile's."""
+    layout = layout or TileLayout(v_bits=3)
+    lines = [f"| section (head_dim {layout.head_dim}, {layout.v_bits}-bit V) | offset | bytes |",
+             "|---|---:|---:|"]  # fmt: skip
+    lines += [
+        f"| {name} | {offset} | {size} |"
+        for name, (offset, size) in layout.sections.items()
+        if size
+    ]
     lines.append(f"| tile ({layout.slot_bytes} per token) | | {layout.tile_bytes} |")
     return "\n".join(lines)
 

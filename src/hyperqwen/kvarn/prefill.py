@@ -65,7 +65,7 @@ def _prefill_kernel(q_ptr, pool_ptr, block_table_ptr, side_k_ptr, side_v_ptr, sl
                     stride_ot, stride_oh,
                     G: tl.constexpr, QUERIES: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-                    AT: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+                    AT: tl.constexpr, V_LEVELS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
     item = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     req = tl.load(work_ptr + 2 * item)
@@ -94,7 +94,8 @@ def _prefill_kernel(q_ptr, pool_ptr, block_table_ptr, side_k_ptr, side_v_ptr, sl
     qr = hadamard_rows(q.to(tl.float32), BLOCK_M, D)
     m_i, l_i, acc = attend_quantized_tiles(
         pool_ptr, table, stride_block, stride_head, kv_head, tl.where(sink_in_side, 1, 0),
-        last_context // T, qr, context // T, sm_scale, m_i, l_i, acc, BLOCK_N, T, D, AT, DOT,
+        last_context // T, qr, context // T, sm_scale, m_i, l_i, acc, BLOCK_N, T, D, AT,
+        V_LEVELS, DOT,
     )  # fmt: skip
     acc = hadamard_rows(acc, BLOCK_M, D)
     # loaded again rather than kept live through the quantized loop (registers)
@@ -175,6 +176,7 @@ def prefill_attention(
         block_table.stride(0), *side_k.stride()[:3], *side_v.stride()[:3],
         out.stride(0), out.stride(1),
         G=group, QUERIES=queries, BLOCK_M=block_m, BLOCK_N=BLOCK_N, T=layout.tokens, D=d,
-        AT=layout.offsets, DOT=dot_operands(query.dtype), num_warps=PREFILL_WARPS, num_stages=1,
+        AT=layout.offsets, V_LEVELS=layout.v_levels, DOT=dot_operands(query.dtype),
+        num_warps=PREFILL_WARPS, num_stages=1,
     )  # fmt: skip
     return out

@@ -25,7 +25,8 @@ Encoding a tile, in order:
 
 3. Asymmetric round-to-nearest with an iteratively fitted grid, `fit_grid`. K per channel
    (each of D channels over the 128 tokens, 4 bits, codes 0..15), V per token (each token
-   over D channels, 2 bits, codes 0..3). A group y with L + 1 levels gets scale s and zero z,
+   over D channels, 2 bits, codes 0..3; or 3 bits, codes 0..7, with `v_levels` 7, which
+   layout.py's 3-bit tiles store). A group y with L + 1 levels gets scale s and zero z,
    codes q = clamp(floor((y - z) / s + 1/2), 0, L) and reconstruction q·s + z. The grid
    starts at the group's range (z = min, s = (max - min) / L) and is refined `GRID_ROUNDS`
    times by alternating the two exact minimisations of the squared error: the codes for a
@@ -68,7 +69,7 @@ class QuantizedTile:
     k_scale: torch.Tensor  # [D], per channel
     k_zero: torch.Tensor  # [D]
     k_token_scale: torch.Tensor  # [T], r
-    v_codes: torch.Tensor  # [T, D], 0..3
+    v_codes: torch.Tensor  # [T, D], 0..3 (0..7 for 3-bit values)
     v_scale: torch.Tensor  # [T], per token
     v_zero: torch.Tensor  # [T]
 
@@ -166,8 +167,9 @@ def quantize_rotated(
     v_levels: int = V_LEVELS,
 ) -> QuantizedTile:
     """Steps 2-3 on already rotated tiles [..., T, D] (or, for the no-rotation baseline,
-    plain ones); leading dimensions are independent tiles. `v_levels` other than V_LEVELS: a
-    format the kernels do not store, for format_sim.py's comparisons."""
+    plain ones); leading dimensions are independent tiles. `v_levels`: V_LEVELS (2-bit values)
+    or 7 (3-bit, TileLayout.v_levels of v_bits=3) as the kernels store them; others only for
+    format_sim.py's comparisons."""
     k, v = k.to(torch.float64), v.to(torch.float64)
     if k.dim() < 2 or k.shape != v.shape:
         raise ValueError(

@@ -137,8 +137,8 @@ def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr, tile_ids_ptr,
         tl.store(fp16_section(tile, AT.k_scale) + channels, k_scale.to(tl.float16))
         tl.store(fp16_section(tile, AT.k_zero) + channels, k_zero.to(tl.float16))
 
-    # values: rotate, per-token 2-bit grid, V_ROWS tokens at a time (a token's grid is its
-    # own; a whole tile at once needs twice the registers and spills)
+    # values: rotate, per-token 2- or 3-bit grid (V_LEVELS 3 or 7), V_ROWS tokens at a time (a
+    # token's grid is its own; a whole tile at once needs twice the registers and spills)
     v_src = v_ptr + source * stride_vn + head.to(tl.int64) * stride_vh
     quarter = tl.arange(0, D // 4)
     for first in range(0, T, V_ROWS):
@@ -146,6 +146,12 @@ def _store_kernel(k_ptr, v_ptr, pool_ptr, block_ids_ptr, tile_ids_ptr,
         rotated = _rotated_rows(v_src, tokens.to(tl.int64), stride_vt, 0, V_ROWS, D, D)
         v_scale, v_zero = _fit_grid(rotated, V_LEVELS, 1, D, GRID_ROUNDS, MIN_STEP)
         codes = _grid_codes(rotated, v_scale, v_zero, V_LEVELS).to(tl.int32)
+        if V_LEVELS > 3:  # 3-bit codes: bit 2 into its plane (layout.py), the rest as 2-bit
+            high = tl.reshape(codes >> 2, (V_ROWS, D // 8, 8))  # channel 8b + i at bit i
+            planes = tl.sum(high << tl.arange(0, 8)[None, None, :], axis=2)
+            eighth = tl.arange(0, D // 8)[None, :]
+            tl.store(tile + AT.v_high + tokens * (D // 8) + eighth, planes.to(tl.uint8))
+            codes = codes & 3
         pairs_02, pairs_13 = tl.split(
             tl.reshape(codes, (V_ROWS, D // 4, 2, 2))
         )  # channel 4b + 2j + i
@@ -220,7 +226,7 @@ def store_tiles(
         *key.stride()[:3], *value.stride()[:3],
         pool.stride(0), pool.stride(1),
         T=layout.tokens, D=layout.head_dim, AT=layout.offsets,
-        K_LEVELS=quantize.K_LEVELS, V_LEVELS=quantize.V_LEVELS,
+        K_LEVELS=quantize.K_LEVELS, V_LEVELS=layout.v_levels,
         BALANCE_ROUNDS=quantize.BALANCE_ROUNDS, GRID_ROUNDS=quantize.GRID_ROUNDS,
         MIN_SCALE=quantize.MIN_SCALE, MIN_STEP=quantize.MIN_STEP,
         K_COLUMNS=min(K_COLUMNS, layout.head_dim), V_ROWS=V_ROWS,
