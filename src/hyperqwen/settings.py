@@ -338,7 +338,7 @@ class ServingKnobs(BaseModel):
 
 def _owned_knob_field(declared: Knob, env: str) -> tuple[Any, Any]:
     """An engine feature's own knob as a Settings field; it becomes the feature's variable."""
-    becomes = f"env {env} (patched vLLM)"
+    becomes = declared.becomes or f"env {env} (patched vLLM)"
     return Literal[declared.values], knob(declared.default, declared.help, becomes, declared.modes)
 
 
@@ -350,6 +350,7 @@ Settings = create_model(
     __doc__="The effective configuration of one server. Field names are the environment "
     "variable names.",
     **{f.knob: _owned_knob_field(f.owned_knob, f.env) for f in FEATURES if f.owned_knob},
+    **{name: _owned_knob_field(k, f.env) for f in FEATURES for name, k in f.more_knobs},
 )
 
 
