@@ -180,8 +180,9 @@ def test_steps_copy_a_long_block_one_step_late_and_decode_plainly_elsewhere(
 
 
 def test_vllms_synchronous_cut_is_skipped_only_on_this_path(monkeypatch, runner_module):
-    """The runner calls vLLM's cut by its module-global name with its event: on this path the
-    event is a NoWait and nothing is waited for or cut there; another runner's cut is vLLM's."""
+    """The runner calls vLLM's cut by its module-global name: with HYPERQWEN_LOOKUP=gpu nothing
+    is waited for (the event the runner's constructor sets after the seam, never recorded on
+    this path) or cut there; with another value it is vLLM's cut."""
     monkeypatch.setenv(LOOKUP.env, "gpu")
     vllms = runner_module.update_scheduler_for_invalid_drafts
     runner = make_runner()
@@ -189,13 +190,13 @@ def test_vllms_synchronous_cut_is_skipped_only_on_this_path(monkeypatch, runner_
     seams.runner_graphs_dispatched(make_runner())  # a second attach wraps nothing twice
     skipping = runner_module.update_scheduler_for_invalid_drafts
     assert skipping is not vllms and skipping.hq_vllms_cut is vllms
-    assert isinstance(runner._num_valid_draft_tokens_event, lookup_gpu.NoWait)
 
     step = scheduled_step({"a": WIDTH})
     never_read = types.SimpleNamespace()  # vLLM's cut would index its counts
-    skipping(runner._num_valid_draft_tokens_event, never_read, step, {"a": 0})
+    skipping(types.SimpleNamespace(synchronize=_wait), never_read, step, {"a": 0})
     assert len(step.scheduled_spec_decode_tokens["a"]) == WIDTH
 
+    monkeypatch.setenv(LOOKUP.env, "1")
     other = scheduled_step({"a": WIDTH})
     done = types.SimpleNamespace(synchronize=lambda: None)
     skipping(done, torch.tensor([2], dtype=torch.int32), other, {"a": 0})
@@ -243,10 +244,18 @@ def test_the_count_policy():
 
 
 def test_the_patched_runner_calls_what_attach_replaces(patched_vllm):
-    """attach substitutes by name: vLLM's cut is looked up as a global of the runner's module
-    with the event as its first argument, the drafter's propose as an attribute of the drafter
-    (an instance attribute wins), and its valid-draft counts are copied only when not None."""
+    """attach substitutes by name: vLLM's cut is looked up as a global of the runner's module,
+    the drafter's propose as an attribute of the drafter (an instance attribute wins), and its
+    valid-draft counts are copied only when not None."""
     runner = (patched_vllm / "v1" / "worker" / "gpu_model_runner.py").read_text()
+    # the seam runs after the drafter and the runner's uniform decode width are set, and after
+    # nothing attach sets is set again
+    seam = runner.index("seams.runner_graphs_dispatched(self)")
+    assert runner.index("self.drafter = NgramProposerGPU(") < seam
+    assert runner.index("self.uniform_decode_query_len = 1 + self.num_spec_tokens") < seam
+    for attribute in ("uniform_decode_query_len", "drafter", "hq_proposed", "hq_no_count"):
+        assert f"self.{attribute} = " not in runner[seam:], attribute
+    assert "self.drafter.propose = " not in runner
     assert "    update_scheduler_for_invalid_drafts,\n" in runner  # imported into the namespace
     assert (
         "update_scheduler_for_invalid_drafts(\n" + " " * 16 + "self._num_valid_draft_tokens_event,"

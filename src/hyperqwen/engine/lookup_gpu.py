@@ -10,10 +10,12 @@ dispatcher), `attach`:
 - `runner.drafter.propose` (vLLM's NgramProposerGPU, called with the buffer, its counts and the
   step's sampled tokens) becomes `propose` here, bound to the runner;
 - vLLM's synchronous cut (`update_scheduler_for_invalid_drafts`, called by its global name in
-  the runner's `_update_states`) is skipped for this runner: `propose` returns no valid-draft
-  counts, so vLLM copies none and has none to wait for, and the runner's
-  `runner_cut_drafts` seam cuts with the counts published one step earlier (`ProposedCounts`),
-  0 for a request without one.
+  the runner's `_update_states`, which only an `ngram_gpu` runner reaches) is skipped in this
+  process while HYPERQWEN_LOOKUP is gpu: `propose` returns no valid-draft counts, so vLLM
+  copies none and has none to wait for, and the runner's `runner_cut_drafts` seam cuts with
+  the counts published one step earlier (`ProposedCounts`), 0 for a request without one. The
+  decision is the variable's, not the runner's: the runner sets the event and host buffer that
+  cut reads after this seam, in its constructor.
 
 Each drafting step, tensor ops only (no host sync, no per-request Python): the step's accepted
 tokens go into the buffer (vLLM's `update_token_ids_ngram` writes none; its `propose`, replaced
@@ -41,18 +43,14 @@ from hyperqwen.kernels.lookup import find_suffix_match
 VLLMS_CUT = "update_scheduler_for_invalid_drafts"
 
 
-class NoWait:
-    """Stands in for the runner's valid-draft-count event on this path: vLLM's cut, skipped,
-    would synchronize it; nothing records it (propose returns no counts to copy)."""
+def on_gpu() -> bool:
+    """The launcher asked for lookup's search on vLLM's `ngram_gpu` path (in this process)."""
+    return env_value(LOOKUP) == LOOKUP_ON_GPU
 
 
 def applies(speculative_config: Any) -> bool:
     """vLLM drafts with `ngram_gpu` and the launcher asked for lookup's search on it."""
-    return (
-        speculative_config is not None
-        and speculative_config.method == "ngram_gpu"
-        and env_value(LOOKUP) == LOOKUP_ON_GPU
-    )
+    return speculative_config is not None and speculative_config.method == "ngram_gpu" and on_gpu()
 
 
 def proposed_counts(
@@ -102,13 +100,13 @@ def propose(
 
 
 def _skipping_vllms_cut(cut: Any) -> Any:
-    """vLLM's cut, except for a runner on this path (its event is a NoWait)."""
+    """vLLM's cut, except on this path (every `ngram_gpu` runner of the process is on it)."""
 
     @functools.wraps(cut)
-    def skip_or_cut(event: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(event, NoWait):
+    def skip_or_cut(*args: Any, **kwargs: Any) -> None:
+        if on_gpu():
             return None
-        return cut(event, *args, **kwargs)
+        return cut(*args, **kwargs)
 
     skip_or_cut.hq_vllms_cut = cut  # type: ignore[attr-defined]
     return skip_or_cut
@@ -123,7 +121,6 @@ def attach(runner: Any) -> None:
     runner.hq_proposed = ProposedCounts(runner.max_num_reqs, runner.device)
     runner.hq_no_count = 0
     runner.drafter.propose = functools.partial(propose, runner)
-    runner._num_valid_draft_tokens_event = NoWait()
     module = sys.modules[type(runner).__module__]
     cut = getattr(module, VLLMS_CUT)
     if not hasattr(cut, "hq_vllms_cut"):
