@@ -300,9 +300,10 @@ class ServingKnobs(BaseModel):
         "mtp",
         "Speculative decoding. mtp: the model's own multi-token-prediction layer drafts; "
         "ngram: vLLM's n-gram drafts, copied from the prompt (no extra weights); lookup: "
-        "HyperQwen's copy drafts from vLLM's CPU n-gram proposer: what followed the longest, "
-        "most recent earlier occurrence of the last 3-12 tokens (for models without MTP; speed "
-        "not measured on this path, single-user/README.md has its first design's loss); "
+        "HyperQwen's copy drafts from vLLM's CPU n-gram proposer (or on the GPU: LOOKUP_DEVICE): "
+        "what followed the longest, most recent earlier occurrence of the last 3-12 tokens (for "
+        "models without MTP; speed not measured on this path, single-user/README.md has its "
+        "first design's loss); "
         "off: none.",
         "--speculative-config",
         modes=SINGLE,

@@ -408,7 +408,9 @@ LOOKUP = Feature(
     "planted repeat, bench/measurements/2026-12-03-h200-engine-quoting-cycle.json): greedy "
     "answers identical to MTP alone, nearly every slot accepted on a repeating answer (3 or "
     "15), no change where nothing repeats; speed not measured there; "
-    "`hyperqwen bench quoting` (bench/README.md) measures it",
+    "`hyperqwen bench quoting` (bench/README.md) measures it. LOOKUP_DEVICE=gpu (SPEC=lookup on "
+    "vLLM's `ngram_gpu` path, async scheduling on, one-step-late cut, `lookup_gpu.py`): "
+    "CPU-tested, not run on a GPU yet",
 )
 
 PDL = Feature(
