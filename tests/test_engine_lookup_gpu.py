@@ -48,8 +48,11 @@ def runner_module(monkeypatch, vllm_cpu_platform):
 
 def make_runner(rows: int = 3, method: str = "ngram_gpu", width: int = WIDTH):
     """What the runner has for `ngram_gpu` once its drafter and CUDA graph dispatcher exist."""
-    runner_class = type("GPUModelRunner", (), {"__module__": RUNNER_MODULE})
-    runner = runner_class()
+    vllms_class = type(
+        "GPUModelRunner", (), {"__module__": RUNNER_MODULE, "_update_states": lambda self: None}
+    )
+    # a platform's subclass elsewhere: the cut is looked up where _update_states is defined
+    runner = type("PlatformRunner", (vllms_class,), {"__module__": __name__})()
     runner.speculative_config = types.SimpleNamespace(
         method=method,
         draft_sample_method="greedy",

@@ -112,6 +112,14 @@ def _skipping_vllms_cut(cut: Any) -> Any:
     return skip_or_cut
 
 
+def _updating_class(runner: Any) -> type:
+    """The class whose `_update_states` the runner runs (vLLM's GPUModelRunner, or the runner's
+    own class where none defines it): its module's namespace is where that method finds the
+    cut."""
+    classes = type(runner).__mro__
+    return next((c for c in classes if "_update_states" in vars(c)), type(runner))
+
+
 def attach(runner: Any) -> None:
     """Once, at `runner_graphs_dispatched`, for a runner `applies` to (quoting.attach asks)."""
     from hyperqwen.engine.quoting import ProposedCounts  # here: quoting.py imports this module
@@ -121,7 +129,7 @@ def attach(runner: Any) -> None:
     runner.hq_proposed = ProposedCounts(runner.max_num_reqs, runner.device)
     runner.hq_no_count = 0
     runner.drafter.propose = functools.partial(propose, runner)
-    module = sys.modules[type(runner).__module__]
+    module = sys.modules[_updating_class(runner).__module__]
     cut = getattr(module, VLLMS_CUT)
     if not hasattr(cut, "hq_vllms_cut"):
         setattr(module, VLLMS_CUT, _skipping_vllms_cut(cut))
