@@ -339,6 +339,11 @@ def test_lookup_knobs_reach_the_lookup_server_and_its_baseline_drops_speculation
     assert configs["lookup"].knob_values == {
         "SPEC": "lookup", "DRAFT_TOKENS": "15", "PREFIX_CACHE": "0"}  # fmt: skip
     assert configs["hyperqwen-off"].knob_values == {"PREFIX_CACHE": "0", "SPEC": "off"}
+    assert configs["lookup-gpu"].knob_values == {
+        **configs["lookup"].knob_values, "LOOKUP_DEVICE": "gpu"}  # fmt: skip
+    assert configs["lookup-gpu"].baseline == "hyperqwen-off"
+    gpu = catalogue(parse_knobs("SPEC=lookup DRAFT_TOKENS=15 LOOKUP_DEVICE=gpu"))
+    assert gpu["hyperqwen-off"].knob_values == {"SPEC": "off"}  # the baseline drops it too
     ngrams = [name for name in configs if configs[name].ngram_method]
     assert ngrams == [f"{method}-k{k}" for method in ("ngram", "ngram_gpu") for k in (4, 8, 15)]
     assert configs["lookup"].baseline == "hyperqwen-off"
@@ -354,3 +359,13 @@ def test_vllms_speculative_config_takes_every_n_gram_configuration(vllm_cpu_plat
             drafts = int(config.name.rsplit("-k", 1)[1])
             assert (taken.method, taken.num_speculative_tokens) == (config.ngram_method, drafts)
             assert (taken.prompt_lookup_min, taken.prompt_lookup_max) == NGRAM_MATCH
+
+
+def test_lookup_gpu_serves_vllms_ngram_gpu_with_the_engines_gpu_path(tmp_path) -> None:
+    """`lookup-gpu`: the profile with the lookup knobs and LOOKUP_DEVICE=gpu, so vLLM drafts
+    with ngram_gpu (async scheduling on) and the engine searches and cuts on the GPU."""
+    config = catalogue(parse_knobs(DEFAULT_LOOKUP_KNOBS))["lookup-gpu"]
+    argv, env = config.serve(tmp_path, 8000, "", None, tmp_path)
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert (spec["method"], spec["num_speculative_tokens"]) == ("ngram_gpu", 15)
+    assert env["HYPERQWEN_LOOKUP"] == "gpu"

@@ -45,10 +45,19 @@ def test_each_owned_knob_is_a_settings_field_with_the_features_values():
         assert feature.knob in Settings.model_fields, feature.knob
         if feature.owned_knob:
             field = Settings.model_fields[feature.knob]
-            assert get_args(field.annotation) == feature.values
+            assert get_args(field.annotation) + feature.more_values == feature.values
             assert field.default == feature.owned_knob.default
             assert infos[feature.knob].becomes == f"env {feature.env} (patched vLLM)"
             assert infos[feature.knob].modes == feature.modes
+        for name, declared in feature.more_knobs:
+            field = Settings.model_fields[name]
+            assert get_args(field.annotation) == declared.values
+            assert field.default == declared.default
+            assert feature.env in infos[name].becomes
+            assert infos[name].modes == declared.modes
+        # a value only the launcher sets (from more_knobs) is no value of the switch's knob
+        switch = Settings.model_fields[feature.knob].annotation
+        assert not set(feature.more_values) & set(get_args(switch))
 
 
 def test_the_engine_reads_unset_as_the_default_and_refuses_other_values(monkeypatch):

@@ -23,8 +23,16 @@ not the acceptance rate); on every other prompt no lookup side verifies fewer. E
 measured (each side's answer ids, tokens per step, and how many answer tokens the search could
 have copied) goes to $HYPERQWEN_TEST_LOGS/quoting-summary.json.
 
-Run on the GPU host: `pytest -m gpu tests/test_engine_quoting_gpu.py` (three tiny servers, one
-after another, about two minutes each to start cold).
+SPEC=lookup on the GPU (LOOKUP_DEVICE=gpu: vLLM's `ngram_gpu` with HYPERQWEN_LOOKUP=gpu,
+engine/lookup_gpu.py) is served the same way against the model without speculation, by the
+second test: every greedy continuation the same up to the first near tie, and more than one
+token per verify step on the copy prompts (vLLM's counters count the slots the one-step-late cut
+removed as rejected drafts, so the figure is accepted tokens per scheduled step); its measures go
+to $HYPERQWEN_TEST_LOGS/lookup-gpu-summary.json.
+
+Run on the GPU host: `pytest -m gpu tests/test_engine_quoting_gpu.py` (five tiny servers, one
+after another, about two minutes each to start cold; vLLM keeps no compile cache for
+`ngram_gpu`).
 """
 
 from __future__ import annotations
@@ -62,8 +70,8 @@ from test_prepare_common import run_prepare
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
 from hyperqwen.checkpoint.tokenizer import build_fast_tokenizer
-from hyperqwen.engine.features import LOOKUP, MTP_DRAFTS
-from hyperqwen.launch import PREFILL_GRAPH_TOKENS, compilation_config
+from hyperqwen.engine.features import LOOKUP, LOOKUP_ON_GPU, MTP_DRAFTS
+from hyperqwen.launch import LOOKUP_MATCH, PREFILL_GRAPH_TOKENS, compilation_config
 
 pytestmark = pytest.mark.gpu
 
@@ -74,6 +82,13 @@ SIDES = {  # name: (speculative config, engine environment)
     "mtp-lookup-auto": (MTP3, {LOOKUP.env: "auto"}),
     "mtp-quoting-15": (QUOTING, {LOOKUP.env: "auto"}),
 }
+LOOKUP_GPU = {  # what the launcher gives vLLM for SPEC=lookup LOOKUP_DEVICE=gpu DRAFT_TOKENS=15
+    "method": "ngram_gpu",
+    "num_speculative_tokens": 15,
+    "prompt_lookup_min": LOOKUP_MATCH[0],
+    "prompt_lookup_max": LOOKUP_MATCH[1],
+}
+GPU_SIDES = {"off": (None, {}), "lookup-gpu": (LOOKUP_GPU, {LOOKUP.env: LOOKUP_ON_GPU})}
 ANSWER_TOKENS = 160
 CODE = "\n".join(
     f"def step_{i}(state, scale={i}):\n    total = state.value * scale + {i * 7}\n"
@@ -91,7 +106,8 @@ NEAR_TIE = 0.1
 COUNTERS = ("num_drafts", "num_accepted_tokens")
 
 
-def quoting_server(model, port: int, speculative: dict) -> list[str]:
+def quoting_server(model, port: int, speculative: dict | None) -> list[str]:
+    spec = ["--speculative-config", json.dumps(speculative)] if speculative else []
     return [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
@@ -100,7 +116,7 @@ def quoting_server(model, port: int, speculative: dict) -> list[str]:
         # the GPU frees memory meanwhile (seen 2026-12-03)
         "--gpu-memory-utilization", "0.12", "--kv-cache-memory-bytes", "2G",
         "--seed", "0", "--async-scheduling",
-        "--enable-prefix-caching", "--speculative-config", json.dumps(speculative),
+        "--enable-prefix-caching", *spec,
         "--compilation-config", json.dumps(compilation_config(PREFILL_GRAPH_TOKENS)),
         *shlex.split(TRITON_GDN),
     ]  # fmt: skip
@@ -153,9 +169,9 @@ def prepared_with_a_cycle(tmp_path: Path) -> tuple[Path, list[int]]:
     return model, cycle
 
 
-def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
-    tmp_path, tmp_path_factory
-):
+def served(tmp_path, tmp_path_factory, sides: dict) -> tuple[Path, dict, dict]:
+    """Each side's answers to the prompts (the tiny model with its planted cycle, one server
+    after another): the logs folder, the prompts and the results by side and prompt."""
     require_gpu()
     logs = log_dir(tmp_path)
     base_env = with_vllm_first(patched_vllm_parent(tmp_path_factory))
@@ -165,14 +181,20 @@ def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
     prompts = {"copy": copy_prompt(cycle), "copy-cached": copy_prompt(cycle), "code": CODE_PROMPT}
     prompts.update({f"chat-{i}": prompt for i, prompt in enumerate(CHAT_PROMPTS)})
     results = {}
-    for side, (speculative, engine_env) in SIDES.items():
+    for side, (speculative, engine_env) in sides.items():
         port = free_port()
         log = logs / f"quoting-{side}-server.log"
         command = quoting_server(model, port, speculative)
         env = {**base_env, **engine_env}
         with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
             results[side] = {name: answer(url, prompt) for name, prompt in prompts.items()}
+    return logs, prompts, results
 
+
+def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
+    tmp_path, tmp_path_factory
+):
+    logs, prompts, results = served(tmp_path, tmp_path_factory, SIDES)
     reference = results["mtp"]
     lookup_sides = [side for side in SIDES if side != "mtp"]
     summary = {
@@ -217,3 +239,33 @@ def test_lookup_is_lossless_and_lifts_tokens_per_step_where_text_repeats(
         steps = summary[name]["tokens_per_step"]
         for side in lookup_sides:
             assert steps[side] >= steps["mtp"], f"{name}: lookup made it slower: {steps}"
+
+
+def test_lookup_on_the_gpu_is_lossless_and_verifies_copies(tmp_path, tmp_path_factory):
+    """SPEC=lookup LOOKUP_DEVICE=gpu DRAFT_TOKENS=15 against no speculation: the same greedy
+    text, and on the copy prompts more than one token per verify step."""
+    logs, prompts, results = served(tmp_path, tmp_path_factory, GPU_SIDES)
+    reference, ours = results["off"], results["lookup-gpu"]
+    summary = {
+        name: {
+            "agreeing_prefix": agreeing_prefix(reference[name], ours[name], NEAR_TIE),
+            "tokens_per_step": ours[name]["tokens_per_step"],
+            "verify_steps": ours[name]["verify_steps"],
+            "reference_repeats": repeats_its_context(
+                reference[name]["prompt_ids"], reference[name]["greedy_ids"]
+            ),
+            "copyable_tokens": copyable_tokens(ours[name]["prompt_ids"], ours[name]["greedy_ids"]),
+            "reference_min_margin": min(reference[name]["margins"]),
+            "greedy_ids": {side: results[side][name]["greedy_ids"] for side in results},
+        }
+        for name in prompts
+    }
+    (logs / "lookup-gpu-summary.json").write_text(json.dumps(summary, indent=1))
+
+    for name, row in summary.items():
+        agreed, at_near_tie = row["agreeing_prefix"]
+        assert at_near_tie, f"{name}: greedy output differs at token {agreed} with lookup-gpu"
+    for name in ("copy", "copy-cached"):
+        assert summary[name]["reference_repeats"], f"{name}: the planted cycle did not hold"
+        steps = summary[name]["tokens_per_step"]
+        assert steps is not None and steps > 2, f"{name}: {steps} tokens per step"

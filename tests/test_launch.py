@@ -132,6 +132,38 @@ def test_speculative_and_compilation_json_accepted_by_vllm_config_classes(vllm_s
         *LOOKUP_MATCH,
     )
     assert lookup.num_speculative_tokens == 4
+    on_gpu = SpeculativeConfig(
+        **vllm_serve(
+            build_launch(
+                loaded(SPEC="lookup", LOOKUP_DEVICE="gpu", DRAFT_TOKENS="15"), "single", None
+            ).argv
+        ).speculative_config
+    )
+    assert (on_gpu.method, on_gpu.prompt_lookup_min, on_gpu.prompt_lookup_max) == (
+        "ngram_gpu",
+        *LOOKUP_MATCH,
+    )
+    assert on_gpu.num_speculative_tokens == 15 and on_gpu.use_ngram_gpu()
+
+
+@pytest.mark.parametrize(
+    ("values", "method", "env"),
+    [
+        ({"SPEC": "lookup"}, "ngram", "1"),
+        ({"SPEC": "lookup", "LOOKUP_DEVICE": "cpu"}, "ngram", "1"),
+        ({"SPEC": "lookup", "LOOKUP_DEVICE": "gpu"}, "ngram_gpu", "gpu"),
+        ({"SPEC": "lookup", "LOOKUP_DEVICE": "gpu", "LOOKUP": "0"}, "ngram_gpu", "gpu"),
+        ({"SPEC": "mtp", "LOOKUP_DEVICE": "gpu"}, "mtp", "auto"),  # ignored (warned) there
+    ],
+)
+def test_lookup_device_picks_vllms_method_and_the_engine_path(values, method, env):
+    """LOOKUP_DEVICE=gpu: vLLM's ngram_gpu (its GPU token buffer, async scheduling on) and
+    HYPERQWEN_LOOKUP=gpu, which tells the runner's seams to search and cut there."""
+    plan = build_launch(loaded(**values), "single", None)
+    spec = json.loads(flag_value(plan.argv, "--speculative-config"))
+    assert spec["method"] == method
+    assert spec["num_speculative_tokens"] == (3 if method == "mtp" else 4)
+    assert plan.env.get(LOOKUP.env) == env
 
 
 def test_extra_args_come_last_and_win(vllm_serve):
@@ -235,6 +267,16 @@ def test_bind_and_key_matrix(values, key, container, host, warns):
             "single",
             {"SPEC": "lookup", "DRAFT_SAMPLE": "probabilistic"},
             "DRAFT_SAMPLE is ignored with SPEC=lookup (copied drafts are not sampled).",
+        ),
+        (
+            "single",
+            {"SPEC": "mtp", "LOOKUP_DEVICE": "gpu"},
+            "LOOKUP_DEVICE is ignored unless SPEC=lookup (it picks where lookup drafts).",
+        ),
+        (
+            "batch",
+            {"SPEC": "lookup", "LOOKUP_DEVICE": "gpu"},
+            "LOOKUP_DEVICE is a single-mode knob; ignored in batch mode.",
         ),
         (
             "single",
@@ -400,6 +442,8 @@ def test_linear_backend_values_are_vllms_but_ours():
         ("single", {}, "auto"),  # quoting on by default where MTP drafts greedily
         ("single", {"LOOKUP": "0"}, None),
         ("batch", {"SPEC": "lookup"}, None),  # batch never drafts
+        ("single", {"SPEC": "lookup", "LOOKUP_DEVICE": "gpu"}, "gpu"),
+        ("batch", {"SPEC": "lookup", "LOOKUP_DEVICE": "gpu"}, None),
     ],
 )
 def test_lookup_search_is_switched_on_through_the_engine_env(mode, values, expected):

@@ -52,6 +52,8 @@ def test_unknown_variables_are_ignored_and_defaults_hold():
         # the public project's lookup knob read "true" as off; here it is refused
         ("LOOKUP", "true", "auto | 0 | 1"),
         ("LOOKUP", "on", "auto | 0 | 1"),
+        ("LOOKUP_DEVICE", "cuda", "cpu | gpu"),
+        ("LOOKUP_DEVICE", "gpu ", "cpu | gpu"),
         ("HOST", " ", "text"),
         # vLLM takes no fp8 GDN state (config/cache.py: MambaDType)
         ("STATE_DTYPE", "fp8", "auto | float32 | bfloat16 | float16"),

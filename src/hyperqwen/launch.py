@@ -23,6 +23,7 @@ from hyperqwen.capacity_fit import (
 )
 from hyperqwen.engine.features import (
     FEATURES,
+    LOOKUP_ON_GPU,
     MTP_DRAFTS,
     OFF,
     ON,
@@ -178,9 +179,11 @@ def speculative_config(settings: Settings, kv: str | None = None) -> dict | None
     if settings.SPEC == "ngram":
         config.update(prompt_lookup_min=NGRAM_MATCH[0], prompt_lookup_max=NGRAM_MATCH[1])
     elif settings.SPEC == "lookup":
-        # vLLM's CPU n-gram proposer, searching with HyperQwen's match (an engine feature)
+        # vLLM's CPU n-gram proposer, or its GPU one (async scheduling on), searching with
+        # HyperQwen's match (an engine feature)
+        method = "ngram_gpu" if settings.LOOKUP_DEVICE == LOOKUP_ON_GPU else "ngram"
         config.update(
-            method="ngram", prompt_lookup_min=LOOKUP_MATCH[0], prompt_lookup_max=LOOKUP_MATCH[1]
+            method=method, prompt_lookup_min=LOOKUP_MATCH[0], prompt_lookup_max=LOOKUP_MATCH[1]
         )
     else:
         config["draft_sample_method"] = settings.DRAFT_SAMPLE
@@ -523,7 +526,8 @@ def _ignored_knob_warnings(settings: Settings, mode: Mode, explicit: frozenset[s
             f"DRAFT_SAMPLE is ignored with SPEC={settings.SPEC} (copied drafts are not sampled)."
         )
     for feature in FEATURES:
-        if feature.knob in explicit and (why := feature.ignored(settings, mode)):
+        owned = {feature.knob, *(name for name, _ in feature.more_knobs)}
+        if owned & explicit and (why := feature.ignored(settings, mode)):
             warnings.append(why)
     if settings.TOOLS == "0" and "TOOL_PARSER" in explicit:
         warnings.append("TOOL_PARSER is ignored with TOOLS=0.")

@@ -301,9 +301,10 @@ class ServingKnobs(BaseModel):
         "mtp",
         "Speculative decoding. mtp: the model's own multi-token-prediction layer drafts; "
         "ngram: vLLM's n-gram drafts, copied from the prompt (no extra weights); lookup: "
-        "HyperQwen's copy drafts from vLLM's CPU n-gram proposer: what followed the longest, "
-        "most recent earlier occurrence of the last 3-12 tokens (for models without MTP; speed "
-        "not measured on this path, single-user/README.md has its first design's loss); "
+        "HyperQwen's copy drafts from vLLM's CPU n-gram proposer (or on the GPU: LOOKUP_DEVICE): "
+        "what followed the longest, most recent earlier occurrence of the last 3-12 tokens (for "
+        "models without MTP; speed not measured on this path, single-user/README.md has its "
+        "first design's loss); "
         "off: none.",
         "--speculative-config",
         modes=SINGLE,
@@ -339,7 +340,7 @@ class ServingKnobs(BaseModel):
 
 def _owned_knob_field(declared: Knob, env: str) -> tuple[Any, Any]:
     """An engine feature's own knob as a Settings field; it becomes the feature's variable."""
-    becomes = f"env {env} (patched vLLM)"
+    becomes = declared.becomes or f"env {env} (patched vLLM)"
     return Literal[declared.values], knob(declared.default, declared.help, becomes, declared.modes)
 
 
@@ -351,6 +352,7 @@ Settings = create_model(
     __doc__="The effective configuration of one server. Field names are the environment "
     "variable names.",
     **{f.knob: _owned_knob_field(f.owned_knob, f.env) for f in FEATURES if f.owned_knob},
+    **{name: _owned_knob_field(k, f.env) for f in FEATURES for name, k in f.more_knobs},
 )
 
 

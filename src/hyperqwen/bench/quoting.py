@@ -337,7 +337,8 @@ def add_subcommands(actions) -> None:
         default=DEFAULT_LOOKUP_KNOBS,
         metavar="'KNOBS'",
         help="the lookup configuration's knobs over the environment's (default %(default)r); "
-        "hyperqwen-off takes the same less SPEC, DRAFT_TOKENS, DRAFT_SAMPLE and LOOKUP",
+        "lookup-gpu takes the same and LOOKUP_DEVICE=gpu; hyperqwen-off the same less SPEC, "
+        "DRAFT_TOKENS, DRAFT_SAMPLE, LOOKUP and LOOKUP_DEVICE",
     )
     parser.add_argument(
         "--passes",

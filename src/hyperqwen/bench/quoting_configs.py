@@ -4,9 +4,11 @@ vLLM's side is the competitor a user has: stock vLLM (--stock-vllm) with its def
 speculation (`vllm-off`), and with its own n-gram proposers, `ngram` (CPU) and `ngram_gpu`, at
 k = 4, 8 and 15 drafts, each matching the project's SPEC=ngram n-gram lengths. HyperQwen's side
 is the project's profile (`hyperqwen serve single`, --patched-vllm) with the lookup knobs
-(--lookup-knobs; default SPEC=lookup DRAFT_TOKENS=15), and the same profile with SPEC=off
-(`hyperqwen-off`). Each configuration names the one whose greedy text it must equal: the same
-build without speculation (hyperqwen-off's is vllm-off: what the build alone changes).
+(--lookup-knobs; default SPEC=lookup DRAFT_TOKENS=15), the same drafting on the GPU
+(`lookup-gpu`: those knobs and LOOKUP_DEVICE=gpu, vLLM's ngram_gpu path with async
+scheduling), and the same profile with SPEC=off (`hyperqwen-off`). Each configuration names the
+one whose greedy text it must equal: the same build without speculation (hyperqwen-off's is
+vllm-off: what the build alone changes).
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from hyperqwen.settings import knobs
 VLLM_BASELINE = "vllm-off"
 HYPERQWEN_BASELINE = "hyperqwen-off"
 LOOKUP = "lookup"
+LOOKUP_GPU = "lookup-gpu"
+LOOKUP_CONFIGS = (LOOKUP, LOOKUP_GPU)
 NGRAM_METHODS = ("ngram", "ngram_gpu")
 NGRAM_DRAFTS = (4, 8, 15)
 DEFAULT_LOOKUP_KNOBS = "SPEC=lookup DRAFT_TOKENS=15"
 # Knobs of the lookup server that speculation alone uses: its baseline leaves them out.
-SPECULATION_KNOBS = ("SPEC", "DRAFT_TOKENS", "DRAFT_SAMPLE", "LOOKUP")
+SPECULATION_KNOBS = ("SPEC", "DRAFT_TOKENS", "DRAFT_SAMPLE", "LOOKUP", "LOOKUP_DEVICE")
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,8 @@ def catalogue(lookup_knobs: dict[str, str]) -> dict[str, ServerConfig]:
         )
     )
     configs.append(ServerConfig(LOOKUP, "hyperqwen", HYPERQWEN_BASELINE, knob_values=lookup_knobs))
+    on_gpu = {**lookup_knobs, "LOOKUP_DEVICE": "gpu"}
+    configs.append(ServerConfig(LOOKUP_GPU, "hyperqwen", HYPERQWEN_BASELINE, knob_values=on_gpu))
     return {config.name: config for config in configs}
 
 

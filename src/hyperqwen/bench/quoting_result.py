@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hyperqwen.bench.quoting_configs import (
     HYPERQWEN_BASELINE,
-    LOOKUP,
+    LOOKUP_CONFIGS,
     NGRAM_METHODS,
     VLLM_BASELINE,
 )
@@ -175,14 +175,14 @@ def criteria(table, best: dict[str, str], records: dict[str, dict]) -> list[dict
     """The targets, each judged: copy kinds against the best n-gram, chat against the same
     build without speculation, and identical greedy text everywhere."""
     judged_criteria = []
-    if LOOKUP in records:
+    for lookup in (name for name in LOOKUP_CONFIGS if name in records):
         for kind in COPY_KINDS:
             judged_criteria.append(
                 _ratio_criterion(
-                    f"{kind}: {LOOKUP} decode tok/s >= {COPY_TARGET}x vLLM's best n-gram "
+                    f"{kind}: {lookup} decode tok/s >= {COPY_TARGET}x vLLM's best n-gram "
                     f"({best.get(kind, 'not measured')})",
                     table,
-                    (kind, LOOKUP),
+                    (kind, lookup),
                     (kind, best[kind]) if kind in best else None,
                     COPY_TARGET,
                 )
@@ -190,10 +190,10 @@ def criteria(table, best: dict[str, str], records: dict[str, dict]) -> list[dict
         reference = (CONTROL_KIND, HYPERQWEN_BASELINE) if HYPERQWEN_BASELINE in records else None
         judged_criteria.append(
             _ratio_criterion(
-                f"{CONTROL_KIND}: {LOOKUP} decode tok/s >= {CHAT_TARGET}x {HYPERQWEN_BASELINE} "
+                f"{CONTROL_KIND}: {lookup} decode tok/s >= {CHAT_TARGET}x {HYPERQWEN_BASELINE} "
                 "(within 2 % of the same build without speculation)",
                 table,
-                (CONTROL_KIND, LOOKUP),
+                (CONTROL_KIND, lookup),
                 reference,
                 CHAT_TARGET,
             )

@@ -35,6 +35,9 @@ class Knob:
     help: str
     values: tuple[str, ...] = SWITCH
     modes: tuple[str, ...] = BOTH_MODES
+    becomes: str = ""
+    """What it becomes in `hyperqwen serve` (the docs' "becomes" column); empty: the feature's
+    variable."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,11 @@ class Feature:
     """What the engine runs with the variable unset."""
     owned_knob: Knob | None = None
     """The knob's declaration, where the feature owns it; None: a knob Settings declares."""
+    more_knobs: tuple[tuple[str, Knob], ...] = ()
+    """(NAME, declaration) of the knobs it owns besides its switch: Settings adds each as a
+    field; they shape how it runs, read by `launch` (and `ignored`) only."""
+    more_values: tuple[str, ...] = ()
+    """Values its variable takes that its knob does not: `launch` sets them from more_knobs."""
     changes_compiled_graph: bool = True
     """Whether it may change what a torch.compile graph holds, so vLLM's compile cache key
     includes the variable (patches/compile-cache-key.patch) and a graph cached with the switch
@@ -212,8 +220,9 @@ class Feature:
 
     @property
     def values(self) -> tuple[str, ...]:
-        """The values the variable may hold: the owned knob's, else a switch's 0 and 1."""
-        return self.owned_knob.values if self.owned_knob else SWITCH
+        """The values the variable may hold: the owned knob's (else a switch's 0 and 1), then
+        more_values."""
+        return (self.owned_knob.values if self.owned_knob else SWITCH) + self.more_values
 
     def state(self, value: str | None) -> str:
         """What the engine runs with the variable at `value` (None: unset); a value it does not

@@ -78,7 +78,13 @@ OUR_LINEAR_BACKEND = "hyperqwen"
 MTP_DRAFTS = 3
 
 
+# LOOKUP_DEVICE's GPU value, also HYPERQWEN_LOOKUP's for SPEC=lookup drafting on the GPU
+LOOKUP_ON_GPU = "gpu"
+
+
 def _lookup_ignored(settings: Any, mode: str) -> str | None:
+    if settings.LOOKUP_DEVICE == LOOKUP_ON_GPU and (mode != "single" or settings.SPEC != "lookup"):
+        return "LOOKUP_DEVICE is ignored unless SPEC=lookup (it picks where lookup drafts)."
     # auto means "where it applies": only an explicit 1 that cannot apply warns
     if mode != "single" or settings.LOOKUP != ON:
         return None
@@ -99,7 +105,7 @@ def _lookup_launch(settings: Any, mode: str) -> str | None:
     if mode != "single":
         return None
     if settings.SPEC == "lookup":
-        return ON
+        return LOOKUP_ON_GPU if settings.LOOKUP_DEVICE == LOOKUP_ON_GPU else ON
     if settings.SPEC == "mtp" and settings.LOOKUP != OFF:
         return settings.LOOKUP
     return None
@@ -340,6 +346,7 @@ LOOKUP = Feature(
     own_files=(
         "src/hyperqwen/engine/quoting.py",
         "src/hyperqwen/engine/quoting.md",
+        "src/hyperqwen/engine/lookup_gpu.py",
         "src/hyperqwen/kernels/lookup.py",
         # `hyperqwen bench quoting`: lookup against vLLM's n-gram drafting
         "src/hyperqwen/bench/quoting.py",
@@ -367,6 +374,25 @@ LOOKUP = Feature(
         values=("auto", OFF, ON),
         modes=SINGLE_MODE,
     ),
+    more_knobs=(
+        (
+            "LOOKUP_DEVICE",
+            Knob(
+                "cpu",
+                "Where SPEC=lookup drafts. cpu: vLLM's CPU n-gram proposer with HyperQwen's "
+                "search (vLLM turns async scheduling off for it); gpu: vLLM's ngram_gpu path "
+                "(async scheduling on) with HyperQwen's search and policy on the GPU, and each "
+                "request's verify block cut to what its drafting proposed one step earlier, "
+                "never waiting for the GPU (src/hyperqwen/engine/quoting.md). gpu is CPU-tested, "
+                "not measured on a GPU yet. Ignored unless SPEC=lookup.",
+                values=("cpu", LOOKUP_ON_GPU),
+                modes=SINGLE_MODE,
+                becomes="--speculative-config method (ngram, or ngram_gpu for gpu), "
+                "env HYPERQWEN_LOOKUP (patched vLLM)",
+            ),
+        ),
+    ),
+    more_values=(LOOKUP_ON_GPU,),
     launch=_lookup_launch,
     ignored=_lookup_ignored,
     status="on by default in single mode (LOOKUP=auto with SPEC=mtp and greedy drafts; also "
@@ -382,7 +408,9 @@ LOOKUP = Feature(
     "planted repeat, bench/measurements/2026-12-03-h200-engine-quoting-cycle.json): greedy "
     "answers identical to MTP alone, nearly every slot accepted on a repeating answer (3 or "
     "15), no change where nothing repeats; speed not measured there; "
-    "`hyperqwen bench quoting` (bench/README.md) measures it",
+    "`hyperqwen bench quoting` (bench/README.md) measures it. LOOKUP_DEVICE=gpu (SPEC=lookup on "
+    "vLLM's `ngram_gpu` path, async scheduling on, one-step-late cut, `lookup_gpu.py`): "
+    "CPU-tested, not run on a GPU yet",
 )
 
 PDL = Feature(

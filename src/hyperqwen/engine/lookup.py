@@ -1,6 +1,7 @@
 """Lookup drafting: drafts copied from the request's own context.
 
-Two uses, switched by HYPERQWEN_LOOKUP (the launcher sets it from the LOOKUP knob):
+Three uses, switched by HYPERQWEN_LOOKUP (the launcher sets it from the LOOKUP knob, and from
+LOOKUP_DEVICE for SPEC=lookup):
 
 - SPEC=lookup (the variable is 1): vLLM 0.26's CPU `ngram` proposer asks `propose` here for each
   request (the ngram_drafts seam, seams.py) instead of its own search: the longest, then most
@@ -11,6 +12,10 @@ Two uses, switched by HYPERQWEN_LOOKUP (the launcher sets it from the LOOKUP kno
   at 0.47-0.49x the tokens/s of vLLM's CPU `ngram` on copy and chat prompts at C1 (0.22 against
   0.88 first-draft acceptance while copying), the async-scheduling loss vllm-project/vllm#37150
   reports for that path.
+- SPEC=lookup LOOKUP_DEVICE=gpu (the variable is gpu): vLLM's `ngram_gpu` runner path, async
+  scheduling on, with this search and policy on the GPU and quoting's one-step-late cut instead
+  of vLLM's waiting one (lookup_gpu.py, quoting.md's "Lookup alone"; CPU-tested, not run on a
+  GPU yet).
 - SPEC=mtp with LOOKUP=auto or 1 (`runner_keeps_ngram_buffer`): the V1 runner keeps the GPU token
   buffer of vLLM's `ngram_gpu` path for MTP (the V1 runner's seams; its upkeep under async
   scheduling is the path above, so its acceptance is to be measured before it is recommended)

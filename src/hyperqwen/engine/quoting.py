@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hyperqwen.engine import lookup
+from hyperqwen.engine import lookup, lookup_gpu
 from hyperqwen.engine.features import MTP_DRAFTS
 from hyperqwen.kernels.lookup import MAX_MATCH, find_suffix_match, fuse_with_mtp
 
@@ -139,8 +139,13 @@ def trim_to_proposed(
 
 def attach(runner: Any) -> None:
     """After the runner built its CUDA graph dispatcher: full graphs for 1 + MTP_DRAFTS-token
-    verify batches (a block with a copy runs a piecewise graph), and the counts' host slots."""
+    verify batches (a block with a copy runs a piecewise graph), and the counts' host slots; on
+    SPEC=lookup's GPU path, lookup_gpu.attach."""
     runner.hq_proposed = None
+    runner.hq_no_count = MTP_DRAFTS
+    if lookup_gpu.applies(runner.speculative_config):
+        lookup_gpu.attach(runner)
+        return
     if not widening(runner.speculative_config):
         return
     runner.uniform_decode_query_len = 1 + MTP_DRAFTS
@@ -176,7 +181,8 @@ def drafts(runner: Any, mtp_drafted: torch.Tensor, sampled_token_ids: torch.Tens
 
 def trim(runner: Any, scheduler_output: Any) -> dict[str, int]:
     """Before the step's inputs are prepared: `trim_to_proposed` with the newest counts on the
-    host; {} (nothing cut) unless quoting widens."""
+    host (for a request without one, MTP's k, or 0 on SPEC=lookup's GPU path); {} (nothing cut)
+    unless quoting widens or lookup drafts on the GPU."""
     if not trims(runner):
         return {}
-    return trim_to_proposed(scheduler_output, runner.hq_proposed.previous())
+    return trim_to_proposed(scheduler_output, runner.hq_proposed.previous(), runner.hq_no_count)
