@@ -1,6 +1,6 @@
 """Issue 23's rule: no engine feature is named in more than two places outside its own code and
-the tests: its declaration (engine/features.py, or features_gdn.py which it imports: one place)
-and the docs generated from it.
+the tests: its declaration (engine/features.py, or features_gdn.py or features_kv.py, which it
+imports: one place) and the docs generated from it.
 
 What names a feature (its *spellings*, all read from its declaration, matched case-sensitively
 and never as part of a longer identifier, so `prompt_lookup_min` or a dict lookup in prose is no
@@ -52,8 +52,12 @@ from hyperqwen.engine.features import FEATURES, Feature
 
 ROOT = Path(__file__).resolve().parents[1]
 DECLARATION = "src/hyperqwen/engine/features.py"
-# the registry's other declaration file: one place with features.py (which imports from it)
-DECLARATIONS = (DECLARATION, "src/hyperqwen/engine/features_gdn.py")
+# the registry's other declaration files: one place with features.py (which imports from them)
+DECLARATIONS = (
+    DECLARATION,
+    "src/hyperqwen/engine/features_gdn.py",
+    "src/hyperqwen/engine/features_kv.py",
+)
 GENERATED = "generated docs"
 MOST_PLACES = 2
 SCANNED_FOLDERS = ("src", "patches", ".ci", ".github")

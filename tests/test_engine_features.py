@@ -96,7 +96,7 @@ def test_no_profile_defaults_to_our_linear_backend():
     assert all(p.linear_backend != OUR_LINEAR_BACKEND for p in profiles)
 
 
-REGISTRY = ("features.py", "features_gdn.py", "feature_model.py")
+REGISTRY = ("features.py", "features_gdn.py", "features_kv.py", "feature_model.py")
 
 
 @pytest.mark.parametrize("module", REGISTRY)
@@ -111,7 +111,7 @@ def test_the_registry_imports_the_standard_library_only(module):
         for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module)])
     }
     stdlib = {name for name in imported if name.split(".")[0] in sys.stdlib_module_names}
-    registry = {"hyperqwen.engine.feature_model", "hyperqwen.engine.features_gdn"}
+    registry = {f"hyperqwen.engine.{name.removesuffix('.py')}" for name in REGISTRY}
     assert imported - stdlib <= {"__future__", *registry}, imported
     probe = (
         "import sys, hyperqwen.engine.features; "

@@ -96,6 +96,7 @@ def test_good_engine_values_pass_and_load_only_the_declarations(plugin_path):
         "hyperqwen.engine.feature_model",
         "hyperqwen.engine.features",
         "hyperqwen.engine.features_gdn",
+        "hyperqwen.engine.features_kv",
         "hyperqwen.vllm_plugin",
     ]
 
