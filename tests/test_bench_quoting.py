@@ -16,7 +16,13 @@ from local_server import serving
 from openai_test_server import build_app, parse_args
 
 from hyperqwen.bench.quoting_configs import DEFAULT_LOOKUP_KNOBS, catalogue, parse_knobs
-from hyperqwen.bench.quoting_result import Figures, first_difference, judged, verdicts
+from hyperqwen.bench.quoting_result import (
+    COLUMNS_NOTE,
+    Figures,
+    first_difference,
+    judged,
+    verdicts,
+)
 from hyperqwen.bench.quoting_tasks import (
     COPY_KINDS,
     KINDS,
@@ -246,6 +252,7 @@ def test_started_servers_one_after_another_and_parts_merge(
     assert configs["hyperqwen-off"]["knobs"] == {"SPEC": "off"}
     assert configs["lookup"]["patches"].startswith("all")
     assert document["best_ngram"] == dict.fromkeys(KINDS, "ngram-k4")
+    assert COLUMNS_NOTE in document["notes"]  # the decode rows' stock is no stock speculation
     named = {row.name: row for row in rows}
     for kind in COPY_KINDS:
         against = named[f"{kind}_lookup_vs_best_ngram"]

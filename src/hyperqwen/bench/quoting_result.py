@@ -41,6 +41,15 @@ NGRAM_GPU_NOTE = (
     "(vllm-project/vllm#44054, #44056): its tokens_per_step reads low against ngram's; compare "
     "them by tok/s."
 )
+# What the rows' columns hold: only the *_vs_best_ngram rows compare with stock vLLM doing the
+# same job (speculating with its own n-gram drafts)
+COLUMNS_NOTE = (
+    "Rows KIND_CONFIG_decode, _decode_spread and _ttft_p50: stock = the configuration's "
+    "baseline without speculation (vllm-off for vLLM's configurations, hyperqwen-off for "
+    "HyperQwen's: the same build), patched = the configuration. The comparison with stock vLLM "
+    "speculating too is each KIND_CONFIG_vs_best_ngram row: stock = vLLM's fastest n-gram "
+    "configuration on that kind (best_ngram), patched = the configuration."
+)
 
 
 @dataclass(frozen=True)
@@ -351,7 +360,7 @@ def build_result(merged: dict, merge_command: str = "") -> tuple[dict, list[Comp
         "plan": plan,
         "prompts": merged["prompts"],
         "configs": {name: _without_texts(record) for name, record in records.items()},
-        "notes": [NGRAM_GPU_NOTE, *missing],
+        "notes": [COLUMNS_NOTE, NGRAM_GPU_NOTE, *missing],
     }
     return result_document(facts, rows, **details), rows
 
