@@ -167,8 +167,8 @@ class ServingKnobs(BaseModel):
         "on sm89+ only; turboquant_* (3-4 bit) run TurboQuant, never with SPEC other than off; "
         "kvarn: HyperQwen's 4-bit K / 2-bit (or 3-bit) V tiles (src/hyperqwen/kvarn), SPEC=mtp "
         "(at most 3 drafts) or off; the most context per GiB, but slower than fp8 today, in "
-        "decode and "
-        "far more in a cold prefill (docs/long-context.md, 'Decode deep in a long context'). "
+        "decode and far more in a cold prefill (docs/long-context.md, 'Decode deep in a long "
+        "context'). "
         "Which works with what, and what a card holds with each: docs/long-context.md; "
         "batch/README.md has fp8's measured cost.",
         "--kv-cache-dtype (with --attention-backend where the dtype needs one)",
@@ -303,9 +303,9 @@ class ServingKnobs(BaseModel):
         "ngram: vLLM's n-gram drafts, copied from the prompt (no extra weights); lookup: "
         "HyperQwen's copy drafts from vLLM's CPU n-gram proposer (or on the GPU: LOOKUP_DEVICE): "
         "what followed the longest, most recent earlier occurrence of the last 3-12 tokens (for "
-        "models without MTP; speed not measured on this path, single-user/README.md has its "
-        "first design's loss); "
-        "off: none.",
+        "models without MTP; on SmolLM2's copy tasks lossless but 0.72-0.84x the tok/s of "
+        "vLLM's CPU ngram at 15 drafts, docs/results/2026-12-06-h100-smollm2-quoting.json, "
+        "single-user/README.md); off: none.",
         "--speculative-config",
         modes=SINGLE,
     )
@@ -314,9 +314,10 @@ class ServingKnobs(BaseModel):
         "Tokens drafted per step. Default: 3 for mtp, 4 for ngram and lookup. With lookup, a "
         "match of 6+ tokens proposes all of them and a shorter one at most 4, and only proposed "
         "drafts are verified, so a long block (e.g. 15) costs verify work only while the answer "
-        "copies its context (speed not measured yet). With SPEC=mtp and quoting on, more than 3 "
-        "is the widest block a copy fills while MTP drafts 3 (src/hyperqwen/engine/README.md's "
-        "feature table). Each draft slot holds a GDN state per request: see hyperqwen capacity.",
+        "copies its context (measured on SmolLM2 only, SPEC's result). With SPEC=mtp and quoting "
+        "on, more than 3 is the widest block a copy fills while MTP drafts 3 "
+        "(src/hyperqwen/engine/README.md's feature table). Each draft slot holds a GDN state per "
+        "request: see hyperqwen capacity.",
         "--speculative-config num_speculative_tokens",
         modes=SINGLE,
         ge=1,
