@@ -12,13 +12,16 @@ from __future__ import annotations
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 from test_engine_quoting import scheduled_step
+from test_kernel_lookup import as_buffer, planted_rows
 
-from hyperqwen.engine import lookup_gpu, seams
+from hyperqwen.engine import lookup, lookup_gpu, seams
 from hyperqwen.engine.features import LOOKUP
 from hyperqwen.engine.lookup import LONG_MATCH, SHORT_MATCH_DRAFTS
+from hyperqwen.kernels.lookup import find_suffix_match
 from hyperqwen.launch import LOOKUP_MATCH
 
 WIDTH = 15  # DRAFT_TOKENS, the bench's
@@ -244,6 +247,22 @@ def test_the_count_policy():
         2,
         2,
     ]
+
+
+@pytest.mark.parametrize(("seed", "vocab", "min_n", "max_n"), [(0, 4, 1, 8), (1, 30, 2, 12)])
+def test_both_devices_propose_the_same_drafts(seed, vocab, min_n, max_n):
+    """The policy is written twice, once a request on the host (LOOKUP_DEVICE's cpu value) and
+    once a batch on the GPU: the same contexts give the same drafts and counts on both, near
+    max_model_len too."""
+    contexts = planted_rows(seed, 60, BUFFER, vocab)
+    tokens, lengths = as_buffer(contexts, BUFFER)
+    match = find_suffix_match(tokens, lengths, min_n, max_n, WIDTH)
+    sampled = torch.ones_like(lengths)
+    counts = lookup_gpu.proposed_counts(match.length, sampled, lengths, WIDTH, BUFFER).tolist()
+    assert {0, SHORT_MATCH_DRAFTS, WIDTH} <= set(counts)  # every branch of the policy ran
+    for row, context in enumerate(contexts):
+        on_host = lookup.propose(np.array(context, dtype=np.int32), min_n, max_n, WIDTH, BUFFER)
+        assert match.drafts[row, : counts[row]].tolist() == on_host, (row, context[-20:])
 
 
 def test_the_patched_runner_calls_what_attach_replaces(patched_vllm):
