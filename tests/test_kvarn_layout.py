@@ -47,6 +47,20 @@ def test_other_value_bits_are_refused_by_name():
             TileLayout(v_bits=v_bits)
 
 
+def test_the_knob_and_the_bench_offer_the_layouts_value_bits():
+    """The bits are spelled three times (the layout, the knob's values, kvarn.bench's choices;
+    the knob's module stays torch-free): they must agree."""
+    from hyperqwen.engine.features import KVARN_V_BITS
+    from hyperqwen.kvarn.bench import build_parser
+
+    offered = tuple(map(str, kvarn_layout.V_BITS_CHOICES))
+    assert KVARN_V_BITS.owned_knob.values == offered
+    assert KVARN_V_BITS.unset == str(kvarn_layout.V_BITS)
+    (v_bits,) = (a for a in build_parser()._actions if a.dest == "v_bits")
+    assert tuple(v_bits.choices) == kvarn_layout.V_BITS_CHOICES
+    assert v_bits.default == kvarn_layout.V_BITS
+
+
 @pytest.mark.parametrize("v_bits", [2, 3])
 def test_the_27b_page_is_what_vllms_tq_spec_budgets(v_bits):
     from vllm.v1.kv_cache_interface import TQFullAttentionSpec
