@@ -387,8 +387,11 @@ LOOKUP = Feature(
                 "search (vLLM turns async scheduling off for it); gpu: vLLM's ngram_gpu path "
                 "(async scheduling on) with HyperQwen's search and policy on the GPU, and each "
                 "request's verify block cut to what its drafting proposed one step earlier, "
-                "never waiting for the GPU (src/hyperqwen/engine/quoting.md). gpu is CPU-tested, "
-                "not measured on a GPU yet. Ignored unless SPEC=lookup.",
+                "never waiting for the GPU (src/hyperqwen/engine/quoting.md). gpu is lossless "
+                "but slower on SmolLM2 (H100: 0.40-0.48x vLLM's CPU n-gram at 15 drafts on copy "
+                "prompts, docs/results/2026-12-06-h100-smollm2-quoting-lookup-gpu.json, where cpu "
+                "made 0.72-0.84x in -quoting.json), so cpu is the default. Ignored unless "
+                "SPEC=lookup.",
                 values=("cpu", LOOKUP_ON_GPU),
                 modes=SINGLE_MODE,
                 becomes="--speculative-config method (ngram, or ngram_gpu for gpu), "
@@ -403,8 +406,10 @@ LOOKUP = Feature(
     "SPEC=lookup); C1 chat on the 27B geometry (H200) as fast as with LOOKUP=0, tokens per step "
     "equal (docs/results/2026-12-04-h200-27b-single-lookup-auto.json, -off.json); on its first "
     "home, vLLM's async `ngram_gpu` proposer, SPEC=lookup drafted at 0.47x stock CPU n-gram's "
-    "tokens/s on copy prompts (H200, SmolLM2-135M, 2026-12-01), so it moved to the CPU proposer "
-    "(measured there with 3 requests per C1 row, too few to decide: single-user/README.md); "
+    "tokens/s on copy prompts (H200, SmolLM2-135M, 2026-12-01), so it moved to the CPU proposer, "
+    "where it is lossless and made 0.72-0.84x the tokens/s of vLLM's CPU n-gram at 15 drafts "
+    "while verifying more tokens a step (H100, 16 requests a kind, "
+    "docs/results/2026-12-06-h100-smollm2-quoting.json); "
     "LOOKUP=auto/1 (greedy MTP drafts) puts copies in MTP's slots and keeps vLLM's `ngram_gpu` "
     "bookkeeping of the token buffer; with DRAFT_TOKENS > 3 the per-request verify width of "
     "`quoting.py` (`quoting.md`: steps without a match keep their full CUDA graphs, each slot "
@@ -414,7 +419,8 @@ LOOKUP = Feature(
     "15), no change where nothing repeats; speed not measured there; "
     "`hyperqwen bench quoting` (bench/README.md) measures it. LOOKUP_DEVICE=gpu (SPEC=lookup on "
     "vLLM's `ngram_gpu` path, async scheduling on, one-step-late cut, `lookup_gpu.py`): "
-    "CPU-tested, not run on a GPU yet",
+    "lossless on the H100 (bench/measurements/2026-12-06-h100-lookup-gpu-exact-passed.json) "
+    "and slower than the CPU path (docs/results/2026-12-06-h100-smollm2-quoting-lookup-gpu.json)",
 )
 
 PDL = Feature(

@@ -14,8 +14,8 @@ LOOKUP_DEVICE for SPEC=lookup):
   reports for that path.
 - SPEC=lookup LOOKUP_DEVICE=gpu (the variable is gpu): vLLM's `ngram_gpu` runner path, async
   scheduling on, with this search and policy on the GPU and quoting's one-step-late cut instead
-  of vLLM's waiting one (lookup_gpu.py, quoting.md's "Lookup alone"; CPU-tested, not run on a
-  GPU yet).
+  of vLLM's waiting one (lookup_gpu.py, quoting.md's "Lookup alone": lossless on the H100,
+  slower than the CPU path on SmolLM2).
 - SPEC=mtp with LOOKUP=auto or 1 (`runner_keeps_ngram_buffer`): the V1 runner keeps the GPU token
   buffer of vLLM's `ngram_gpu` path for MTP (the V1 runner's seams; its upkeep under async
   scheduling is the path above, so its acceptance is to be measured before it is recommended)
