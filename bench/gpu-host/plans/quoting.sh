@@ -12,7 +12,8 @@
 #             step: vLLM's ngram-k15 (stock), hyperqwen-ngram (vLLM's search on HyperQwen's build
 #             and flags) and lookup, so lookup's deficit splits into build and flags (hyperqwen-
 #             ngram against ngram-k15) and search and policy (lookup against hyperqwen-ngram);
-#             hyperqwen-off (the build without speculation) is the profile's lossless reference
+#             hyperqwen-off (the build without speculation) is the profile's lossless reference;
+#             lookup-gpu too (its drafting steps ran piecewise in quoting-g: is that its gap?)
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh quoting || exit 1
 smollm2_flags='--max-model-len 4096 --gpu-memory-utilization 0.1 --kv-cache-memory-bytes 2G'
@@ -45,6 +46,7 @@ step ceiling-b ceiling_pair b k3,k4
 step ceiling-c ceiling_pair c k8,mtp-k3
 step smollm2 python3 -m hyperqwen.cli bench smollm2 /tmp/smollm2 --dtype bfloat16
 full_graphs="--compilation-config '{\"cudagraph_mode\":\"FULL\",\"max_cudagraph_capture_size\":512}'"
-step quoting-i quoting_group i ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup "$full_graphs"
+step quoting-i quoting_group i ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup,lookup-gpu \
+  "$full_graphs"
 step quoting-i-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-i.json \
   --out "$P/quoting-i-result.json"
