@@ -30,8 +30,8 @@ token per verify step on the copy prompts (vLLM's counters count the slots the o
 removed as rejected drafts, so the figure is accepted tokens per scheduled step); its measures go
 to $HYPERQWEN_TEST_LOGS/lookup-gpu-summary.json.
 
-Run on the GPU host: `pytest -m gpu tests/test_engine_quoting_gpu.py` (five tiny servers, one
-after another, about two minutes each to start cold; vLLM keeps no compile cache for
+Run on the GPU host: `pytest -m gpu tests/test_engine_quoting_gpu.py` (five tiny servers, each
+test's started together, about three minutes to start cold; vLLM keeps no compile cache for
 `ngram_gpu`).
 """
 
@@ -67,6 +67,7 @@ from quoting_copy import (
 )
 from test_prepare_common import run_prepare
 
+from hyperqwen.bench.server_process import all_running
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
 from hyperqwen.checkpoint.tokenizer import build_fast_tokenizer
@@ -170,8 +171,8 @@ def prepared_with_a_cycle(tmp_path: Path) -> tuple[Path, list[int]]:
 
 
 def served(tmp_path, tmp_path_factory, sides: dict) -> tuple[Path, dict, dict]:
-    """Each side's answers to the prompts (the tiny model with its planted cycle, one server
-    after another): the logs folder, the prompts and the results by side and prompt."""
+    """Each side's answers to the prompts (the tiny model with its planted cycle, the servers
+    started together): the logs folder, the prompts and the results by side and prompt."""
     require_gpu()
     logs = log_dir(tmp_path)
     base_env = with_vllm_first(patched_vllm_parent(tmp_path_factory))
@@ -180,14 +181,19 @@ def served(tmp_path, tmp_path_factory, sides: dict) -> tuple[Path, dict, dict]:
 
     prompts = {"copy": copy_prompt(cycle), "copy-cached": copy_prompt(cycle), "code": CODE_PROMPT}
     prompts.update({f"chat-{i}": prompt for i, prompt in enumerate(CHAT_PROMPTS)})
-    results = {}
+    servers = []
     for side, (speculative, engine_env) in sides.items():
         port = free_port()
         log = logs / f"quoting-{side}-server.log"
         command = quoting_server(model, port, speculative)
-        env = {**base_env, **engine_env}
-        with running_server(command, f"http://127.0.0.1:{port}", log, env) as url:
-            results[side] = {name: answer(url, prompt) for name, prompt in prompts.items()}
+        servers.append(running_server(command, f"http://127.0.0.1:{port}", log,
+                                      {**base_env, **engine_env}))  # fmt: skip
+    # started together (each server's pool is fixed and small); queried one after another
+    with all_running(servers) as urls:
+        results = {
+            side: {name: answer(url, prompt) for name, prompt in prompts.items()}
+            for side, url in zip(sides, urls, strict=True)
+        }
     return logs, prompts, results
 
 

@@ -15,7 +15,6 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,6 +32,7 @@ from hyperqwen.bench.run import run_pass, served_model
 from hyperqwen.bench.server_process import (
     SERVER_HOST,
     HealthyServer,
+    all_running,
     free_port,
     running_server,
 )
@@ -232,22 +232,9 @@ def check_pinned_pools(launches: Sequence[Launch]) -> None:
 
 @contextlib.contextmanager
 def all_healthy(start: ServerStart, launches: Sequence[Launch]) -> Iterator[list[HealthyServer]]:
-    """Every server started at once, yielded once all are healthy; all stopped on exit (also
-    when one fails to start: its error is raised once the others are up or have failed)."""
+    """Every server started at once (server_process.all_running), yielded once all are healthy."""
     check_pinned_pools(launches)
-    servers = [started.server(start) for started in launches]
-    with contextlib.ExitStack() as stop_all:
-        with ThreadPoolExecutor(max(1, len(servers))) as pool:
-            starting = [pool.submit(server.__enter__) for server in servers]
-        healthy, failures = [], []
-        for server, future in zip(servers, starting, strict=True):
-            try:
-                healthy.append(future.result())
-                stop_all.push(server.__exit__)
-            except Exception as error:  # raised below; stop_all stops those that started
-                failures.append(error)
-        if failures:
-            raise failures[0]
+    with all_running([started.server(start) for started in launches]) as healthy:
         yield healthy
 
 

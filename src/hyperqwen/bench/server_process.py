@@ -14,9 +14,12 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import requests
 from tqdm import tqdm
@@ -25,6 +28,7 @@ SERVER_HOST = "127.0.0.1"
 STOP_GRACE_S = 60
 HEALTH_POLL_S = 0.5
 WEIGHTS_LINE = re.compile(r"Model loading took ([0-9.]+) GiB")
+Started = TypeVar("Started")
 
 
 class ServerStartError(Exception):
@@ -107,6 +111,26 @@ def running_server(
             yield HealthyServer(process, time.monotonic() - start)
         finally:
             stop_group(process)
+
+
+@contextlib.contextmanager
+def all_running(servers: Sequence[AbstractContextManager[Started]]) -> Iterator[list[Started]]:
+    """Enter every server's context at once (e.g. `running_server`s: each start waits for its
+    own health), yield what they yield once all are up; all stopped on exit, also when one
+    fails to start: its error is raised once the others are up or have failed."""
+    with contextlib.ExitStack() as stop_all:
+        with ThreadPoolExecutor(max(1, len(servers))) as pool:
+            starting = [pool.submit(server.__enter__) for server in servers]
+        running, failures = [], []
+        for server, future in zip(servers, starting, strict=True):
+            try:
+                running.append(future.result())
+                stop_all.push(server.__exit__)
+            except Exception as error:  # raised below; stop_all stops those that started
+                failures.append(error)
+        if failures:
+            raise failures[0]
+        yield running
 
 
 def weight_gib(log_text: str) -> float | None:
