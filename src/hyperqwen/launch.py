@@ -76,6 +76,9 @@ NGRAM_MATCH = (2, 5)
 # SPEC=lookup's match lengths: at least 3 tokens (shorter repeats are mostly chance), at most 12
 # compared (longer agreement says nothing more about what comes next).
 LOOKUP_MATCH = (3, 12)
+# The SPEC values vLLM drafts for with its n-gram proposers (V1 runner only; verify blocks of
+# varying width)
+NGRAM_SPECS = ("ngram", "lookup")
 
 
 def profile_for(settings: Settings, mode: Mode) -> Profile:
@@ -113,7 +116,7 @@ def model_runner(settings: Settings, mode: Mode, explicit: frozenset[str]) -> li
     such a feature, or a SPEC only the V1 runner drafts with, meets it."""
     if settings.MODEL_RUNNER != V2_RUNNER:
         return []
-    if mode == "single" and settings.SPEC in ("ngram", "lookup"):
+    if mode == "single" and settings.SPEC in NGRAM_SPECS:
         raise RunnerRefusal(
             f"SPEC={settings.SPEC} needs vLLM's V1 model runner (vLLM 0.26's V2 runner has no "
             "n-gram drafting): set MODEL_RUNNER=auto, or SPEC=mtp or off."
@@ -233,12 +236,17 @@ def start_refusal(settings: Settings, mode: str, gpus: list) -> str | None:
     )
 
 
-def compilation_config(max_graph_tokens: int, inductor_pdl: bool = False) -> dict:
+def compilation_config(
+    max_graph_tokens: int, inductor_pdl: bool = False, every_step_full: bool = False
+) -> dict:
     # Full CUDA graphs for decode-only batches (GDN layers need them to be fast), piecewise for
     # mixed ones, up to max_graph_tokens tokens per step; larger steps (long prefills, which
-    # are compute-bound) run without graphs.
+    # are compute-bound) run without graphs. every_step_full asks for full graphs of every
+    # step up to that size: n-gram drafting verifies blocks of varying width, which vLLM's
+    # dispatcher otherwise runs piecewise; vLLM falls back to FULL_AND_PIECEWISE where an
+    # attention backend cannot (FlashAttention 2 on Ampere/Ada, the GDN layers).
     config: dict = {
-        "cudagraph_mode": "FULL_AND_PIECEWISE",
+        "cudagraph_mode": "FULL" if every_step_full else "FULL_AND_PIECEWISE",
         "max_cudagraph_capture_size": max_graph_tokens,
     }
     if inductor_pdl:
@@ -427,7 +435,11 @@ def build_launch(
         (
             "--compilation-config",
             json.dumps(
-                compilation_config(graph_tokens, settings.INDUCTOR_PDL == ON),
+                compilation_config(
+                    graph_tokens,
+                    settings.INDUCTOR_PDL == ON,
+                    every_step_full=mode == "single" and settings.SPEC in NGRAM_SPECS,
+                ),
                 separators=(",", ":"),
             ),
             f"mode {mode}",
@@ -521,7 +533,7 @@ def _ignored_knob_warnings(settings: Settings, mode: Mode, explicit: frozenset[s
         for name in ("DRAFT_TOKENS", "DRAFT_SAMPLE"):
             if name in explicit:
                 warnings.append(f"{name} is ignored with SPEC=off.")
-    if mode == "single" and settings.SPEC in ("ngram", "lookup") and "DRAFT_SAMPLE" in explicit:
+    if mode == "single" and settings.SPEC in NGRAM_SPECS and "DRAFT_SAMPLE" in explicit:
         warnings.append(
             f"DRAFT_SAMPLE is ignored with SPEC={settings.SPEC} (copied drafts are not sampled)."
         )

@@ -8,12 +8,12 @@
 # (bench/measurements/2026-12-06-h100-smollm2-quoting-full-graphs-partial.json). Now:
 #   ceiling-*: the 27B geometry's verify step at k = 0/15, 3/4, 8 and MTP's 3, which turns
 #             SmolLM2's tokens per step into a projected 27B quoting speed
-#   quoting-i: SmolLM2 (real weights), 16 prompts a kind, two passes, full CUDA graphs for every
-#             step: vLLM's ngram-k15 (stock), hyperqwen-ngram (vLLM's search on HyperQwen's build
-#             and flags) and lookup, so lookup's deficit splits into build and flags (hyperqwen-
-#             ngram against ngram-k15) and search and policy (lookup against hyperqwen-ngram);
-#             hyperqwen-off (the build without speculation) is the profile's lossless reference;
-#             lookup-gpu too (its drafting steps ran piecewise in quoting-g: is that its gap?)
+#   quoting-i: SmolLM2 (real weights), 16 prompts a kind, two passes: vLLM's ngram-k15 (stock,
+#             its defaults: the competitor a user has), and the profile (whose SPEC=ngram/lookup
+#             now ask for full CUDA graphs of every step) as hyperqwen-ngram (vLLM's search on
+#             HyperQwen's build and flags), lookup and lookup-gpu (its drafting steps ran
+#             piecewise in quoting-g), hyperqwen-off the lossless reference. lookup against
+#             hyperqwen-ngram is search and policy alone
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh quoting || exit 1
 smollm2_flags='--max-model-len 4096 --gpu-memory-utilization 0.1 --kv-cache-memory-bytes 2G'
@@ -45,8 +45,6 @@ step ceiling-a ceiling_pair a k0,k15
 step ceiling-b ceiling_pair b k3,k4
 step ceiling-c ceiling_pair c k8,mtp-k3
 step smollm2 python3 -m hyperqwen.cli bench smollm2 /tmp/smollm2 --dtype bfloat16
-full_graphs="--compilation-config '{\"cudagraph_mode\":\"FULL\",\"max_cudagraph_capture_size\":512}'"
-step quoting-i quoting_group i ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup,lookup-gpu \
-  "$full_graphs"
+step quoting-i quoting_group i ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup,lookup-gpu
 step quoting-i-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-i.json \
   --out "$P/quoting-i-result.json"
