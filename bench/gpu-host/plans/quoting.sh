@@ -6,8 +6,8 @@
 # 2026-12-06-h100-smollm2-quoting.json); LOOKUP_DEVICE=gpu lossless but slower still (-quoting-
 # lookup-gpu.json); with full CUDA graphs both sides faster, lookup still behind on most copy rows
 # (bench/measurements/2026-12-06-h100-smollm2-quoting-full-graphs-partial.json). Now:
-#   ceiling-*: the 27B geometry's verify step at k = 0/15, 3/4, 8 and MTP's 3, which turns
-#             SmolLM2's tokens per step into a projected 27B quoting speed
+#   ceiling-*: the 27B geometry's verify step at k = 0, 3, 15 and 4, 8, MTP's 3 (two groups of
+#             three servers), which turns SmolLM2's tokens per step into a projected 27B speed
 #   quoting-i: SmolLM2 (real weights), 16 prompts a kind, two passes: vLLM's ngram-k15 (stock,
 #             its defaults: the competitor a user has), and the profile (whose SPEC=ngram/lookup
 #             now ask for full CUDA graphs of every step) as hyperqwen-ngram (vLLM's search on
@@ -30,20 +30,22 @@ quoting_group() {
   cp /tmp/quoting-"$1"/*.log "$P/quoting-$1/" 2> /dev/null
   return $status
 }
-# One pair of ceiling configurations on the 27B geometry, into $P/ceiling-PAIR.json.
-ceiling_pair() {
+# Three ceiling configurations started together on the 27B geometry, into $P/ceiling-GROUP.json
+# (three stock 27B servers, 17.6 GiB of weights and a 4 GiB pool each, fit an 80 GB card at
+# 0.31 each, as bench/gpu-host/ab_together.sh's three did with 5 GiB pools). The
+# command refuses a pass whose vLLM counters do not show k drafts a step, all accepted, so the
+# mechanism's own GPU test (tests/test_bench_quoting_ceiling_gpu.py) is not rerun here.
+ceiling_group() {
   [ -f /tmp/q27/config.json ] || python3 -m hyperqwen.cli synth /tmp/q27 --preset 27b --config-only
   python3 -m hyperqwen.cli bench quoting-ceiling /tmp/q27 --stock-vllm "$HYPERQWEN_STOCK_VLLM" \
     --configs "$2" --start-together --workdir "/tmp/ceiling-$1" --out "$P/ceiling-$1.json" \
-    --vllm-args='--load-format dummy --language-model-only --max-model-len 4096 --max-num-seqs 4 --gpu-memory-utilization 0.4 --kv-cache-memory-bytes 4G --gdn-prefill-backend triton'
+    --vllm-args='--load-format dummy --language-model-only --max-model-len 4096 --max-num-seqs 4 --gpu-memory-utilization 0.31 --kv-cache-memory-bytes 4G --gdn-prefill-backend triton'
   local status=$?
   cp /tmp/ceiling-"$1"/*.log "$P/" 2> /dev/null
   return $status
 }
-step ceiling-mechanism python3 -m pytest -m gpu -x tests/test_bench_quoting_ceiling_gpu.py
-step ceiling-a ceiling_pair a k0,k15
-step ceiling-b ceiling_pair b k3,k4
-step ceiling-c ceiling_pair c k8,mtp-k3
+step ceiling-a ceiling_group a k0,k3,k15
+step ceiling-b ceiling_group b k4,k8,mtp-k3
 step smollm2 python3 -m hyperqwen.cli bench smollm2 /tmp/smollm2 --dtype bfloat16
 step quoting-i quoting_group i ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup,lookup-gpu
 step quoting-i-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-i.json \
