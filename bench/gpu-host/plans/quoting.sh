@@ -11,9 +11,9 @@
 #   quoting-i: SmolLM2 (real weights), 16 prompts a kind, two passes: vLLM's ngram-k15 (stock,
 #             its defaults: the competitor a user has), and the profile (whose SPEC=ngram/lookup
 #             now ask for full CUDA graphs of every step) as hyperqwen-ngram (vLLM's search on
-#             HyperQwen's build and flags), lookup and lookup-gpu (its drafting steps ran
-#             piecewise in quoting-g), hyperqwen-off the lossless reference. lookup against
-#             hyperqwen-ngram is search and policy alone
+#             HyperQwen's build and flags) and lookup, hyperqwen-off the lossless reference.
+#             lookup against hyperqwen-ngram is search and policy alone
+#   quoting-j: lookup-gpu with full graphs (its drafting steps ran piecewise in quoting-g)
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh quoting || exit 1
 smollm2_flags='--max-model-len 4096 --gpu-memory-utilization 0.1 --kv-cache-memory-bytes 2G'
@@ -47,6 +47,10 @@ ceiling_group() {
 step ceiling-a ceiling_group a k0,k3,k15
 step ceiling-b ceiling_group b k4,k8,mtp-k3
 step smollm2 python3 -m hyperqwen.cli bench smollm2 /tmp/smollm2 --dtype bfloat16
-step quoting-i quoting_group i ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup,lookup-gpu
+step quoting-i quoting_group i ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup
 step quoting-i-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-i.json \
   --out "$P/quoting-i-result.json"
+# alone: it never ran with full graphs, and a server that fails to start fails its whole group
+step quoting-j quoting_group j lookup-gpu
+step quoting-ij-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-i.json \
+  "$P"/quoting-j.json --out "$P/quoting-ij-result.json"
