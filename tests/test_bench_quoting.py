@@ -236,7 +236,17 @@ def test_started_servers_one_after_another_and_parts_merge(
         "--vllm-args=--max-model-len 8192 --kv-cache-memory-bytes 1000000000",  # for together
     ]  # fmt: skip
     parts = [tmp_path / "vllm.json", tmp_path / "hyperqwen.json"]
-    assert run_in_process(*common, "--configs", "vllm-off,ngram-k4", "--out", str(parts[0])) == 0
+    first = ["--configs", "vllm-off,ngram-k4", "--host-stacks", "--out", str(parts[0])]
+    assert run_in_process(*common, *first) == 0
+    # --host-stacks: one more quote pass per started server, its process tree sampled
+    sampled = json.loads(parts[0].read_text())
+    assert "--host-stacks" in sampled["command"]
+    for record in sampled["configs"].values():
+        host = record["host_cpu"]
+        assert (host["kind"], host["requests"]) == ("quote", 1) and host["output_tokens"] > 0
+        # a stand-in spends too little CPU on one answer to be counted; py-spy ran on it
+        assert host["total_cpu_s"] >= 0 and "stacks" in host
+        assert host["stacks"] is not None or "py-spy" in host["stacks_note"]
     together = ["--configs", "hyperqwen-off,lookup", "--start-together", "--out", str(parts[1])]
     assert run_in_process(*common, *together) == 0
     result = tmp_path / "result.json"

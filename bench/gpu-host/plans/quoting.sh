@@ -14,6 +14,8 @@
 #             HyperQwen's build and flags) and lookup, hyperqwen-off the lossless reference.
 #             lookup against hyperqwen-ngram is search and policy alone
 #   quoting-j: lookup-gpu with full graphs (its drafting steps ran piecewise in quoting-g)
+# Each server of a group also answers one more quote pass under py-spy (--host-stacks; carry
+# .gpu-kit/py-spy in a call, env.sh keeps it): where its steps' host time goes, printed.
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh quoting || exit 1
 smollm2_flags='--max-model-len 4096 --gpu-memory-utilization 0.1 --kv-cache-memory-bytes 2G'
@@ -24,7 +26,7 @@ quoting_group() {
   env GPU_UTIL=0.1 REASONING_PARSER=none TOOLS=0 VISION=1 python3 -m hyperqwen.cli bench quoting \
     /tmp/smollm2 --stock-vllm "$HYPERQWEN_STOCK_VLLM" --patched-vllm "$HYPERQWEN_PATCHED_VLLM" \
     --configs "$2" --start-together --workdir "/tmp/quoting-$1" --out "$P/quoting-$1.json" \
-    --vllm-args="$smollm2_flags ${3:-}"
+    --host-stacks --vllm-args="$smollm2_flags ${3:-}"
   local status=$?
   mkdir -p "$P/quoting-$1"
   cp /tmp/quoting-"$1"/*.log "$P/quoting-$1/" 2> /dev/null

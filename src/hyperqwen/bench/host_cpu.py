@@ -9,12 +9,12 @@ show in TPOT."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import psutil
 
-from hyperqwen.bench.client import BenchClient
+from hyperqwen.bench.client import BenchClient, StreamResult
 from hyperqwen.bench.host_stacks import (
     SAMPLE_RATE_HZ,
     parse,
@@ -62,17 +62,26 @@ def measure_host_cpu(
     stacks_out: Path | None = None,
 ) -> dict:
     """HOST_CPU_REQUESTS C1 requests of random tokens against the server whose process tree is
-    rooted at `pid`: the output tokens they made and the CPU seconds its processes spent; with
+    rooted at `pid` (host_cpu_while)."""
+    workload = Workload("random", False, input_len, output_len)
+    requests = factory.requests(workload, HOST_CPU_REQUESTS)
+    return host_cpu_while(pid, lambda: client.stream_many(requests, 1)[0], stacks_out)
+
+
+def host_cpu_while(
+    pid: int, send: Callable[[], Sequence[StreamResult]], stacks_out: Path | None = None
+) -> dict:
+    """What `send` (requests to the server whose process tree is rooted at `pid`) cost its
+    processes: the requests, the output tokens they made and the CPU seconds spent; with
     `stacks_out`, py-spy's samples of the tree meanwhile there (host_stacks.py) and their
     summary under "stacks" (None, and "stacks_note" says why, where none were taken)."""
-    workload = Workload("random", False, input_len, output_len)
     with contextlib.ExitStack() as stack:
         raw = stack.enter_context(sampled(pid, stacks_out)) if stacks_out else None
         before = tree_cpu_seconds(pid)
-        results, _ = client.stream_many(factory.requests(workload, HOST_CPU_REQUESTS), 1)
+        results = send()
         spent = cpu_spent(before, tree_cpu_seconds(pid))
     tokens = sum(result.output_tokens for result in results)
-    measured = {"requests": HOST_CPU_REQUESTS, "output_tokens": tokens, **spent}
+    measured = {"requests": len(results), "output_tokens": tokens, **spent}
     if stacks_out is None:
         return measured
     if raw is None:

@@ -162,7 +162,7 @@ def cmd_needle(args: argparse.Namespace) -> int:
         "configs": {},
     }
     try:
-        run_configs(plan, lambda client: measure_needle(client, plan), document)
+        run_configs(plan, lambda client, _pid: measure_needle(client, plan), document)
     except (ABError, ServerStartError, BenchError) as error:
         measured = ", ".join(document["configs"])
         kept = f" (measured before: {measured}, in {plan.out})" if measured else ""

@@ -38,6 +38,7 @@ from hyperqwen.bench.quoting_result import (
     merge,
 )
 from hyperqwen.bench.quoting_run import (
+    HOST_STACKS_KIND,
     QuotingPlan,
     measure_quoting,
     measurements_document,
@@ -136,6 +137,7 @@ def quoting_plan(args: argparse.Namespace) -> QuotingPlan:
         lookup_knobs=" ".join(f"{name}={value}" for name, value in lookup_knobs.items()),
         start=server_start(args),
         out=Path(args.out) if args.out else workdir / f"quoting-{names}.json",
+        host_stacks=args.host_stacks,
     )
 
 
@@ -158,6 +160,7 @@ def equivalent_command(plan: QuotingPlan) -> str:
     if start.server_command != DEFAULT_SERVER_COMMAND:
         command += ["--server-command", start.server_command]
     command += ["--start-together"] * start.start_together
+    command += ["--host-stacks"] * plan.host_stacks
     command += ["--out", str(plan.out)]
     knob_values = environment_knobs(Path(start.model), start.env_file) if start.model else {}
     # NAME='a b', not 'NAME=a b', which the shell would take for the command's name
@@ -174,7 +177,7 @@ def cmd_quoting(args: argparse.Namespace) -> int:
         print(f"hyperqwen bench quoting: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        run_configs(plan, lambda client: measure_quoting(client, plan, tasks), document)
+        run_configs(plan, lambda client, pid: measure_quoting(client, plan, tasks, pid), document)
     except (ABError, ServerStartError, BenchError) as error:
         kept = f" (measured before: {', '.join(document['configs'])}, in {plan.out})"
         print(
@@ -359,6 +362,14 @@ def add_subcommands(actions) -> None:
     )
     parser.add_argument(
         "--seed", type=int, default=0, metavar="N", help="seed of the prompt choice (default 0)"
+    )
+    parser.add_argument(
+        "--host-stacks",
+        action="store_true",
+        help=f"after the passes, one more pass of the {HOST_STACKS_KIND} kind per server this "
+        "run started, with py-spy sampling its processes (HYPERQWEN_PY_SPY, or py-spy on "
+        "PATH): the CPU seconds spent and the busiest thread's functions in ms a step, printed "
+        "and kept under the configuration's host_cpu (the stacks in --workdir)",
     )
     add_run_files_options(
         parser, "quoting", "appended last; write --vllm-args='--max-model-len 4096'", env_file=True

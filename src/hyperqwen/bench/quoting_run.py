@@ -24,6 +24,8 @@ from hyperqwen.bench.ab_plan import ABError
 from hyperqwen.bench.ab_run import check_vllm_tree, pin_needed, pins_kv_pool
 from hyperqwen.bench.client import BenchClient, ServerCounters
 from hyperqwen.bench.header import git_commit, gpu_facts, server_version
+from hyperqwen.bench.host_cpu import host_cpu_while
+from hyperqwen.bench.host_stacks import stack_lines, steps_sampled
 from hyperqwen.bench.options import DATE_FORMAT
 from hyperqwen.bench.quoting_configs import ServerConfig
 from hyperqwen.bench.quoting_tasks import Task, check_fit
@@ -40,6 +42,9 @@ from hyperqwen.bench.server_process import (
 MEASUREMENTS_SCHEMA = 1
 MEASUREMENTS_KIND = "bench quoting measurements"
 WARM_UP = "warm-up"
+# --host-stacks samples a pass of this kind (salted apart from the measured passes)
+HOST_STACKS_KIND = "quote"
+HOST_STACKS_SALT = "host-stacks"
 
 
 @dataclass(frozen=True)
@@ -88,8 +93,9 @@ class ConfigsPlan(Protocol):
     out: Path
 
 
-# What a benchmark measures on one healthy server: its part of the configuration's record.
-Measure = Callable[[BenchClient], dict]
+# What a benchmark measures on one healthy server: its part of the configuration's record
+# (given the server's process id where this run started it, None for a --url server).
+Measure = Callable[[BenchClient, int | None], dict]
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,8 @@ class QuotingPlan:
     lookup_knobs: str
     start: ServerStart
     out: Path
+    host_stacks: bool = False
+    """After the passes, one more pass of HOST_STACKS_KIND under py-spy (host_cpu_while)."""
 
     def recorded(self) -> dict:
         """What the measurements file keeps of the plan; merged files must agree on the
@@ -200,7 +208,7 @@ def measure_given(plan: ConfigsPlan, config: ServerConfig, measure: Measure) -> 
     """A configuration whose server runs at its --url."""
     print(f"== {config.name}: the server at {plan.urls[config.name]}", flush=True)
     client = BenchClient(plan.urls[config.name], None, plan.start.timeout)
-    return {**_record(config), "url": client.base_url, **measure(client)}
+    return {**_record(config), "url": client.base_url, **measure(client, None)}
 
 
 def measure_started(
@@ -215,7 +223,7 @@ def measure_started(
         "patches": started.patches,
         "startup_s": round(healthy.startup_s, 2),
         "log": str(started.log),
-        **measure(BenchClient(started.base, None, plan.start.timeout)),
+        **measure(BenchClient(started.base, None, plan.start.timeout), healthy.process.pid),
     }
 
 
@@ -238,16 +246,49 @@ def all_healthy(start: ServerStart, launches: Sequence[Launch]) -> Iterator[list
         yield healthy
 
 
-def measure_quoting(client: BenchClient, plan: QuotingPlan, tasks: dict[str, list[Task]]) -> dict:
-    """`bench quoting`'s part of a configuration's record."""
+def measure_quoting(
+    client: BenchClient, plan: QuotingPlan, tasks: dict[str, list[Task]], pid: int | None
+) -> dict:
+    """`bench quoting`'s part of a configuration's record; with --host-stacks, where a started
+    server's host CPU went over one more pass of HOST_STACKS_KIND (its C1 steps copy)."""
     model, max_model_len = served_model(client, None)
     check_fit(client, model, max_model_len, tasks)
-    return {
+    record = {
         "served_model": model,
         "max_model_len": max_model_len,
         "version": server_version(client),
         "passes": measure_server(client, model, tasks, plan.seed, plan.passes),
     }
+    if plan.host_stacks and pid is not None:
+        record["host_cpu"] = sampled_pass(client, model, tasks[HOST_STACKS_KIND], plan, pid)
+    return record
+
+
+def sampled_pass(
+    client: BenchClient, model: str, kind_tasks: list[Task], plan: QuotingPlan, pid: int
+) -> dict:
+    """One more pass of these tasks (its own salt) with the server's process tree sampled:
+    host_cpu_while's figures, the pass's tokens per step, and its stacks printed in ms a step."""
+    requests = [task.request(model, plan.seed, HOST_STACKS_SALT) for task in kind_tasks]
+    name = client.base_url.rsplit(":", 1)[-1]
+    before = client.counters()
+    measured = host_cpu_while(
+        pid,
+        lambda: run_pass(client, requests, 1, "host stacks")[0],
+        plan.start.workdir / f"host-stacks-{name}.txt",
+    )
+    tokens_per_step = ServerCounters.between(before, client.counters()).tokens_per_step
+    measured["kind"] = HOST_STACKS_KIND
+    measured["tokens_per_step"] = tokens_per_step
+    print(
+        f"   host CPU over {measured['output_tokens']} {HOST_STACKS_KIND} tokens: busiest "
+        f"process {measured['busiest_cpu_s']:.2f} s, all {measured['total_cpu_s']:.2f} s",
+        flush=True,
+    )
+    if measured.get("stacks"):
+        steps = steps_sampled(measured["output_tokens"], tokens_per_step)
+        print("\n".join(stack_lines(measured["stacks"], steps)), flush=True)
+    return measured
 
 
 def measurements_document(plan: QuotingPlan, command: str, prompts: dict) -> dict:
