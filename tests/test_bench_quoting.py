@@ -282,6 +282,32 @@ def test_started_servers_one_after_another_and_parts_merge(
     assert "ngram-k4, vllm-off measured twice" in capsys.readouterr().err
 
 
+def test_a_server_that_fails_to_start_costs_its_group_no_measurement(
+    tmp_path, pristine_vllm_dir, capsys
+) -> None:
+    """Started together, the configurations that came up are measured and kept; the one that
+    did not is named and the command fails after them."""
+    model = tmp_path / "smollm2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    # the stand-in has no behaviour for ngram-k4: that server exits before it is healthy
+    (tmp_path / "fake.json").write_text(json.dumps({"vllm-off": behaviour(6)}))
+    server = f"{{python}} {TEST_SERVER} --fake-config {tmp_path / 'fake.json'} --side {{side}}"
+    out = tmp_path / "part.json"
+    argv = [
+        "bench", "quoting", str(model), "--stock-vllm", str(pristine_vllm_dir.parent),
+        "--server-command", server + " {args}", "--requests", "1", "--startup-timeout", "120",
+        "--workdir", str(tmp_path / "work"), "--configs", "vllm-off,ngram-k4",
+        "--start-together", "--out", str(out),
+        "--vllm-args=--max-model-len 8192 --kv-cache-memory-bytes 1000000000",
+    ]  # fmt: skip
+    assert run_in_process(*argv) == 2
+    error = capsys.readouterr().err
+    assert "ngram-k4 did not start" in error and "measured before: vllm-off" in error
+    measured = json.loads(out.read_text())["configs"]
+    assert list(measured) == ["vllm-off"] and len(measured["vllm-off"]["passes"]) == 2
+
+
 def test_help_teaches_with_examples(capsys) -> None:
     with pytest.raises(SystemExit) as done:
         run_in_process("bench", "quoting", "--help")

@@ -106,3 +106,19 @@ def test_one_server_failing_to_start_stops_the_others_and_raises_its_error(tmp_p
     with pytest.raises(ServerStartError, match="exited with 5"), all_running(servers):
         pytest.fail("a failed start was taken for all servers up")
     assert processes_with(token) == []
+
+
+def test_keep_going_yields_a_failed_start_in_its_place_beside_the_running(tmp_path) -> None:
+    token = f"keep-going-{uuid.uuid4()}"
+    port = free_port()
+    servers = [
+        running_server([sys.executable, "-c", "raise SystemExit(5)"], None,
+                       tmp_path / "down.log", "http://127.0.0.1:1", 60),
+        running_server(healthy_server(port, token), None, tmp_path / "up.log",
+                       f"http://127.0.0.1:{port}", 60),
+    ]  # fmt: skip
+    with all_running(servers, keep_going=True) as running:
+        failed, up = running
+        assert isinstance(failed, ServerStartError) and "exited with 5" in str(failed)
+        assert up.process.poll() is None and len(processes_with(token)) == 1
+    assert processes_with(token) == []

@@ -55,6 +55,7 @@ from hyperqwen.bench.quoting_run import (
     ServerStart,
     all_healthy,
     launch,
+    raise_failed,
     save,
     server_start,
 )
@@ -188,9 +189,13 @@ def run_ceiling(plan: CeilingPlan, document: dict) -> None:
         launches = [launch(plan.start, config) for config in launched]
         with all_healthy(plan.start, launches) as healthy:
             started = [
-                _started(plan, one, up.startup_s) for one, up in zip(launches, healthy, strict=True)
+                _started(plan, one, up.startup_s)
+                for one, up in zip(launches, healthy, strict=True)
+                if not isinstance(up, Exception)
             ]
-            measure(given + started)
+            if given or started:
+                measure(given + started)
+        raise_failed(launches, healthy)
         return
     if given:
         measure(given)

@@ -34,6 +34,7 @@ from hyperqwen.bench.run import run_pass, served_model
 from hyperqwen.bench.server_process import (
     SERVER_HOST,
     HealthyServer,
+    ServerStartError,
     all_running,
     free_port,
     running_server,
@@ -239,11 +240,24 @@ def check_pinned_pools(launches: Sequence[Launch]) -> None:
 
 
 @contextlib.contextmanager
-def all_healthy(start: ServerStart, launches: Sequence[Launch]) -> Iterator[list[HealthyServer]]:
-    """Every server started at once (server_process.all_running), yielded once all are healthy."""
+def all_healthy(
+    start: ServerStart, launches: Sequence[Launch]
+) -> Iterator[list[HealthyServer | Exception]]:
+    """Every server started at once (server_process.all_running), yielded once all are up or
+    have failed, a failed one as its error: the caller measures the others, then raises it
+    (raise_failed), so one configuration that cannot start costs no other its measurements."""
     check_pinned_pools(launches)
-    with all_running([started.server(start) for started in launches]) as healthy:
-        yield healthy
+    with all_running([started.server(start) for started in launches], keep_going=True) as up:
+        yield up
+
+
+def raise_failed(launches: Sequence[Launch], healthy: Sequence[HealthyServer | Exception]) -> None:
+    """The first start error of all_healthy's servers, naming every configuration that failed."""
+    failed = [(one.config.name, up) for one, up in zip(launches, healthy, strict=True)
+              if isinstance(up, Exception)]  # fmt: skip
+    if failed:
+        names = ", ".join(name for name, _ in failed)
+        raise ServerStartError(f"{names} did not start: {failed[0][1]}") from failed[0][1]
 
 
 def measure_quoting(
@@ -324,7 +338,9 @@ def run_configs(plan: ConfigsPlan, measure: Measure, document: dict) -> dict:
         launches = [launch(plan.start, config) for config in launched]
         with all_healthy(plan.start, launches) as healthy:
             for started, server in zip(launches, healthy, strict=True):
-                keep(started.config.name, measure_started(plan, started, server, measure))
+                if not isinstance(server, Exception):
+                    keep(started.config.name, measure_started(plan, started, server, measure))
+        raise_failed(launches, healthy)
         return document
     for config in launched:
         started = launch(plan.start, config)

@@ -114,21 +114,26 @@ def running_server(
 
 
 @contextlib.contextmanager
-def all_running(servers: Sequence[AbstractContextManager[Started]]) -> Iterator[list[Started]]:
+def all_running(
+    servers: Sequence[AbstractContextManager[Started]], keep_going: bool = False
+) -> Iterator[list[Started | Exception]]:
     """Enter every server's context at once (e.g. `running_server`s: each start waits for its
-    own health), yield what they yield once all are up; all stopped on exit, also when one
-    fails to start: its error is raised once the others are up or have failed."""
+    own health), yield what they yield once all are up or have failed; all stopped on exit. A
+    server that fails to start: its error is raised once the others are up or have failed, or
+    with keep_going it stands in the list in that server's place (the caller uses the others,
+    then raises it)."""
     with contextlib.ExitStack() as stop_all:
         with ThreadPoolExecutor(max(1, len(servers))) as pool:
             starting = [pool.submit(server.__enter__) for server in servers]
-        running, failures = [], []
+        running: list[Started | Exception] = []
         for server, future in zip(servers, starting, strict=True):
             try:
                 running.append(future.result())
                 stop_all.push(server.__exit__)
-            except Exception as error:  # raised below; stop_all stops those that started
-                failures.append(error)
-        if failures:
+            except Exception as error:  # stop_all stops those that started
+                running.append(error)
+        failures = [one for one in running if isinstance(one, Exception)]
+        if failures and not keep_going:
             raise failures[0]
         yield running
 
