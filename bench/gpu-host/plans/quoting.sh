@@ -12,8 +12,8 @@
 #             its defaults: the competitor a user has), and the profile (whose SPEC=ngram/lookup
 #             now ask for full CUDA graphs of every step) as hyperqwen-ngram (vLLM's search on
 #             HyperQwen's build and flags) and lookup, hyperqwen-off the lossless reference.
-#             lookup against hyperqwen-ngram is search and policy alone
-#   quoting-j: lookup-gpu with full graphs (its drafting steps ran piecewise in quoting-g)
+#             lookup against hyperqwen-ngram is search and policy alone; and lookup-gpu with
+#             full graphs (its drafting steps ran piecewise in quoting-g)
 # Each server of a group also answers one more quote pass under py-spy (--host-stacks; carry
 # .gpu-kit/py-spy in a call, env.sh keeps it): where its steps' host time goes, printed.
 # shellcheck source=bench/gpu-host/steps.sh
@@ -49,10 +49,8 @@ ceiling_group() {
 step ceiling-a ceiling_group a k0,k3,k15
 step ceiling-b ceiling_group b k4,k8,mtp-k3
 step smollm2 python3 -m hyperqwen.cli bench smollm2 /tmp/smollm2 --dtype bfloat16
-step quoting-i quoting_group i ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup
+# lookup-gpu last: it never started with full graphs (a server that fails to start is named
+# after the others are measured)
+step quoting-i quoting_group i ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup,lookup-gpu
 step quoting-i-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-i.json \
   --out "$P/quoting-i-result.json"
-# alone: it never ran with full graphs, and a server that fails to start fails its whole group
-step quoting-j quoting_group j lookup-gpu
-step quoting-ij-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-i.json \
-  "$P"/quoting-j.json --out "$P/quoting-ij-result.json"
