@@ -112,14 +112,11 @@ def catalogue(lookup_knobs: dict[str, str]) -> dict[str, ServerConfig]:
     configs.append(ServerConfig(LOOKUP, "hyperqwen", HYPERQWEN_BASELINE, knob_values=lookup_knobs))
     on_gpu = {**lookup_knobs, "LOOKUP_DEVICE": "gpu"}
     configs.append(ServerConfig(LOOKUP_GPU, "hyperqwen", HYPERQWEN_BASELINE, knob_values=on_gpu))
-    vllms_search = {**off, "SPEC": "ngram", "DRAFT_TOKENS": lookup_knobs.get("DRAFT_TOKENS", "")}
+    vllms_search = {**off, "SPEC": "ngram"}
+    if "DRAFT_TOKENS" in lookup_knobs:
+        vllms_search["DRAFT_TOKENS"] = lookup_knobs["DRAFT_TOKENS"]
     configs.append(
-        ServerConfig(
-            HYPERQWEN_NGRAM,
-            "hyperqwen",
-            HYPERQWEN_BASELINE,
-            knob_values={name: value for name, value in vllms_search.items() if value},
-        )
+        ServerConfig(HYPERQWEN_NGRAM, "hyperqwen", HYPERQWEN_BASELINE, knob_values=vllms_search)
     )
     return {config.name: config for config in configs}
 
