@@ -109,8 +109,6 @@ COUNTERS = ("num_drafts", "num_accepted_tokens")
 
 def quoting_server(model, port: int, speculative: dict | None) -> list[str]:
     spec = ["--speculative-config", json.dumps(speculative)] if speculative else []
-    # as the launcher serves n-gram drafting (SPEC=lookup): full graphs for every step
-    ngram = bool(speculative) and speculative["method"] in ("ngram", "ngram_gpu")
     return [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
@@ -120,8 +118,7 @@ def quoting_server(model, port: int, speculative: dict | None) -> list[str]:
         "--gpu-memory-utilization", "0.12", "--kv-cache-memory-bytes", "2G",
         "--seed", "0", "--async-scheduling",
         "--enable-prefix-caching", *spec,
-        "--compilation-config", json.dumps(compilation_config(PREFILL_GRAPH_TOKENS,
-                                                              every_step_full=ngram)),
+        "--compilation-config", json.dumps(compilation_config(PREFILL_GRAPH_TOKENS)),
         *shlex.split(TRITON_GDN),
     ]  # fmt: skip
 

@@ -236,17 +236,14 @@ def start_refusal(settings: Settings, mode: str, gpus: list) -> str | None:
     )
 
 
-def compilation_config(
-    max_graph_tokens: int, inductor_pdl: bool = False, every_step_full: bool = False
-) -> dict:
+def compilation_config(max_graph_tokens: int, inductor_pdl: bool = False) -> dict:
     # Full CUDA graphs for decode-only batches (GDN layers need them to be fast), piecewise for
     # mixed ones, up to max_graph_tokens tokens per step; larger steps (long prefills, which
-    # are compute-bound) run without graphs. every_step_full asks for full graphs of every
-    # step up to that size: n-gram drafting verifies blocks of varying width, which vLLM's
-    # dispatcher otherwise runs piecewise; vLLM falls back to FULL_AND_PIECEWISE where an
-    # attention backend cannot (FlashAttention 2 on Ampere/Ada, the GDN layers).
+    # are compute-bound) run without graphs. Not FULL for every step: with n-gram drafting's
+    # verify blocks of varying width vLLM 0.26 answered garbage that way on the H100
+    # (src/hyperqwen/engine/quoting.md, "Lookup alone").
     config: dict = {
-        "cudagraph_mode": "FULL" if every_step_full else "FULL_AND_PIECEWISE",
+        "cudagraph_mode": "FULL_AND_PIECEWISE",
         "max_cudagraph_capture_size": max_graph_tokens,
     }
     if inductor_pdl:
@@ -435,11 +432,7 @@ def build_launch(
         (
             "--compilation-config",
             json.dumps(
-                compilation_config(
-                    graph_tokens,
-                    settings.INDUCTOR_PDL == ON,
-                    every_step_full=mode == "single" and settings.SPEC in NGRAM_SPECS,
-                ),
+                compilation_config(graph_tokens, settings.INDUCTOR_PDL == ON),
                 separators=(",", ":"),
             ),
             f"mode {mode}",

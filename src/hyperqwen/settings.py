@@ -305,13 +305,10 @@ class ServingKnobs(BaseModel):
         "what followed the longest, most recent earlier occurrence of the last 3-12 tokens (for "
         "models without MTP; on SmolLM2's copy tasks lossless but 0.72-0.84x the tok/s of "
         "vLLM's CPU ngram at 15 drafts, docs/results/2026-12-06-h100-smollm2-quoting.json, "
-        "single-user/README.md); off: none. ngram and lookup verify blocks of varying width, "
-        "so they ask vLLM for full CUDA graphs of every step (cudagraph_mode FULL; vLLM falls "
-        "back to FULL_AND_PIECEWISE where an attention backend cannot, e.g. FlashAttention 2 "
-        "on RTX 3090/4090): vLLM's own ngram ran faster so on SmolLM2 (bench/measurements/"
-        "2026-12-06-h100-smollm2-quoting-full-graphs-partial.json against docs/results/"
-        "2026-12-06-h100-smollm2-quoting-lookup-gpu.json).",
-        "--speculative-config; ngram/lookup: --compilation-config cudagraph_mode FULL",
+        "single-user/README.md); off: none. ngram and lookup keep vLLM's default graphs: "
+        "with full graphs of every step vLLM 0.26 answered chat prompts with garbage on the "
+        "H100 (docs/results/2026-12-06-h100-smollm2-quoting-full-graphs.json).",
+        "--speculative-config",
         modes=SINGLE,
     )
     DRAFT_TOKENS: int | None = knob(
