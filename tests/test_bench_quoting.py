@@ -19,6 +19,7 @@ from hyperqwen.bench.quoting_configs import DEFAULT_LOOKUP_KNOBS, catalogue, par
 from hyperqwen.bench.quoting_result import (
     COLUMNS_NOTE,
     Figures,
+    drafting,
     first_difference,
     judged,
     verdicts,
@@ -160,6 +161,23 @@ def test_criteria_are_judged_against_the_spread(ratio, target, spread, status) -
     assert judged(ratio, target, spread) == status
 
 
+def test_drafting_counts_every_decode_step_from_the_counters() -> None:
+    """A pass of two answers of 11 tokens: 20 decode tokens, 8 of them accepted drafts, so 12
+    steps, 4 of which drafted; a pass without counters (an older file) gives nothing."""
+
+    def kept(counters: dict | None) -> dict:
+        measured = {"texts": ["a", "b"], "output_tokens": 22}
+        return measured | ({"counters": counters} if counters else {})
+
+    counted = {"drafts": 4.0, "draft_tokens": 16.0, "accepted_tokens": 8.0, "preemptions": 0.0}
+    record = {"passes": [{"chat": kept(counted)}, {"chat": kept(counted)}]}
+    assert drafting(record, "chat") == (round(100 * 4 / 12, 1), round(20 / 12, 2))
+    record["passes"].append({"chat": kept(None)})
+    assert drafting(record, "chat") == (None, None)
+    nothing = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0, "preemptions": 0.0}
+    assert drafting({"passes": [{"chat": kept(nothing)}]}, "chat") == (None, None)
+
+
 def test_first_difference_names_where_two_answers_part() -> None:
     part = first_difference("def f(this): return this", "def f(self): return self")
     assert part["offset"] == 6 and part["this"].startswith("def f(this")
@@ -199,6 +217,10 @@ def test_given_servers_measured_compared_and_a_changed_token_found(tmp_path, cap
         assert named[f"{kind}_vllm-off_mismatches"].patched is None  # the reference itself
         assert named[f"{kind}_ngram-k4_tokens_per_step"].patched == 3.0
         assert named[f"{kind}_vllm-off_tokens_per_step"].patched is None
+        # every decode step of the stand-in drafts: the counters say so too
+        assert named[f"{kind}_ngram-k4_drafting_steps"].patched == 100.0
+        assert named[f"{kind}_ngram-k4_tokens_per_any_step"].patched == 3.0
+        assert named[f"{kind}_vllm-off_tokens_per_any_step"].patched is None
         assert named[f"{kind}_ngram-k4_decode"].stock == named[f"{kind}_vllm-off_decode"].patched
     first = document["mismatches"]["quote_ngram-k4"][0]
     assert "CHANGED" in first["this"] and "CHANGED" not in first["baseline"]

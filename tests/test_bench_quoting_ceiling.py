@@ -177,19 +177,29 @@ def test_passes_alternate_the_order() -> None:
 # --- the commands --------------------------------------------------------------------------------
 
 
-def quoting_result(path: Path, per_step: dict[str, float | None]) -> Path:
+def quoting_result(
+    path: Path, per_step: dict[str, float | None], drafting: dict[str, float] | None = None
+) -> Path:
     """A `bench quoting-result` file (docs/results' format): `lookup` verifying 5 tokens and
-    `ngram-k8` 9, by their commands, with per_step tokens per step on every kind."""
+    `ngram-k8` 9, by their commands, with per_step tokens per decode step on every kind (vLLM's
+    tokens per step one more) and, where given, the share of steps that drafted (%)."""
     configs = {}
     for name, drafts in (("lookup", 4), ("ngram-k8", 8)):
         command = ["python", "-m", "vllm", "serve", "m", "--speculative-config",
                    json.dumps({"method": "ngram", "num_speculative_tokens": drafts})]  # fmt: skip
         configs[name] = {"command": command, "passes": []}
-    rows = [
-        comparison_row(f"{kind}_{name}_tokens_per_step", "tokens", None, per_step[kind])
-        for name in configs
-        for kind in KINDS
-    ]
+    rows = []
+    for name in configs:
+        for kind in KINDS:
+            vllms = None if per_step[kind] is None else per_step[kind] + 1
+            rows.append(comparison_row(f"{kind}_{name}_tokens_per_step", "tokens", None, vllms))
+            if drafting is not None:
+                rows += [
+                    comparison_row(f"{kind}_{name}_drafting_steps", "%", None, drafting[kind]),
+                    comparison_row(
+                        f"{kind}_{name}_tokens_per_any_step", "tokens", None, per_step[kind]
+                    ),
+                ]
     facts = {"gpu": "stand-in", "vllm": "0.26.0", "commit": "abc", "date": "2026-12-02T10:00:00",
              "command": "hyperqwen bench quoting-result q.json", "model": "smollm2"}  # fmt: skip
     path.write_text(json.dumps(result_document(facts, rows, configs=configs, plan={})))
@@ -223,7 +233,8 @@ def test_measured_steps_and_the_projection_join(tmp_path, capsys) -> None:
             assert row["tokens_per_step"] == (None if drafts == 0 else drafts + 1)
 
     per_step = dict.fromkeys(KINDS, 3.5) | {"chat": 1.2}
-    quoting = quoting_result(tmp_path / "qr.json", per_step)
+    shares = dict.fromkeys(KINDS, 80.0) | {"chat": 10.0}
+    quoting = quoting_result(tmp_path / "qr.json", per_step, shares)
     project = ["--quoting-result", str(quoting), "--project", "lookup,ngram-k8"]
     assert run_in_process("bench", "quoting-ceiling-result", str(steps), *project, "--out",
                           str(out)) == 0  # fmt: skip
@@ -237,10 +248,13 @@ def test_measured_steps_and_the_projection_join(tmp_path, capsys) -> None:
     assert named["measured_chat_decode"].patched == chat
     for kind in COPY_KINDS:
         projected = named[f"projected_{kind}_lookup_decode"]
-        assert projected.stock == chat and projected.patched == round(1000 * 3.5 / k4, 1)
+        # 80 % of the steps verify lookup's 5 tokens, the rest cost a k0 step
+        assert projected.stock == chat
+        assert projected.patched == round(1000 * 3.5 / (0.8 * k4 + 0.2 * k0), 1)
         assert named[f"projected_{kind}_ngram-k8_decode"].patched is None
     lookup_chat = named["projected_chat_lookup_decode"].patched
-    assert lookup_chat == named["projected_chat_ngram-k8_decode"].patched == round(1200 / k3, 1)
+    assert lookup_chat == round(1200 / (0.1 * k4 + 0.9 * k0), 1)
+    assert named["projected_chat_ngram-k8_decode"].patched is None  # k8: every pass refused
     assert named["projected_quote_lookup_vs_own_chat"].stock == lookup_chat
     assert "projected_chat_lookup_vs_own_chat" not in named
     provenance = document["provenance"]
@@ -256,9 +270,10 @@ def test_measured_steps_and_the_projection_join(tmp_path, capsys) -> None:
     ngram = {item["criterion"].split(":")[0]: item["status"] for item in document["criteria"]
              if " ngram-k8 " in item["criterion"]}  # fmt: skip
     assert all(ngram[kind] == "not measured" for kind in COPY_KINDS)
-    assert ngram["chat"] != "not measured" and len(ngram) == len(COPY_KINDS) + 1
+    assert ngram["chat"] == "not measured" and len(ngram) == len(COPY_KINDS) + 1
     assert any("ngram-k8's copy steps verify 9 tokens, and k8 has no step time" in note
                for note in document["notes"])  # fmt: skip
+    assert not any("_drafting_steps" in note for note in document["notes"])
     assert any(note.startswith("k8: refused passes left out") for note in document["notes"])
     assert "measured_step_k3" in printed and "NOT MEASURED" in printed
 
@@ -276,6 +291,18 @@ def test_measured_steps_and_the_projection_join(tmp_path, capsys) -> None:
         str(quoting), str(steps), str(mtp)]  # fmt: skip
     assert document["chat_assumption"] == {"drafts": 3, "tokens_per_step": 2.5,
                                            "source": str(mtp)}  # fmt: skip
+    assert named["projected_chat_ngram-k8_decode"].patched == round(2500 / k3, 1)
+
+    # a quoting result from before the counters were kept: vLLM's tokens per step counts only
+    # the steps that drafted, so nothing is projected from it, and the notes say why
+    older = quoting_result(tmp_path / "older.json", per_step)
+    project = ["--quoting-result", str(older), "--project", "lookup"]
+    assert run_in_process("bench", "quoting-ceiling-result", str(steps), *project, "--out",
+                          str(out)) == 0  # fmt: skip
+    document, rows = load_result(out)
+    assert all(row.patched is None for row in rows if row.name.startswith("projected_"))
+    assert any(note.startswith("lookup's quote: the quoting result has no quote_lookup_drafting_"
+                               "steps") for note in document["notes"])  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -380,8 +380,9 @@ def add_subcommands(actions) -> None:
         help="project the 27B quoting speed from measured step costs and a quoting result",
         description="Merge `bench quoting-ceiling` files (the same plan; each configuration "
         "once) and project, per kind of a `bench quoting-result` file, each --project "
-        "configuration's 27B decode speed: its tokens per step over the measured step time of "
-        "the k it verifies. Rows named measured_* are step times measured here; projected_* "
+        "configuration's 27B decode speed: its tokens per decode step over the measured step "
+        "times (steps that drafted at the k it verifies, the others at k0's, in the shares "
+        "vLLM's counters gave). Rows named measured_* are step times measured here; projected_* "
         "are speeds computed from both files (the result's provenance names each row's files). "
         "The targets (copy kinds >= 3x the measured chat speed; chat not below it) are judged "
         "against the step times' spread.",
@@ -405,16 +406,17 @@ def add_subcommands(actions) -> None:
         choices=VERIFY_DRAFTS,
         default=MTP_DRAFTS,
         metavar="K",
-        help=f"drafts a chat step of the projected server verifies (default {MTP_DRAFTS}: a 27B "
-        "lookup server's step without a match verifies MTP's, src/hyperqwen/engine/quoting.md; "
-        "0 for vLLM's ngram, which drafts nothing then)",
+        help="with --chat-tokens-per-step: drafts every chat step of the projected server "
+        f"verifies (default {MTP_DRAFTS}: a 27B lookup server's step without a match verifies "
+        "MTP's, src/hyperqwen/engine/quoting.md)",
     )
     result.add_argument(
         "--chat-tokens-per-step",
         type=float,
         metavar="X",
-        help="tokens a chat step makes (default: the quoting result's chat tokens per step of "
-        "the configuration; SmolLM2 has no MTP, so give MTP's from a real-weights run here)",
+        help="tokens a chat step makes, every step verifying --chat-drafts (default: chat is "
+        "projected from the configuration's own drafting, as the copy kinds are; SmolLM2 has "
+        "no MTP, so give MTP's from a real-weights run here)",
     )
     result.add_argument(
         "--chat-source", metavar="FILE", help="the file --chat-tokens-per-step was read from"

@@ -7,13 +7,16 @@ between passes, the chat speed without speculation (one token per k0 step) and, 
 was measured, MTP's drafting (mtp-k3's step less k3's).
 
 Projected (rows `projected_*`): per kind of the `bench quoting-result` file and configuration
-projected, tokens_per_step(kind) / step time of the k that kind verifies: for the copy kinds the
-configuration's --speculative-config num_speculative_tokens (15 for lookup at DRAFT_TOKENS=15),
-for chat --chat-drafts (3: where nothing matches, the 27B lookup server verifies MTP's drafts),
-with chat's tokens per step from --chat-tokens-per-step where given (SmolLM2 has no MTP; its file
-is --chat-source). Stock is the measured chat speed, so the ratio is the projected speed over
-it; `_vs_own_chat` rows compare a copy kind with the same configuration's projected chat. The
-result's `provenance` names each row's input files.
+projected, the kind's tokens per decode step (`_tokens_per_any_step`: steps without drafts
+included) over the step time those steps take on the 27B: the share of them that verified drafts
+(`_drafting_steps`) at the step time of the configuration's k (its --speculative-config
+num_speculative_tokens: 15 for lookup at DRAFT_TOKENS=15; a step verifying fewer costs at most
+that), the rest at k0's. Chat instead, where --chat-tokens-per-step is given (MTP's on real
+weights: SmolLM2 has none, its file is --chat-source), verifies --chat-drafts every step (3: a
+27B lookup server without a match verifies MTP's drafts) and makes that many tokens. Stock is
+the measured chat speed, so the ratio is the projected speed over it; `_vs_own_chat` rows
+compare a copy kind with the same configuration's projected chat. The result's `provenance`
+names each row's input files.
 """
 
 from __future__ import annotations
@@ -59,10 +62,10 @@ NOTES = (
     f"Every server ran with {SAME_FLAGS} (vLLM turns it off for custom_class drafting): a "
     "server with async scheduling hides part of each step's host work, so its steps are at "
     "most these.",
-    "A projection takes every step of a kind to verify the same k + 1 tokens (copy kinds: the "
-    "configuration's drafts; chat: the chat assumption's), while vLLM's tokens per step counts "
-    "only steps that drafted: a step without drafts costs less and makes one token, which this "
-    "does not model.",
+    "A projection takes a kind's steps that drafted to verify the configuration's k + 1 tokens "
+    "(a step verifying fewer costs at most that) and its other steps to cost k0's, with the "
+    "tokens per decode step and the share that drafted from vLLM's counters on the quoting "
+    "run; chat given --chat-tokens-per-step verifies --chat-drafts + 1 every step.",
     "The step times are verify steps: a 27B lookup server also runs MTP's drafting every step, "
     f"which measured_mtp_drafting prices where {MTP} was measured and the projections leave out.",
 )
@@ -122,8 +125,9 @@ def verified_drafts(name: str, record: dict, source: str) -> int:
 
 @dataclass(frozen=True)
 class ChatAssumption:
-    """How the projected server's chat steps go: the drafts each verifies and, where given,
-    the tokens each makes (else the quoting result's chat tokens per step) and its file."""
+    """How the projected server's chat steps go where tokens_per_step is given (with the file
+    it came from): every one verifies `drafts` and makes that many tokens. Without it chat is
+    projected as the copy kinds are, from the configuration's own drafting."""
 
     drafts: int
     tokens_per_step: float | None = None
@@ -134,16 +138,21 @@ class ChatAssumption:
 class Projection:
     config: str
     drafts: dict[str, int]
-    """Kind -> the drafts its steps verify (copy kinds: the configuration's; chat: assumed)."""
+    """Kind -> the drafts its drafting steps verify (the configuration's; chat: assumed where
+    the chat assumption gives its tokens per step)."""
     steps: dict[str, StepFigures | None]
     """Kind -> the step time of those drafts (None: not measured)."""
     speeds: dict[str, float | None]
     """Kind -> projected tok/s."""
+    counted: dict[str, bool]
+    """Kind -> whether the quoting result has its drafting figures (or chat is assumed)."""
 
 
 def project(
     inputs: Inputs, names: Sequence[str], figures: dict[str, StepFigures], chat: ChatAssumption
 ) -> list[Projection]:
+    idle = figures.get(CHAT_STEP)
+    idle_ms = idle.step_ms if idle else None
     projections = []
     for name in names:
         if name not in inputs.quoting["configs"]:
@@ -152,19 +161,33 @@ def project(
                 f"{', '.join(inputs.quoting['configs'])}"
             )
         own = verified_drafts(name, inputs.quoting["configs"][name], inputs.quoting_source)
-        drafts = {kind: chat.drafts if kind == CONTROL_KIND else own for kind in KINDS}
+        assumed = chat.tokens_per_step is not None
+        drafts = {kind: chat.drafts if kind == CONTROL_KIND and assumed else own for kind in KINDS}
         steps = {kind: figures.get(config_name(drafts[kind])) for kind in KINDS}
-        speeds = {}
+        speeds, counted = {}, {}
         for kind in KINDS:
-            row = inputs.quoting_rows.get(f"{kind}_{name}_tokens_per_step")
-            per_step = row.patched if row else None
-            if kind == CONTROL_KIND and chat.tokens_per_step is not None:
-                per_step = chat.tokens_per_step
             step_ms = steps[kind].step_ms if steps[kind] else None  # type: ignore[union-attr]
+            if kind == CONTROL_KIND and assumed:
+                counted[kind] = True
+                per_step = chat.tokens_per_step
+            else:
+                share, per_step = (
+                    _patched(inputs.quoting_rows, f"{kind}_{name}_{suffix}")
+                    for suffix in ("drafting_steps", "tokens_per_any_step")
+                )
+                counted[kind] = share is not None and per_step is not None
+                # steps without drafts cost the chat step's
+                usable = counted[kind] and step_ms and idle_ms
+                step_ms = share / 100 * step_ms + (1 - share / 100) * idle_ms if usable else None  # type: ignore[operator]
             usable = step_ms and per_step is not None
             speeds[kind] = round(1000 * per_step / step_ms, 1) if usable else None  # type: ignore[operator]
-        projections.append(Projection(name, drafts, steps, speeds))
+        projections.append(Projection(name, drafts, steps, speeds, counted))
     return projections
+
+
+def _patched(rows: dict[str, ComparisonRow], name: str) -> float | None:
+    row = rows.get(name)
+    return row.patched if row else None
 
 
 def _spread(*figures: StepFigures | None) -> float | None:
@@ -298,6 +321,14 @@ def build_result(
         for label, kind in (("copy", COPY_KINDS[0]), (CONTROL_KIND, CONTROL_KIND))
         if p.steps[kind] is None or p.steps[kind].step_ms is None  # type: ignore[union-attr]
     ]
+    uncounted = [
+        f"{p.config}'s {kind}: the quoting result has no {kind}_{p.config}_drafting_steps and "
+        "_tokens_per_any_step figures (measured before `bench quoting` kept vLLM's counters a "
+        "pass): its projection is empty; measure it again"
+        for p in projections
+        for kind in KINDS
+        if not p.counted[kind]
+    ]
     details = {
         "criteria": criteria(projections, chat, figures.get(CHAT_STEP)),
         "provenance": provenance,
@@ -306,7 +337,7 @@ def build_result(
         "quoting_result": inputs.quoting_source,
         "plan": plan,
         "configs": records,
-        "notes": [*NOTES, *refused, *missing],
+        "notes": [*NOTES, *refused, *missing, *uncounted],
     }
     rows = [*measured, *projected]
     return result_document(facts, rows, **details), rows

@@ -58,9 +58,14 @@ class Figures:
 
     decode_passes: tuple[float | None, ...]
     tokens_per_step: float | None
+    """vLLM's: 1 + accepted / drafting steps (steps without drafts left out)."""
     ttft_p50_ms: float
     mismatches: int | None
     """Answers unlike the baseline's (None: the reference, or its baseline not measured)."""
+    drafting_pct: float | None = None
+    """Share of the decode steps that verified drafts (`drafting`)."""
+    tokens_per_any_step: float | None = None
+    """Tokens a decode step made, steps without drafts included (`drafting`)."""
 
     @property
     def decode(self) -> float | None:
@@ -108,6 +113,27 @@ def mismatches(record: dict, baseline: dict, kind: str) -> list[dict]:
     return found
 
 
+def drafting(record: dict, kind: str) -> tuple[float | None, float | None]:
+    """Over a configuration's passes of `kind`: the share of its decode steps that verified
+    drafts (%) and the tokens a decode step made, steps without drafts included. A request's
+    first token comes from its prefill; every decode step makes one token plus those of its
+    drafts accepted, so steps = decode tokens - accepted. (None, None) where nothing drafted or
+    a pass kept no counters (measured before they were kept)."""
+    decode = accepted = drafted = 0.0
+    for kinds in record["passes"]:
+        measured = kinds[kind]
+        counters = measured.get("counters") or {}
+        if counters.get("drafts") is None:
+            return None, None
+        decode += measured["output_tokens"] - len(measured["texts"])
+        accepted += counters["accepted_tokens"] or 0.0
+        drafted += counters["drafts"]
+    steps = decode - accepted
+    if not drafted or steps <= 0:
+        return None, None
+    return round(100 * min(drafted / steps, 1.0), 1), round(decode / steps, 2)
+
+
 def figures(records: dict[str, dict]) -> tuple[dict[tuple[str, str], Figures], dict]:
     """(kind, configuration) -> Figures, and the first mismatches kept per pair."""
     table, kept = {}, {}
@@ -119,11 +145,14 @@ def figures(records: dict[str, dict]) -> tuple[dict[tuple[str, str], Figures], d
             if found:
                 kept[f"{kind}_{name}"] = found[:MISMATCHES_KEPT]
             passes = [row[kind] for row in rows]
+            share, per_any_step = drafting(record, kind)
             table[kind, name] = Figures(
                 decode_passes=tuple(row.decode_tok_s_per_stream for row in passes),
                 tokens_per_step=_rounded(_mean([row.tokens_per_step for row in passes]), 2),
                 ttft_p50_ms=round(sum(row.ttft_p50_ms for row in passes) / len(passes), 1),
                 mismatches=None if found is None else len(found),
+                drafting_pct=share,
+                tokens_per_any_step=per_any_step,
             )
     return table, kept
 
@@ -260,6 +289,10 @@ def comparison_rows(table, best: dict[str, str], records: dict[str, dict]) -> li
                     f"{prefix}_decode_spread", "%", base and base.spread_pct, own.spread_pct
                 ),
                 comparison_row(f"{prefix}_tokens_per_step", "tokens", None, own.tokens_per_step),
+                comparison_row(f"{prefix}_drafting_steps", "%", None, own.drafting_pct),
+                comparison_row(
+                    f"{prefix}_tokens_per_any_step", "tokens", None, own.tokens_per_any_step
+                ),
                 comparison_row(
                     f"{prefix}_ttft_p50", "ms", base and base.ttft_p50_ms, own.ttft_p50_ms
                 ),
@@ -383,8 +416,8 @@ def load_measurements(paths: Sequence[Path]) -> list[tuple[str, dict]]:
 
 def format_table(document: dict) -> list[str]:
     """The result as aligned text: a line per kind and configuration, then the criteria."""
-    header = ("kind", "config", "tok/s", "passes", "spread", "tok/step", "TTFT ms", "out",
-              "differ", "vs base", "vs best n-gram", "")  # fmt: skip
+    header = ("kind", "config", "tok/s", "passes", "spread", "tok/step", "any step", "drafted",
+              "TTFT ms", "out", "differ", "vs base", "vs best n-gram", "")  # fmt: skip
     lines = [header]
     named = {row["name"]: row for row in document["rows"]}
     for kind in KINDS:
@@ -402,6 +435,9 @@ def format_table(document: dict) -> list[str]:
                     "/".join(_shown(row["decode_tok_s_per_stream"]) for row in passes),
                     _shown(named[f"{prefix}_decode_spread"]["patched"], "%"),
                     _shown(named[f"{prefix}_tokens_per_step"]["patched"]),
+                    # results from before vLLM's counters were kept have neither
+                    _shown(named.get(f"{prefix}_tokens_per_any_step", {}).get("patched")),
+                    _shown(named.get(f"{prefix}_drafting_steps", {}).get("patched"), "%"),
                     _shown(named[f"{prefix}_ttft_p50"]["patched"]),
                     str(round(out_tok)),
                     _shown(named[f"{prefix}_mismatches"]["patched"]),

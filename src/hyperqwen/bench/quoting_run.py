@@ -4,7 +4,8 @@
 Per server: one warm-up request per kind (thrown away: graph capture, first-use compilation),
 then each pass sends every kind's tasks one at a time (C1), reading vLLM's counters before and
 after each kind, so its tokens_per_step belongs to it alone. A pass is a `bench run` row per
-kind (rows.summarize) plus every answer's text, which the result compares with the baseline's.
+kind (rows.summarize) plus every answer's text, which the result compares with the baseline's,
+and the kind's counters and output tokens, which count every decode step.
 The measurements file is written after every configuration, so a run that fails late keeps
 what it measured; several files (one per GPU command) merge into one result.
 """
@@ -142,7 +143,7 @@ def measure_server(
             requests = [task.request(model, seed, str(number)) for task in kind_tasks]
             before = client.counters()
             results, wall_s = run_pass(client, requests, 1, f"pass {number} {kind}")
-            after = client.counters()
+            counters = ServerCounters.between(before, client.counters())
             row = summarize(
                 mode="single",
                 data=kind,
@@ -150,10 +151,17 @@ def measure_server(
                 concurrency=1,
                 results=results,
                 wall_s=wall_s,
-                counters=ServerCounters.between(before, after),
+                counters=counters,
             )
             print(f"   pass {number}: {format_row(row)}", flush=True)
-            kinds[kind] = {"row": asdict(row), "texts": [result.text for result in results]}
+            kinds[kind] = {
+                "row": asdict(row),
+                "texts": [result.text for result in results],
+                # the row's tokens_per_step counts only steps that drafted: these give every
+                # decode step (quoting_result.drafting)
+                "counters": asdict(counters),
+                "output_tokens": sum(result.output_tokens for result in results),
+            }
         measured.append(kinds)
     return measured
 
