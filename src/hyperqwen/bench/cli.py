@@ -13,6 +13,7 @@ from hyperqwen.bench.capacity_rows import add_subcommand as add_capacity_subcomm
 from hyperqwen.bench.client import BenchClient, BenchError
 from hyperqwen.bench.copy_tasks import copy_prompts
 from hyperqwen.bench.draft_head import add_subcommand as add_draft_head_subcommand
+from hyperqwen.bench.draft_replay import add_subcommand as add_draft_replay_subcommand
 from hyperqwen.bench.gdn import add_subcommand as add_gdn_subcommand
 from hyperqwen.bench.header import collect_header, format_header
 from hyperqwen.bench.host_stacks import add_subcommand as add_hoststacks_subcommand
@@ -214,6 +215,7 @@ def add_subcommand(subparsers) -> None:
     add_kernels_subcommand(actions)
     add_gdn_subcommand(actions)
     add_draft_head_subcommand(actions)
+    add_draft_replay_subcommand(actions)
     add_pdl_subcommand(actions)
     add_capacity_subcommand(actions)
     add_sass_subcommand(actions)

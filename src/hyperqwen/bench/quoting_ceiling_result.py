@@ -148,6 +148,17 @@ class Projection:
     """Kind -> whether the quoting result has its drafting figures (or chat is assumed)."""
 
 
+def mixed_step_ms(
+    drafting_pct: float | None, drafting_ms: float | None, idle_ms: float | None
+) -> float | None:
+    """The mean step time of a kind whose drafting_pct % of steps verify at drafting_ms and the
+    rest, without drafts, take idle_ms (None where any is unknown)."""
+    if drafting_pct is None or not drafting_ms or not idle_ms:
+        return None
+    share = drafting_pct / 100
+    return share * drafting_ms + (1 - share) * idle_ms
+
+
 def project(
     inputs: Inputs, names: Sequence[str], figures: dict[str, StepFigures], chat: ChatAssumption
 ) -> list[Projection]:
@@ -177,8 +188,7 @@ def project(
                 )
                 counted[kind] = share is not None and per_step is not None
                 # steps without drafts cost the chat step's
-                usable = counted[kind] and step_ms and idle_ms
-                step_ms = share / 100 * step_ms + (1 - share / 100) * idle_ms if usable else None  # type: ignore[operator]
+                step_ms = mixed_step_ms(share, step_ms, idle_ms)
             usable = step_ms and per_step is not None
             speeds[kind] = round(1000 * per_step / step_ms, 1) if usable else None  # type: ignore[operator]
         projections.append(Projection(name, drafts, steps, speeds, counted))

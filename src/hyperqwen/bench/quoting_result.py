@@ -391,7 +391,8 @@ def build_result(merged: dict, merge_command: str = "") -> tuple[dict, list[Comp
         "verdicts": verdicts(table, best),
         "mismatches": kept,
         "plan": plan,
-        "prompts": merged["prompts"],
+        # the facts; the prompts themselves stay in the measurements file
+        "prompts": {key: value for key, value in merged["prompts"].items() if key != "texts"},
         "configs": {name: _without_texts(record) for name, record in records.items()},
         "notes": [COLUMNS_NOTE, NGRAM_GPU_NOTE, *missing],
     }

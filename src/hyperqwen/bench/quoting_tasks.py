@@ -148,7 +148,9 @@ def quoting_tasks(seed: int, count: int) -> dict[str, list[Task]]:
 
 def prompt_facts(tasks: dict[str, list[Task]]) -> dict[str, Any]:
     """What makes the prompts reproducible: the Python and stdlib files they came from, each
-    kind's max_tokens and a fingerprint of every prompt."""
+    kind's max_tokens, a fingerprint of every prompt and the prompts themselves (`texts`, per
+    kind in task order, without the salt: `bench draft-replay` reads them where another Python
+    would make other prompts)."""
     _, facts = stdlib_documents()
     digest = hashlib.sha256()
     for kind in KINDS:
@@ -160,6 +162,7 @@ def prompt_facts(tasks: dict[str, list[Task]]) -> dict[str, Any]:
         "requests_per_kind": {kind: len(tasks.get(kind, ())) for kind in KINDS},
         "max_tokens": MAX_TOKENS,
         "fingerprint": digest.hexdigest()[:16],
+        "texts": {kind: [task.prompt for task in tasks.get(kind, ())] for kind in KINDS},
     }
 
 

@@ -362,6 +362,7 @@ LOOKUP = Feature(
         "src/hyperqwen/bench/quoting_ceiling_run.py",
         "src/hyperqwen/bench/quoting_ceiling_result.py",
         "src/hyperqwen/bench/fixed_drafts.py",
+        "src/hyperqwen/bench/draft_replay.py",
     ),
     knob="LOOKUP",
     owned_knob=Knob(
