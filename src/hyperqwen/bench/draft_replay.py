@@ -20,7 +20,6 @@ measured ones shows.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -32,6 +31,7 @@ from hyperqwen.bench.quoting_ceiling_result import CEILING_KIND, CEILING_SCHEMA,
 from hyperqwen.bench.quoting_ceiling_run import config_name, step_figures
 from hyperqwen.bench.quoting_configs import HYPERQWEN_BASELINE
 from hyperqwen.bench.quoting_result import load_measurements, merge
+from hyperqwen.bench.quoting_run import save
 from hyperqwen.bench.quoting_tasks import KINDS, salt
 from hyperqwen.bench.results import ResultFileError
 from hyperqwen.launch import LOOKUP_MATCH, NGRAM_MATCH
@@ -226,7 +226,7 @@ def cmd_draft_replay(args: argparse.Namespace) -> int:
     if args.out:
         document = {"command": " ".join(sys.argv), "measurements": args.measurements,
                     "config": args.config, "ceiling": args.ceiling, "policies": table}  # fmt: skip
-        Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
+        save(Path(args.out), document)
         print(f"wrote {args.out}")
     return 0
 
