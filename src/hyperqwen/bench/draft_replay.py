@@ -33,7 +33,7 @@ from hyperqwen.bench.quoting_configs import HYPERQWEN_BASELINE
 from hyperqwen.bench.quoting_result import load_measurements, merge
 from hyperqwen.bench.quoting_run import save
 from hyperqwen.bench.quoting_tasks import KINDS, salt
-from hyperqwen.bench.results import ResultFileError
+from hyperqwen.bench.results import ResultFileError, aligned
 from hyperqwen.launch import LOOKUP_MATCH, NGRAM_MATCH
 
 EXIT_BAD_INPUT = 2
@@ -199,9 +199,7 @@ def format_table(table: dict, measured: dict[str, dict]) -> list[str]:
                               measured.get(name, {}).get(kind),
                               figures.get("projected_27b_tok_s"))
             ))  # fmt: skip
-    widths = [max(len(line[column]) for line in lines) for column in range(len(lines[0]))]
-    return ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-            for line in lines]  # fmt: skip
+    return aligned(lines)
 
 
 def cmd_draft_replay(args: argparse.Namespace) -> int:

@@ -27,7 +27,13 @@ from hyperqwen.bench.quoting_configs import (
 )
 from hyperqwen.bench.quoting_run import MEASUREMENTS_KIND, MEASUREMENTS_SCHEMA, pass_rows
 from hyperqwen.bench.quoting_tasks import CONTROL_KIND, COPY_KINDS, KINDS
-from hyperqwen.bench.results import ComparisonRow, ResultFileError, comparison_row, result_document
+from hyperqwen.bench.results import (
+    ComparisonRow,
+    ResultFileError,
+    aligned,
+    comparison_row,
+    result_document,
+)
 
 # The targets (issue 24): judged in the result, never in a timed test.
 COPY_TARGET = 1.5
@@ -447,12 +453,7 @@ def format_table(document: dict) -> list[str]:
                     "" if not verdict or verdict["decides"] else "decides nothing",
                 )
             )
-    widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
-    table = [
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in lines
-    ]
-    return [*table, "", *format_criteria(document["criteria"])]
+    return [*aligned(lines), "", *format_criteria(document["criteria"])]
 
 
 def format_criteria(criteria: Sequence[dict]) -> list[str]:

@@ -175,17 +175,22 @@ def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
 
+def aligned(table: Sequence[Sequence[str]]) -> list[str]:
+    """Rows of cells as text lines, each column as wide as its widest cell."""
+    widths = [max(len(row[column]) for row in table) for column in range(len(table[0]))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in table
+    ]
+
+
 def format_comparison(rows: Sequence[ComparisonRow]) -> list[str]:
     """The rows as an aligned text table, ratio first after the name."""
     table = [("row", "unit", "patched/stock", "stock", "patched")]
     for row in rows:
         shown = "-" if row.ratio is None else f"{row.ratio:.{RATIO_DECIMALS}f}x"
         table.append((row.name, row.unit, shown, _number(row.stock), _number(row.patched)))
-    widths = [max(len(line[column]) for line in table) for column in range(5)]
-    return [
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in table
-    ]
+    return aligned(table)
 
 
 def _markdown_section(path: Path, document: dict, rows: Sequence[ComparisonRow]) -> list[str]:

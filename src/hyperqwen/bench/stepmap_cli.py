@@ -11,7 +11,13 @@ import time
 from pathlib import Path
 
 from hyperqwen.bench.client import BenchClient, BenchError
-from hyperqwen.bench.results import ComparisonRow, ResultFileError, comparison_row, load_result
+from hyperqwen.bench.results import (
+    ComparisonRow,
+    ResultFileError,
+    aligned,
+    comparison_row,
+    load_result,
+)
 from hyperqwen.bench.stephost import host_lines, host_rows, host_summary
 from hyperqwen.bench.stepmap import (
     GAP_SPLIT_US,
@@ -112,7 +118,7 @@ def format_stepmap(summary: dict, copy_gbps: float | None) -> list[str]:
         table.append(
             (name, f"{entry['launches_per_step']:g}", f"{entry['ms_per_step']:.4f}", f"{share:.1%}")
         )
-    lines += [*_aligned(table), ""]
+    lines += [*aligned(table), ""]
     table = [("GEMM", "M", "launches/step", "ms/step", "us/launch", "MB/launch", "GB/s", "of copy")]
     for m, gemms in summary["gemms"].items():
         for name, entry in gemms.items():
@@ -134,7 +140,7 @@ def format_stepmap(summary: dict, copy_gbps: float | None) -> list[str]:
             fraction = _fraction(gbps, copy_gbps)
             shown = "-" if fraction is None else f"{fraction:.3f}"
             table.append(("body, all kinds", m, "", f"{ms:.4f}", "", "", f"{gbps:g}", shown))
-    lines += _aligned(table)
+    lines += aligned(table)
     copy = "not measured" if copy_gbps is None else f"{copy_gbps:.0f} GB/s"
     lines += [f"copy bandwidth: {copy}", ""]
     if summary["other_kernels"]:
@@ -152,14 +158,6 @@ def format_stepmap(summary: dict, copy_gbps: float | None) -> list[str]:
     if summary.get("host"):
         lines += host_lines(summary["host"])
     return lines
-
-
-def _aligned(table: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(row[column]) for row in table) for column in range(len(table[0]))]
-    return [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in table
-    ]
 
 
 def server_flags(trace_dir: Path, steps: int) -> list[str]:

@@ -14,7 +14,7 @@ import fnmatch
 import sys
 from pathlib import Path
 
-from hyperqwen.bench.results import ComparisonRow, ResultFileError, load_result
+from hyperqwen.bench.results import ComparisonRow, ResultFileError, aligned, load_result
 
 EXIT_BAD_INPUT = 2
 DEFAULT_ROWS = (
@@ -67,11 +67,7 @@ def table_lines(labels: list[str], rows_by_file: list[list[ComparisonRow]], name
             cells.append(shown)
         stock = _number(present[0].stock) if len(stocks) == 1 else "differs"
         lines.append((name, present[0].unit, stock, *cells))
-    widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
-    return [
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in lines
-    ]
+    return aligned(lines)
 
 
 def cmd_table(args: argparse.Namespace) -> int:
