@@ -30,7 +30,7 @@ import numpy as np
 from hyperqwen.bench.quoting_ceiling_result import CEILING_KIND, CEILING_SCHEMA, mixed_step_ms
 from hyperqwen.bench.quoting_ceiling_run import config_name, step_figures
 from hyperqwen.bench.quoting_configs import HYPERQWEN_BASELINE
-from hyperqwen.bench.quoting_result import load_measurements, merge
+from hyperqwen.bench.quoting_result import figures as run_figures, load_measurements, merge
 from hyperqwen.bench.quoting_run import save
 from hyperqwen.bench.quoting_tasks import KINDS, salt
 from hyperqwen.bench.results import ResultFileError, aligned
@@ -177,16 +177,6 @@ def replay_all(pairs: dict[str, list[tuple]], names: Sequence[str], steps_ms) ->
     return table
 
 
-def measured_figures(record: dict) -> dict[str, float | None]:
-    """Per kind, the run's own vLLM tokens per drafting step (mean of its passes)."""
-    found = {}
-    for kind in KINDS:
-        values = [kinds[kind]["row"]["tokens_per_step"] for kinds in record["passes"]]
-        known = [value for value in values if value is not None]
-        found[kind] = round(sum(known) / len(known), 2) if known else None
-    return found
-
-
 def format_table(table: dict, measured: dict[str, dict]) -> list[str]:
     lines = [("policy", "kind", "steps", "drafted", "tok/any step", "tok/drafting step",
               "measured", "27B tok/s")]  # fmt: skip
@@ -217,9 +207,11 @@ def cmd_draft_replay(args: argparse.Namespace) -> int:
         print(f"hyperqwen bench draft-replay: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     table = replay_all(pairs, names, steps_ms)
-    # the run's own counters, for the configurations named like a policy (ngram-k15, ...)
-    measured = {name: measured_figures(record) for name, record in measurements["configs"].items()
-                if name in names}  # fmt: skip
+    # the run's own tokens per drafting step, for the configurations named like a policy
+    # (ngram-k15, ...): quoting_result's figures, mean of the passes
+    named = {name: record for name, record in measurements["configs"].items() if name in names}
+    kept, _ = run_figures(named)
+    measured = {name: {kind: kept[kind, name].tokens_per_step for kind in KINDS} for name in named}
     print("\n".join(format_table(table, measured)))
     if args.out:
         document = {"command": " ".join(sys.argv), "measurements": args.measurements,
