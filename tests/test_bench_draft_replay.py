@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from cli_runner import run_in_process
 
-from hyperqwen.bench.draft_replay import Counts, policy, replay
+from hyperqwen.bench.draft_replay import figures, policy, replay
 from hyperqwen.bench.quoting_ceiling_result import CEILING_KIND, CEILING_SCHEMA
+from hyperqwen.bench.quoting_result import DecodeCounts
 from hyperqwen.bench.quoting_run import MEASUREMENTS_KIND, MEASUREMENTS_SCHEMA
 from hyperqwen.bench.quoting_tasks import COPY_KINDS, KINDS
 from hyperqwen.checkpoint.tokenizer import write_tokenizer_files
@@ -25,15 +26,17 @@ def oracle(width: int):
 def test_a_step_accepts_the_agreeing_prefix_and_makes_one_token_more() -> None:
     # 10 tokens: the prefill's, then steps at 1 (accepts 1-3, makes 4), 5 (5-7, 8), 9 (9, then
     # the end): 3 steps, 7 drafts accepted, 10 decode tokens (the end included)
-    assert replay(PROMPT, ANSWER, oracle(3)) == Counts(
-        decode_tokens=10, steps=3, drafted=3, accepted=7
+    assert replay(PROMPT, ANSWER, oracle(3)) == DecodeCounts(
+        decode_tokens=10, accepted=7, drafting_steps=3
     )
-    assert replay(PROMPT, ANSWER, lambda context: []) == Counts(10, 10, 0, 0)
+    assert replay(PROMPT, ANSWER, lambda context: []) == DecodeCounts(10, 0, 0)
     wrong = replay(PROMPT, ANSWER, lambda context: [-5, 1, 2])  # its first draft never agrees
-    assert wrong == Counts(decode_tokens=10, steps=10, drafted=10, accepted=0)
-    figures = replay(PROMPT, ANSWER, oracle(3)).figures()
-    assert figures == {"steps": 3, "drafting_steps_pct": 100.0, "tokens_per_any_step": 3.33,
-                       "tokens_per_drafting_step": 3.33}  # fmt: skip
+    assert wrong == DecodeCounts(decode_tokens=10, accepted=0, drafting_steps=10)
+    assert wrong.steps == 10
+    assert figures(replay(PROMPT, ANSWER, oracle(3))) == {
+        "steps": 3, "drafting_steps_pct": 100.0, "tokens_per_any_step": 3.33,
+        "tokens_per_drafting_step": 3.33,
+    }  # fmt: skip
 
 
 def test_the_policies_are_lookups_and_vllms_search_at_their_widths() -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,12 @@ import numpy as np
 from hyperqwen.bench.quoting_ceiling_result import CEILING_KIND, CEILING_SCHEMA, mixed_step_ms
 from hyperqwen.bench.quoting_ceiling_run import config_name, step_figures
 from hyperqwen.bench.quoting_configs import HYPERQWEN_BASELINE
-from hyperqwen.bench.quoting_result import figures as run_figures, load_measurements, merge
+from hyperqwen.bench.quoting_result import (
+    DecodeCounts,
+    figures as run_figures,
+    load_measurements,
+    merge,
+)
 from hyperqwen.bench.quoting_run import save
 from hyperqwen.bench.quoting_tasks import KINDS, salt
 from hyperqwen.bench.results import ResultFileError, aligned
@@ -66,46 +70,29 @@ def policy(name: str) -> Propose:
     return lambda context: vllms_search(context, *NGRAM_MATCH, UNLIMITED, k)
 
 
-@dataclass
-class Counts:
-    """One policy over answers: vLLM's counters, as a replay makes them."""
-
-    decode_tokens: int = 0
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-
-    def add(self, other: Counts) -> None:
-        for key, value in asdict(other).items():
-            setattr(self, key, getattr(self, key) + value)
-
-    def figures(self) -> dict[str, float | None]:
-        steps = self.steps or None
-        return {
-            "steps": self.steps,
-            "drafting_steps_pct": round(100 * self.drafted / steps, 1) if steps else None,
-            "tokens_per_any_step": round(self.decode_tokens / steps, 2) if steps else None,
-            "tokens_per_drafting_step": (
-                round(1 + self.accepted / self.drafted, 2) if self.drafted else None
-            ),
-        }
+def figures(counts: DecodeCounts) -> dict[str, float | None]:
+    return {
+        "steps": counts.steps,
+        "drafting_steps_pct": counts.drafting_pct,
+        "tokens_per_any_step": counts.tokens_per_any_step,
+        "tokens_per_drafting_step": counts.tokens_per_drafting_step,
+    }
 
 
-def replay(prompt: Sequence[int], answer: Sequence[int], propose: Propose) -> Counts:
+def replay(prompt: Sequence[int], answer: Sequence[int], propose: Propose) -> DecodeCounts:
     """The decode steps of one answer under `propose`. Its first token is the prefill's; after
     its last, the step that ends it makes the end-of-answer token (END, which no draft equals),
     so decode tokens = steps + accepted drafts, as vLLM counts them."""
     tokens = np.asarray([*prompt, *answer, END], dtype=np.int64)
     end = len(tokens)
-    counts = Counts(decode_tokens=len(answer))
+    counts = DecodeCounts(decode_tokens=len(answer))
     at = len(prompt) + 1
     while at < end:
         drafts = list(propose(tokens[:at]))
         agree = 0
         while agree < len(drafts) and at + agree < end and drafts[agree] == tokens[at + agree]:
             agree += 1
-        counts.steps += 1
-        counts.drafted += bool(drafts)
+        counts.drafting_steps += bool(drafts)
         counts.accepted += agree
         at += agree + 1
     return counts
@@ -167,13 +154,13 @@ def replay_all(pairs: dict[str, list[tuple]], names: Sequence[str], steps_ms) ->
         drafts = int(name.partition("-k")[2])
         table[name] = {}
         for kind, kind_pairs in pairs.items():
-            total = Counts()
+            total = DecodeCounts()
             for prompt, answer in kind_pairs:
                 total.add(replay(prompt, answer, propose))
-            figures = total.figures()
+            kind_figures = figures(total)
             if steps_ms:
-                figures["projected_27b_tok_s"] = projected(figures, drafts, steps_ms)
-            table[name][kind] = figures
+                kind_figures["projected_27b_tok_s"] = projected(kind_figures, drafts, steps_ms)
+            table[name][kind] = kind_figures
     return table
 
 

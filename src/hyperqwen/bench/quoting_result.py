@@ -119,25 +119,61 @@ def mismatches(record: dict, baseline: dict, kind: str) -> list[dict]:
     return found
 
 
+@dataclass
+class DecodeCounts:
+    """vLLM's speculative counters over decode steps. A request's first token comes from its
+    prefill; every decode step makes one token plus its accepted drafts, so steps = decode
+    tokens - accepted. `bench draft-replay` makes the same counts from a replay."""
+
+    decode_tokens: float = 0
+    accepted: float = 0
+    drafting_steps: float = 0
+
+    def add(self, other: DecodeCounts) -> None:
+        self.decode_tokens += other.decode_tokens
+        self.accepted += other.accepted
+        self.drafting_steps += other.drafting_steps
+
+    @property
+    def steps(self) -> float:
+        return self.decode_tokens - self.accepted
+
+    @property
+    def drafting_pct(self) -> float | None:
+        """Share of the decode steps that verified drafts."""
+        return (
+            round(100 * min(self.drafting_steps / self.steps, 1.0), 1) if self.steps > 0 else None
+        )
+
+    @property
+    def tokens_per_any_step(self) -> float | None:
+        """Tokens a decode step made, steps without drafts included."""
+        return round(self.decode_tokens / self.steps, 2) if self.steps > 0 else None
+
+    @property
+    def tokens_per_drafting_step(self) -> float | None:
+        """vLLM's tokens_per_step: 1 + accepted / drafting steps."""
+        return round(1 + self.accepted / self.drafting_steps, 2) if self.drafting_steps else None
+
+
 def drafting(record: dict, kind: str) -> tuple[float | None, float | None]:
-    """Over a configuration's passes of `kind`: the share of its decode steps that verified
-    drafts (%) and the tokens a decode step made, steps without drafts included. A request's
-    first token comes from its prefill; every decode step makes one token plus those of its
-    drafts accepted, so steps = decode tokens - accepted. (None, None) where nothing drafted or
-    a pass kept no counters (measured before they were kept)."""
-    decode = accepted = drafted = 0.0
+    """Over a configuration's passes of `kind`: DecodeCounts' drafting share (%) and tokens per
+    decode step. (None, None) where nothing drafted or a pass kept no counters (measured before
+    they were kept)."""
+    total = DecodeCounts()
     for kinds in record["passes"]:
         measured = kinds[kind]
         counters = measured.get("counters") or {}
         if counters.get("drafts") is None:
             return None, None
-        decode += measured["output_tokens"] - len(measured["texts"])
-        accepted += counters["accepted_tokens"] or 0.0
-        drafted += counters["drafts"]
-    steps = decode - accepted
-    if not drafted or steps <= 0:
+        total.add(DecodeCounts(
+            decode_tokens=measured["output_tokens"] - len(measured["texts"]),
+            accepted=counters["accepted_tokens"] or 0.0,
+            drafting_steps=counters["drafts"],
+        ))  # fmt: skip
+    if not total.drafting_steps or total.steps <= 0:
         return None, None
-    return round(100 * min(drafted / steps, 1.0), 1), round(decode / steps, 2)
+    return total.drafting_pct, total.tokens_per_any_step
 
 
 def figures(records: dict[str, dict]) -> tuple[dict[tuple[str, str], Figures], dict]:
