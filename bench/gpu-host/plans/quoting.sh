@@ -53,6 +53,12 @@ step smollm2 python3 -m hyperqwen.cli bench smollm2 /tmp/smollm2 --dtype bfloat1
 step quoting-j quoting_group j ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup
 step quoting-j-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-j.json \
   --out "$P/quoting-j-result.json"
+# Steps of another card project nothing on this one: k0/k3/k15 again where this is no H100.
+if [ "${HQ_PLAN_CHECK:-0}" = 1 ] \
+  || ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then
+  step ceiling-a ceiling_group a k0,k3,k15
+  ceiling_a=$P/ceiling-a.json
+fi
 step draft-replay python3 -m hyperqwen.cli bench draft-replay "$P"/quoting-j.json \
   --tokenizer /tmp/smollm2 --ceiling "$ceiling_a" --out "$P/draft-replay-j.json"
 step ceiling-b ceiling_group b k4,k8,mtp-k3
