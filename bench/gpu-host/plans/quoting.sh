@@ -50,7 +50,8 @@ ceiling_group() {
 }
 ceiling_a=bench/measurements/2026-12-06-h100-27b-quoting-ceiling-a.json
 step smollm2 python3 -m hyperqwen.cli bench smollm2 /tmp/smollm2 --dtype bfloat16
-step quoting-j quoting_group j ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup
+# QUOTING_CONFIGS: fewer configurations where the device budget is short (~2.5 min each)
+step quoting-j quoting_group j "${QUOTING_CONFIGS:-ngram-k15,hyperqwen-off,hyperqwen-ngram,lookup}"
 step quoting-j-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-j.json \
   --out "$P/quoting-j-result.json"
 # Steps of another card project nothing on this one: k0/k3/k15 again where this is no H100.
