@@ -11,11 +11,13 @@
 #             (vLLM's search on HyperQwen's build and flags), lookup, and hyperqwen-off, the
 #             lossless reference. lookup against hyperqwen-ngram is search and policy alone.
 #             The measurements now keep vLLM's counters (every decode step, the share that
-#             drafted) and the prompts, which the next two steps need
+#             drafted) and the prompts, which draft-replay and the 27B projection need
+#   ceiling-a: only on a card that is no H100, the 27B's k0/k3/k15 again (the kept ones are
+#             the H100's)
+#   draft-replay: hyperqwen-off's answers through lookup/ngram policies at k = 4, 8, 15 on the
+#             CPU, with the 27B steps: which policy and width to serve (seconds)
 #   quoting-k: hyperqwen-off and lookup with full CUDA graphs of every step, which
 #             patches/full-graph-mixed-query-len.patch should make exact (unconfirmed)
-#   draft-replay: hyperqwen-off's answers through lookup/ngram policies at k = 4, 8, 15 on the
-#             CPU, with the 27B steps kept: which policy and width to serve (seconds)
 #   ceiling-b: the 27B's k = 4, 8 and MTP's 3 (MTP's drafting cost; the k4/k8 policies'
 #             projections), three servers together
 # Then, on the CPU machine: quoting-ceiling-result with ceiling-a, ceiling-b and quoting-j's
