@@ -180,18 +180,24 @@ def test_a_plan_names_each_step_once(tmp_path):
         assert len(steps) == len(set(steps)), f"{plan.name}: a step name comes back"
 
 
-def test_a_step_that_fails_is_recorded_and_the_plan_goes_on(tmp_path):
-    """steps.sh as the host runs it (env.sh replaced by one that only names $R)."""
+def _host_with_steps(tmp_path, plan):
+    """A repository root with steps.sh as the host runs it (env.sh replaced by one that only
+    names $R) and plan.sh holding PLAN."""
     host = tmp_path / "host"
     (host / "bench" / "gpu-host").mkdir(parents=True)
     steps = ROOT / "bench" / "gpu-host" / "steps.sh"
     (host / "bench" / "gpu-host" / "steps.sh").write_bytes(steps.read_bytes())
     (host / "bench" / "gpu-host" / "env.sh").write_text(f"export R={tmp_path / 'R'}\n")
-    (host / "plan.sh").write_text(
-        "source bench/gpu-host/steps.sh p || exit 1\n"
+    (host / "plan.sh").write_text("source bench/gpu-host/steps.sh p || exit 1\n" + plan)
+    return host
+
+
+def test_a_step_that_fails_is_recorded_and_the_plan_goes_on(tmp_path):
+    host = _host_with_steps(
+        tmp_path,
         "step first echo one\n"
         "step broken sh -c 'echo why; exit 3'\n"
-        "step last sh -c 'echo \"$P\"'\n"
+        "step last sh -c 'echo \"$P\"'\n",
     )
     done = subprocess.run(["bash", "plan.sh"], cwd=host, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -206,3 +212,17 @@ def test_a_step_that_fails_is_recorded_and_the_plan_goes_on(tmp_path):
     assert (out / "broken.log").read_text() == "why\n"
     assert (out / "last.log").read_text() == f"{out}\n"
     assert "why" in done.stdout  # each step's tail, for the device call's output
+
+
+def test_hq_steps_runs_only_the_steps_it_names(tmp_path):
+    host = _host_with_steps(
+        tmp_path, "step first echo one\nstep second echo two\nstep third echo three\n"
+    )
+    env = {**os.environ, "HQ_STEPS": "third,first"}
+    done = subprocess.run(["bash", "plan.sh"], cwd=host, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "R" / "p"
+    records = [line.split()[:2] for line in (out / "steps.txt").read_text().splitlines()]
+    assert records == [["first", "rc=0"], ["second", "skipped"], ["third", "rc=0"]]
+    assert not (out / "second.log").exists()
+    assert (out / "third.log").read_text() == "three\n"

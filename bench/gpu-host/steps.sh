@@ -9,6 +9,8 @@
 # step's name, its word count and its words, NUL-separated, for tests/test_gpu_plans.py to check
 # every option against the CLI's own parser and every test selection against pytest's before a
 # GPU minute is spent on a typo.
+# HQ_STEPS=a,b runs only the steps so named (the others are recorded as "NAME skipped"): a
+# short device budget spends itself on the steps that decide most.
 plan=$1
 if [ "${HQ_PLAN_CHECK:-0}" = 1 ]; then
   export R=${R:-/tmp/hq}
@@ -36,6 +38,10 @@ mkdir -p "$P"
 step() {
   local name=$1 start status
   shift
+  if [ -n "${HQ_STEPS:-}" ] && [[ ",$HQ_STEPS," != *",$name,"* ]]; then
+    echo "$name skipped" | tee -a "$P/steps.txt"
+    return 0
+  fi
   start=$(date +%s)
   echo "$(date +%T) step $name: $*"
   "$@" > "$P/$name.log" 2>&1
