@@ -103,6 +103,10 @@ def test_the_command_replays_a_runs_answers_and_projects(tmp_path, capsys) -> No
         projected = round(1000 * copied["tokens_per_any_step"] / step_ms, 1)
         assert copied["projected_27b_tok_s"] == projected
         assert table["ngram-k4"][kind]["projected_27b_tok_s"] is None  # no k4 step measured
+        # every step at k0's time: the most any width could make
+        at_most = table["ngram-k4"][kind]["bound_27b_tok_s"]
+        assert at_most == round(1000 * table["ngram-k4"][kind]["tokens_per_any_step"] / 10, 1)
+        assert copied["bound_27b_tok_s"] > copied["projected_27b_tok_s"]
         assert table["ngram-k4"][kind]["tokens_per_any_step"] <= 5
     assert table["lookup-k15"]["chat"]["tokens_per_any_step"] < 1.5  # nothing to copy
 

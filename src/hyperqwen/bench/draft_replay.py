@@ -8,7 +8,9 @@ step from the context so far, the step accepts the proposal's longest prefix tha
 the answer, then makes one token more. Per kind: decode steps, the share of them that drafted,
 tokens per decode step (steps without drafts included), vLLM's tokens per drafting step (to
 hold against the run's own counters) and, given `bench quoting-ceiling` files, the projected
-27B speed (quoting_ceiling_result.mixed_step_ms).
+27B speed (quoting_ceiling_result.mixed_step_ms) where they measured the policy's width, and
+the most any width could make (every step at k0's time; "27B at most"), which rules a width out
+without its own step: its bound below another's projection.
 
 Policies: `lookup-kK` (engine/lookup.propose: SPEC=lookup's search and count policy with
 LOOKUP_MATCH) and `ngram-kK` (vLLM 0.26's own CPU n-gram search with the launcher's
@@ -146,8 +148,16 @@ def projected(figures: dict, drafts: int, steps_ms: dict[str, float | None]) -> 
     return round(1000 * per_step / step_ms, 1) if step_ms and per_step else None
 
 
+def bound(figures: dict, steps_ms: dict[str, float | None]) -> float | None:
+    """27B tok/s if every step cost a plain one (k0's): a step verifying drafts costs at least
+    that, so no width does better; it compares a width whose step is unmeasured."""
+    k0_ms, per_step = steps_ms.get("k0"), figures["tokens_per_any_step"]
+    return round(1000 * per_step / k0_ms, 1) if k0_ms and per_step else None
+
+
 def replay_all(pairs: dict[str, list[tuple]], names: Sequence[str], steps_ms) -> dict:
-    """Policy -> kind -> figures (and projected_27b_tok_s where the ceiling has its k)."""
+    """Policy -> kind -> figures (and projected_27b_tok_s where the ceiling has its k,
+    bound_27b_tok_s where it has k0)."""
     table = {}
     for name in names:
         propose = policy(name)
@@ -160,13 +170,14 @@ def replay_all(pairs: dict[str, list[tuple]], names: Sequence[str], steps_ms) ->
             kind_figures = figures(total)
             if steps_ms:
                 kind_figures["projected_27b_tok_s"] = projected(kind_figures, drafts, steps_ms)
+                kind_figures["bound_27b_tok_s"] = bound(kind_figures, steps_ms)
             table[name][kind] = kind_figures
     return table
 
 
 def format_table(table: dict, measured: dict[str, dict]) -> list[str]:
     lines = [("policy", "kind", "steps", "drafted", "tok/any step", "tok/drafting step",
-              "measured", "27B tok/s")]  # fmt: skip
+              "measured", "27B tok/s", "27B at most")]  # fmt: skip
     for name, kinds in table.items():
         for kind, figures in kinds.items():
             lines.append(tuple(
@@ -174,7 +185,7 @@ def format_table(table: dict, measured: dict[str, dict]) -> list[str]:
                 for value in (name, kind, figures["steps"], figures["drafting_steps_pct"],
                               figures["tokens_per_any_step"], figures["tokens_per_drafting_step"],
                               measured.get(name, {}).get(kind),
-                              figures.get("projected_27b_tok_s"))
+                              figures.get("projected_27b_tok_s"), figures.get("bound_27b_tok_s"))
             ))  # fmt: skip
     return aligned(lines)
 
@@ -247,7 +258,7 @@ def add_subcommand(actions) -> None:
         nargs="*",
         default=[],
         metavar="STEPS.json",
-        help="`bench quoting-ceiling` files: project each policy's 27B tok/s",
+        help="`bench quoting-ceiling` files: each policy's projected 27B tok/s and its k0 bound",
     )
     parser.add_argument("--out", metavar="PATH", help="the table as JSON")
     parser.set_defaults(func=cmd_draft_replay)
