@@ -5,7 +5,7 @@ LOOKUP_DEVICE for SPEC=lookup):
 
 - SPEC=lookup (the variable is 1): vLLM 0.26's CPU `ngram` proposer asks `propose` here for each
   request (the ngram_drafts seam, seams.py) instead of its own search: the longest, then most
-  recent earlier occurrence of the context's last 3-12 tokens (kernels/lookup.py,
+  recent earlier occurrence of the context's last 2-12 tokens (kernels/lookup.py,
   `suffix_match_on_host`), whose continuation is what the text did last time, extended
   periodically when it runs into the present, and as many drafts as the match supports. vLLM's
   `ngram_gpu` path was the first home of this: on the H200 (SmolLM2-135M, 2026-12-01) it drafted
