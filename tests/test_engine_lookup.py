@@ -172,21 +172,20 @@ def test_the_runner_keeps_the_token_buffer_and_fuses_after_mtp(patched_vllm):
     assert cut < source.index("orig = original_num_spec_per_req.get(req_id, 0)")
 
 
-def test_a_long_block_is_proposed_only_for_a_long_match():
-    """DRAFT_TOKENS=15: a match of LONG_MATCH tokens or more proposes all 15 drafts, a shorter
-    one SHORT_MATCH_DRAFTS, none proposes nothing, and no draft passes max_model_len."""
+def test_any_match_proposes_the_whole_block():
+    """DRAFT_TOKENS=15: a long match and a chance one of 3 tokens both propose 15 drafts, none
+    proposes nothing, and no draft passes max_model_len."""
     drafts_per_row = 15
     text = list(range(100, 140))
     copying = np.array([*text, 7, *text[:8]], dtype=np.int32)  # the last 8 tokens occurred before
     chance = np.array([*text[:20], 9, 8, *text[:3]], dtype=np.int32)  # a chance repeat of 3
     unique = np.arange(500, 530, dtype=np.int32)
-    short = engine_lookup.SHORT_MATCH_DRAFTS
 
     def lookup(context, max_model_len=WIDTH):
         return engine_lookup.propose(context, *LOOKUP_MATCH, drafts_per_row, max_model_len)
 
     assert lookup(copying) == text[8 : 8 + drafts_per_row]
-    assert lookup(chance) == text[3 : 3 + short]
+    assert lookup(chance) == text[3 : 3 + drafts_per_row]
     assert lookup(unique) == []
     assert lookup(copying, max_model_len=len(copying) + 5) == text[8:13]
     assert lookup(copying, max_model_len=len(copying)) == []

@@ -314,11 +314,11 @@ class ServingKnobs(BaseModel):
     )
     DRAFT_TOKENS: int | None = knob(
         None,
-        "Tokens drafted per step. Default: 3 for mtp, 4 for ngram and lookup. With lookup, a "
-        "match of 6+ tokens proposes all of them and a shorter one at most 4, and only proposed "
-        "drafts are verified, so a long block (e.g. 15) costs verify work only while the answer "
-        "copies its context (measured on SmolLM2 only, SPEC's result). With SPEC=mtp and quoting "
-        "on, more than 3 is the widest block a copy fills while MTP drafts 3 "
+        "Tokens drafted per step. Default: 3 for mtp, 4 for ngram and lookup (15 projects "
+        'fastest, but each slot costs a GDN state: src/hyperqwen/engine/quoting.md, "Width"; '
+        "pure-attention models should set 15). With lookup only proposed drafts are verified, "
+        "so a long block costs verify work only where the context repeats. With SPEC=mtp and "
+        "quoting on, more than 3 is the widest block a copy fills while MTP drafts 3 "
         "(src/hyperqwen/engine/README.md's feature table). Each draft slot holds a GDN state per "
         "request: see hyperqwen capacity.",
         "--speculative-config num_speculative_tokens",

@@ -42,22 +42,18 @@ from hyperqwen.kernels.lookup import find_suffix_match, fuse_with_mtp, suffix_ma
 # a shorter one only where MTP's first draft agrees with it.
 FUSED_MATCH = (2, 12)
 LONG_MATCH = 6
-# SPEC=lookup: drafts a match shorter than LONG_MATCH may propose (the default DRAFT_TOKENS)
-SHORT_MATCH_DRAFTS = 4
 
 
 def propose(
     context: np.ndarray, min_n: int, max_n: int, num_drafts: int, max_model_len: int
 ) -> list[int]:
     """One request's drafts from its tokens so far (prompt and accepted output): what followed
-    the longest, latest earlier match of its last min_n..max_n tokens. A match of LONG_MATCH
-    tokens or more proposes all num_drafts; a shorter one (more often chance) at most
-    SHORT_MATCH_DRAFTS, so a long verify block (DRAFT_TOKENS=15) is spent only where the answer
-    is copying; no match proposes nothing. Never past max_model_len."""
+    the longest, latest earlier match of its last min_n..max_n tokens, num_drafts of them
+    whatever the match's length (a cap on short matches lost speed: quoting.md, "Lookup's
+    match"); no match proposes nothing. Never past max_model_len."""
     length = int(context.shape[0])
     n, start = suffix_match_on_host(context, min_n, max_n)
-    count = min(num_drafts if n >= LONG_MATCH else SHORT_MATCH_DRAFTS, num_drafts)
-    count = min(count, max_model_len - length) if n else 0
+    count = min(num_drafts, max_model_len - length) if n else 0
     if count <= 0:
         return []
     return context[start + np.arange(count) % (length - start)].tolist()

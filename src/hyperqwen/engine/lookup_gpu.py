@@ -20,8 +20,8 @@ dispatcher), `attach`:
 Each drafting step, tensor ops only (no host sync, no per-request Python): the step's accepted
 tokens go into the buffer (vLLM's `update_token_ids_ngram` writes none; its `propose`, replaced
 here, would have), the suffix search with the speculative config's windows (LOOKUP_MATCH), and
-the counts: a match of LONG_MATCH+ tokens proposes all W drafts, a shorter one at most
-SHORT_MATCH_DRAFTS, none (or a row that sampled nothing) 0, never past max_model_len. The drafts
+the counts: a match proposes all W drafts, none (or a row that sampled nothing) 0, never past
+max_model_len. The drafts
 are the match's continuation, the last token repeated without a match: every id is valid.
 Verification is vLLM's rejection sampler, so the output is the model's.
 
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from hyperqwen.engine.features import LOOKUP, LOOKUP_ON_GPU, env_value
-from hyperqwen.engine.lookup import LONG_MATCH, SHORT_MATCH_DRAFTS, write_accepted
+from hyperqwen.engine.lookup import write_accepted
 from hyperqwen.kernels.lookup import find_suffix_match
 
 VLLMS_CUT = "update_scheduler_for_invalid_drafts"
@@ -61,12 +61,9 @@ def proposed_counts(
     width: int,
     max_model_len: int,
 ) -> torch.Tensor:
-    """[B] int32: width for a match of LONG_MATCH+ tokens, min(SHORT_MATCH_DRAFTS, width) for a
-    shorter one, 0 without a match or where the row sampled nothing this step; never past
-    max_model_len (lengths: each row's tokens with this step's)."""
-    short = min(SHORT_MATCH_DRAFTS, width)
-    counts = torch.where(match_length >= LONG_MATCH, width, short)
-    counts = torch.where((match_length > 0) & (sampled > 0), counts, 0)
+    """[B] int32: width for a match, 0 without one or where the row sampled nothing this step;
+    never past max_model_len (lengths: each row's tokens with this step's)."""
+    counts = torch.where((match_length > 0) & (sampled > 0), width, 0)
     return torch.minimum(counts, (max_model_len - lengths).clamp(min=0)).to(torch.int32)
 
 
