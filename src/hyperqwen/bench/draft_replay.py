@@ -144,15 +144,17 @@ def projected(figures: dict, drafts: int, steps_ms: dict[str, float | None]) -> 
     step_ms = mixed_step_ms(
         figures["drafting_steps_pct"], steps_ms.get(config_name(drafts)), steps_ms.get("k0")
     )
-    per_step = figures["tokens_per_any_step"]
-    return round(1000 * per_step / step_ms, 1) if step_ms and per_step else None
+    return tok_s(figures["tokens_per_any_step"], step_ms)
 
 
 def bound(figures: dict, steps_ms: dict[str, float | None]) -> float | None:
     """27B tok/s if every step cost a plain one (k0's): a step verifying drafts costs at least
     that, so no width does better; it compares a width whose step is unmeasured."""
-    k0_ms, per_step = steps_ms.get("k0"), figures["tokens_per_any_step"]
-    return round(1000 * per_step / k0_ms, 1) if k0_ms and per_step else None
+    return tok_s(figures["tokens_per_any_step"], steps_ms.get("k0"))
+
+
+def tok_s(tokens_per_step: float | None, step_ms: float | None) -> float | None:
+    return round(1000 * tokens_per_step / step_ms, 1) if step_ms and tokens_per_step else None
 
 
 def replay_all(pairs: dict[str, list[tuple]], names: Sequence[str], steps_ms) -> dict:

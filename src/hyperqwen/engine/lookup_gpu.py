@@ -21,8 +21,8 @@ Each drafting step, tensor ops only (no host sync, no per-request Python): the s
 tokens go into the buffer (vLLM's `update_token_ids_ngram` writes none; its `propose`, replaced
 here, would have), the suffix search with the speculative config's windows (LOOKUP_MATCH), and
 the counts: a match proposes all W drafts, none (or a row that sampled nothing) 0, never past
-max_model_len. The drafts
-are the match's continuation, the last token repeated without a match: every id is valid.
+max_model_len. The drafts are the match's continuation, the last token repeated without a
+match: every id is valid.
 Verification is vLLM's rejection sampler, so the output is the model's.
 
 CPU-tested (tests/test_engine_lookup_gpu.py); lossless on the H100, and slower than SPEC=lookup
