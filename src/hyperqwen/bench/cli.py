@@ -32,6 +32,7 @@ from hyperqwen.bench.plot import PlotUnavailable, write_plot
 from hyperqwen.bench.quality import add_quality_subcommands
 from hyperqwen.bench.quoting import add_subcommands as add_quoting_subcommands
 from hyperqwen.bench.quoting_ceiling import add_subcommands as add_ceiling_subcommands
+from hyperqwen.bench.quoting_same import add_parser as add_quoting_same
 from hyperqwen.bench.rows import Row, format_row
 from hyperqwen.bench.run import run_bench, served_model, write_results
 from hyperqwen.bench.sass import add_subcommand as add_sass_subcommand
@@ -223,6 +224,7 @@ def add_subcommand(subparsers) -> None:
     add_stepmap_subcommand(actions)
     add_hoststacks_subcommand(actions)
     add_quoting_subcommands(actions)
+    add_quoting_same(actions)
     add_ceiling_subcommands(actions)
     add_needle_subcommand(actions)
     add_table_subcommand(actions)
