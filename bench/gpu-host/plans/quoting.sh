@@ -22,6 +22,10 @@
 #             quoting-j.json:hyperqwen-off quoting-l.json:vllm-off quoting-l.json:hyperqwen-off`)
 #   quoting-m: hyperqwen-off with full graphs on this build less
 #             full-graph-mixed-query-len.patch: does that patch cause it
+#   quoting-n: vllm-off, hyperqwen-off and lookup with full graphs and without async scheduling:
+#             is async scheduling what full graphs break (quoting-same against quoting-j's
+#             answers), and lookup's speed there (quoting-n-result; against stock ngram-k15
+#             through quoting-j's table, the run before on the same host)
 #   ceiling-b: the 27B's k = 4, 8 and MTP's 3 (MTP's drafting cost; the k4/k8 policies'
 #             projections), three servers together
 # Then, on the CPU machine: quoting-ceiling-result with ceiling-a, ceiling-b and quoting-j's
@@ -92,4 +96,10 @@ quoting_without_full_graph_patch() {
   HYPERQWEN_PATCHES_DIR="$series" quoting_group m hyperqwen-off "$full_graphs"
 }
 step quoting-m quoting_without_full_graph_patch
+# Under full graphs only the servers with async scheduling (vLLM turns it off for n-gram and
+# lookup drafting) parted from their default answers: the same without it, and lookup's
+# any-match policy under full graphs (against quoting-j's ngram-k15, the run before)
+step quoting-n quoting_group n vllm-off,hyperqwen-off,lookup "$full_graphs --no-async-scheduling"
+step quoting-n-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-n.json \
+  --out "$P/quoting-n-result.json"
 step ceiling-b ceiling_group b k4,k8,mtp-k3
