@@ -241,9 +241,10 @@ def start_refusal(settings: Settings, mode: str, gpus: list) -> str | None:
 def compilation_config(max_graph_tokens: int, inductor_pdl: bool = False) -> dict:
     # Full CUDA graphs for decode-only batches (GDN layers need them to be fast), piecewise for
     # mixed ones, up to max_graph_tokens tokens per step; larger steps (long prefills, which
-    # are compute-bound) run without graphs. Not FULL for every step: with n-gram drafting's
-    # verify blocks of varying width vLLM 0.26 answered garbage that way on the H100
-    # (src/hyperqwen/engine/quoting.md, "Lookup alone").
+    # are compute-bound) run without graphs. Not FULL for every step: served that way on the
+    # H100, vLLM 0.26 without speculation (stock too) answered otherwise from the first token,
+    # and n-gram drafting's verify blocks of varying width did without
+    # patches/full-graph-mixed-query-len.patch (src/hyperqwen/engine/quoting.md, "Lookup alone").
     config: dict = {
         "cudagraph_mode": "FULL_AND_PIECEWISE",
         "max_cudagraph_capture_size": max_graph_tokens,
