@@ -39,7 +39,7 @@ from hyperqwen.bench.profile import (
     category,
 )
 from hyperqwen.checkpoint.geometry import Geometry, text_config
-from hyperqwen.checkpoint.w4a16 import matches
+from hyperqwen.checkpoint.w4a16_sizes import matches
 
 STEP_NAME = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 GPU_RANGE = "gpu_user_annotation"

@@ -18,7 +18,6 @@ the files llm-compressor would write for the same weights.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
 
 from hyperqwen.checkpoint import w4a16_sizes as sizes
-from hyperqwen.checkpoint.w4a16_sizes import GROUP_SIZE, NUM_BITS
+from hyperqwen.checkpoint.w4a16_sizes import GROUP_SIZE, NUM_BITS, REGEX_PREFIX, matches
 
 FORMAT = CompressionFormat.pack_quantized.value
 PRESET = "W4A16"
@@ -43,7 +42,6 @@ PRESET = "W4A16"
 # compressed-tensors embedding gather both take 4 and 8.
 SUPPORTED_BITS = (4, 8)
 BASE_GROUP = "group_0"
-REGEX_PREFIX = "re:"
 SCALE_DTYPE = torch.bfloat16
 # Machete (vLLM's W4A16 kernel on Hopper) tiles weights 128 inputs x 128 outputs; Marlin needs
 # 128 x 64. Whole 128-groups on the input side are also what group quantization needs.
@@ -116,14 +114,6 @@ def read_quantization_config(checkpoint_dir: Path) -> QuantizationConfig:
             f"{PRESET} (int4, symmetric, group size {GROUP_SIZE})"
         )
     return config
-
-
-def matches(pattern: str, module: str) -> bool:
-    """Whether a `targets`/`ignore` entry names `module`: equal, or `re:` + a regex matched from
-    the start (how compressed-tensors and vLLM both read them)."""
-    if pattern.startswith(REGEX_PREFIX):
-        return re.match(pattern.removeprefix(REGEX_PREFIX), module) is not None
-    return pattern == module
 
 
 def with_int_group(
