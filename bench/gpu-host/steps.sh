@@ -12,6 +12,14 @@
 # HQ_STEPS=a,b runs only the steps so named (the others are recorded as "NAME skipped"): a
 # short device budget spends itself on the steps that decide most.
 plan=$1
+# The plans' C1 comparison on the 27B geometry (`bench ab` options: MTP's synthetic acceptance)
+# and stock's length beside it: vLLM's default, the model's 262,144 tokens, needs 17.6 GiB of
+# bf16 cache, more than the pool (the patched sides are sized to theirs by the launcher)
+# shellcheck disable=SC2034 # read by the plans that source this file
+c1_single='--mode single --input-len 128 --output-len 512 --cohorts 1 --rounds 16 --prefill none
+  --temperature 0 --seed 0 --synthetic-acceptance 0.77,0.55,0.4'
+# shellcheck disable=SC2034
+stock_length='--max-model-len 32768'
 if [ "${HQ_PLAN_CHECK:-0}" = 1 ]; then
   export R=${R:-/tmp/hq}
   export P=$R/$plan HYPERQWEN_STOCK_VLLM=/tmp/gpu-kit/vllm-stock \

@@ -109,7 +109,5 @@ step ceiling-b ceiling_group b k4,k8,mtp-k3
 # GDN replay's cost a step where it serves by default's condition: the 27B geometry at C1 with
 # MTP's synthetic acceptance, 15 draft slots with vLLM's per-token state blocks against
 # GDN_REPLAY=1's one (its verify and fold kernels in every GDN layer), stock MTP k=3 beside
-c1='--mode single --input-len 128 --output-len 512 --cohorts 1 --rounds 16 --prefill none
-  --temperature 0 --seed 0 --synthetic-acceptance 0.77,0.55,0.4'
-step gdn-replay env AB_KV_MEM=4G AB_STOCK_ARGS='--max-model-len 32768' \
-  bash bench/gpu-host/ab_together.sh gdn-replay "$c1" 'DRAFT_TOKENS=15' 'DRAFT_TOKENS=15 GDN_REPLAY=1'
+step gdn-replay env AB_KV_MEM=4G AB_STOCK_ARGS="$stock_length" bash bench/gpu-host/ab_together.sh \
+  gdn-replay "$c1_single" 'DRAFT_TOKENS=15' 'DRAFT_TOKENS=15 GDN_REPLAY=1'

@@ -13,11 +13,7 @@
 # run serves it). After them, each profiled side's trace mapped kernel by kernel, and the tables.
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh step || exit 1
-c1='--mode single --input-len 128 --output-len 512 --cohorts 1 --rounds 16 --prefill none
-  --temperature 0 --seed 0 --synthetic-acceptance 0.77,0.55,0.4 --profile-steps 20'
-# vLLM's default length, the model's 262,144 tokens, needs 17.6 GiB of bf16 cache: more than the
-# pool; the patched sides are sized to theirs by the launcher
-stock_length='--max-model-len 32768'
+c1="$c1_single --profile-steps 20"
 # Each profiled side's trace of run NAME (bench ab keeps it in its workdir), mapped by `bench
 # stepmap` (per-GEMM bytes and bandwidth, the idle time inside the step, the host thread's
 # window) into $P/stepmap-NAME-SERVER-SIDE.json.
