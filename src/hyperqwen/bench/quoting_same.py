@@ -3,8 +3,8 @@
 quoting-result compares each configuration with its baseline inside one merged run; a question
 such as "does this server under other flags still answer what it answered before" spans two
 runs of the same prompts (same seed and Python), each holding a configuration of the same
-name. This counts, per kind and pass, the answers equal to the reference's and where the
-others part (the first differing character).
+name. This counts, per kind over every pass, the answers equal to the reference's and where
+the others part (the first differing character).
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from hyperqwen.bench.quoting import EXIT_BAD_INPUT
 from hyperqwen.bench.quoting_result import ResultFileError, load_measurements, mismatches
 from hyperqwen.bench.quoting_run import MEASUREMENTS_KIND
-
-EXIT_BAD_INPUT = 2
 
 
 def parse_side(text: str) -> tuple[Path, str]:
