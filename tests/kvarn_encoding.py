@@ -22,7 +22,8 @@ import torch
 
 from hyperqwen.kvarn import quantize as q
 from hyperqwen.kvarn.hadamard import rotate_reference
-from hyperqwen.kvarn.layout import TileLayout, unpack_tile
+from hyperqwen.kvarn.layout import TileLayout
+from hyperqwen.kvarn.packing import unpack_tile
 
 # fp32's error in the margins' quantities is a few ulps (2^-24 each) per operation and grows
 # with a 256-term sum's length, far below this (a fp32 emulation's differing groups lie well

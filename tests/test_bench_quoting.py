@@ -270,7 +270,18 @@ def test_started_servers_one_after_another_and_parts_merge(
         assert host["total_cpu_s"] >= 0 and "stacks" in host
         assert host["stacks"] is not None or "py-spy" in host["stacks_note"]
     together = ["--configs", "hyperqwen-off,lookup", "--start-together", "--out", str(parts[1])]
-    assert run_in_process(*common, *together) == 0
+    own = "--config-args=lookup=--max-num-seqs 3 --no-async-scheduling"
+    assert run_in_process(*common, *together, own) == 0
+    # lookup's own flags come after the run's, only on its server, and are recorded
+    lookup_run = json.loads(parts[1].read_text())
+    assert lookup_run["configs"]["lookup"]["command"][-3:] == [
+        "--max-num-seqs", "3", "--no-async-scheduling"]  # fmt: skip
+    assert (
+        lookup_run["configs"]["lookup"]["own_vllm_args"] == "--max-num-seqs 3 --no-async-scheduling"
+    )
+    assert "--no-async-scheduling" not in lookup_run["configs"]["hyperqwen-off"]["command"]
+    assert "own_vllm_args" not in lookup_run["configs"]["hyperqwen-off"]
+    assert "'--config-args=lookup=--max-num-seqs 3 --no-async-scheduling'" in lookup_run["command"]
     result = tmp_path / "result.json"
     assert run_in_process("bench", "quoting-result", *map(str, parts), "--out", str(result)) == 0
     document, rows = load_result(result)
@@ -347,6 +358,10 @@ def test_help_teaches_with_examples(capsys) -> None:
          "--lookup-knobs 'SPECS=lookup'"),
         (["--configs", "lookup"], "MODEL_DIR"),
         (["--url", "vllm-off=http://127.0.0.1:9", "--requests", "40"], "--requests 40"),
+        (["--url", "vllm-off=http://127.0.0.1:9", "--config-args", "ngram-k5=--x"],
+         "--config-args ngram-k5=...: no such configuration"),
+        (["--url", "vllm-off=http://127.0.0.1:9", "--config-args", "vllm-off=--x"],
+         "--config-args vllm-off=...: vllm-off is not started by this run"),
     ],
 )  # fmt: skip
 def test_a_bad_option_is_refused_by_name(argv, named, capsys) -> None:
@@ -391,7 +406,12 @@ def test_servers_started_together_must_each_have_a_fixed_kv_pool(
 
 @pytest.mark.parametrize(
     ("argv", "named"),
-    [(["--passes", "1"], "--passes"), (["--url", "vllm-off"], "--url"), (["--bogus"], "--bogus")],
+    [
+        (["--passes", "1"], "--passes"),
+        (["--url", "vllm-off"], "--url"),
+        (["--bogus"], "--bogus"),
+        (["--config-args", "lookup"], "--config-args"),
+    ],
 )
 def test_options_argparse_refuses_name_themselves(argv, named, capsys) -> None:
     with pytest.raises(SystemExit) as done:

@@ -12,7 +12,8 @@ from kvarn_data import outlier_keys, outlier_values
 from hyperqwen.bench.kernels import relative_error
 from hyperqwen.kvarn import quantize
 from hyperqwen.kvarn.attention import attention_reference, exact_attention, read_plan
-from hyperqwen.kvarn.layout import TileLayout, unpack_tile
+from hyperqwen.kvarn.layout import TileLayout
+from hyperqwen.kvarn.packing import unpack_tile
 from hyperqwen.kvarn.store import store_tiles
 
 Q_HEADS, KV_HEADS, D = 24, 4, 256

@@ -18,7 +18,8 @@ from hyperqwen.kvarn.format_sim import (
     stored,
     tokenize_code,
 )
-from hyperqwen.kvarn.quantize import TILE_TOKENS, dequantize_tile, quantize_tile
+from hyperqwen.kvarn.layout import TILE_TOKENS
+from hyperqwen.kvarn.quantize import dequantize_tile, quantize_tile
 
 LENGTH = 2 * TILE_TOKENS + 60  # the sink, one full tile past it and a filling one
 

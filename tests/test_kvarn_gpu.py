@@ -20,7 +20,8 @@ from hyperqwen.kvarn import quantize
 from hyperqwen.kvarn.decode import decode_attention, served_stages
 from hyperqwen.kvarn.dequant import dequantize_tiles
 from hyperqwen.kvarn.hadamard import rotate_reference, rotate_rows
-from hyperqwen.kvarn.layout import TileLayout, unpack_tile
+from hyperqwen.kvarn.layout import TileLayout
+from hyperqwen.kvarn.packing import unpack_tile
 from hyperqwen.kvarn.prefill import prefill_attention
 from hyperqwen.kvarn.store import store_tiles
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hyperqwen.kvarn import layout as kvarn_layout
-from hyperqwen.kvarn.layout import TileLayout, bytes_per_token, pack_tile, unpack_tile
+from hyperqwen.kvarn.layout import TileLayout, bytes_per_token
+from hyperqwen.kvarn.packing import pack_tile, unpack_tile
 from hyperqwen.kvarn.quantize import QuantizedTile
 
 

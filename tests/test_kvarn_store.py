@@ -24,7 +24,8 @@ from hyperqwen.bench.kernels import relative_error
 from hyperqwen.kvarn import quantize
 from hyperqwen.kvarn.dequant import dequantize_tiles
 from hyperqwen.kvarn.hadamard import rotate_reference
-from hyperqwen.kvarn.layout import TileLayout, pack_tile, unpack_tile
+from hyperqwen.kvarn.layout import TileLayout
+from hyperqwen.kvarn.packing import pack_tile, unpack_tile
 from hyperqwen.kvarn.store import store_tiles
 
 HEADS_27B, D_27B = 4, 256

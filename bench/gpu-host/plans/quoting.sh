@@ -22,10 +22,12 @@
 #             quoting-j.json:hyperqwen-off quoting-l.json:vllm-off quoting-l.json:hyperqwen-off`)
 #   quoting-m: hyperqwen-off with full graphs on this build less
 #             full-graph-mixed-query-len.patch: does that patch cause it
-#   quoting-n: vllm-off, hyperqwen-off and lookup with full graphs and without async scheduling:
+#   quoting-n: vllm-off, ngram-k15 and lookup with full graphs and without async scheduling:
 #             is async scheduling what full graphs break (quoting-same against quoting-j's
-#             answers), and lookup's speed there (quoting-n-result; against stock ngram-k15
-#             through quoting-j's table, the run before on the same host)
+#             answers), and lookup's speed there against stock ngram-k15 under the same graphs,
+#             in the same group (quoting-n-result: a stock user can turn full graphs on too)
+#   quoting-o: stock ngram-k15 (default graphs: under full ones it parted from its answers on
+#             chat in quoting-n) against lookup under full graphs, one group
 #   ceiling-b: the 27B's k = 4, 8 and MTP's 3 (MTP's drafting cost; the k4/k8 policies'
 #             projections), three servers together
 #   gdn-replay: the 27B served at C1 with 15 draft slots, with and without GDN_REPLAY=1,
@@ -36,14 +38,14 @@
 # shellcheck source=bench/gpu-host/steps.sh
 source bench/gpu-host/steps.sh quoting || exit 1
 smollm2_flags='--max-model-len 4096 --gpu-memory-utilization 0.1 --kv-cache-memory-bytes 2G'
-# quoting_group GROUP CONFIGS [VLLM_ARGS]: the configurations started together, each also
-# with VLLM_ARGS, into $P/quoting-GROUP.json; the servers' logs into $P/quoting-GROUP/ (a
-# configuration may serve in more than one group).
+# quoting_group GROUP CONFIGS [VLLM_ARGS [OPTION]]: the configurations started together, each
+# also with VLLM_ARGS, into $P/quoting-GROUP.json; the servers' logs into $P/quoting-GROUP/ (a
+# configuration may serve in more than one group); OPTION: one more `bench quoting` option.
 quoting_group() {
   env GPU_UTIL=0.1 REASONING_PARSER=none TOOLS=0 VISION=1 python3 -m hyperqwen.cli bench quoting \
     /tmp/smollm2 --stock-vllm "$HYPERQWEN_STOCK_VLLM" --patched-vllm "${patched_vllm:-$HYPERQWEN_PATCHED_VLLM}" \
     --configs "$2" --start-together --workdir "/tmp/quoting-$1" --out "$P/quoting-$1.json" \
-    --vllm-args="$smollm2_flags ${3:-}"
+    --vllm-args="$smollm2_flags ${3:-}" ${4:+"$4"}
   local status=$?
   mkdir -p "$P/quoting-$1"
   cp /tmp/quoting-"$1"/*.log "$P/quoting-$1/" 2> /dev/null
@@ -101,10 +103,18 @@ quoting_without_full_graph_patch() {
 step quoting-m quoting_without_full_graph_patch
 # Under full graphs only the servers with async scheduling (vLLM turns it off for n-gram and
 # lookup drafting) parted from their default answers: the same without it, and lookup's
-# any-match policy under full graphs (against quoting-j's ngram-k15, the run before)
-step quoting-n quoting_group n vllm-off,hyperqwen-off,lookup "$full_graphs --no-async-scheduling"
+# any-match policy against stock's n-gram, both under full graphs
+# QUOTING_N_CONFIGS: lookup alone, where quoting-j's ngram-k15 in the same plan run is the stock side
+step quoting-n quoting_group n "${QUOTING_N_CONFIGS:-vllm-off,ngram-k15,lookup}" \
+  "$full_graphs --no-async-scheduling"
 step quoting-n-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-n.json \
   --out "$P/quoting-n-result.json"
+# quoting-n: stock's n-gram under full graphs parted from its answers on chat, so stock's best
+# lossless n-gram keeps the default graphs: against it, in one group, lookup under full graphs
+step quoting-o quoting_group o ngram-k15,lookup "" \
+  "--config-args=lookup=$full_graphs --no-async-scheduling"
+step quoting-o-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-o.json \
+  --out "$P/quoting-o-result.json"
 step ceiling-b ceiling_group b k4,k8,mtp-k3
 # GDN replay's cost a step where it serves by default's condition: the 27B geometry at C1 with
 # MTP's synthetic acceptance, 15 draft slots with vLLM's per-token state blocks against

@@ -30,6 +30,7 @@ from hyperqwen.bench.quoting_configs import (
     catalogue,
     chosen,
     parse_knobs,
+    with_own_args,
 )
 from hyperqwen.bench.quoting_result import (
     build_result,
@@ -62,6 +63,15 @@ def _named_url(text: str) -> tuple[str, str]:
             f"{text!r}: give NAME=URL, e.g. vllm-off=http://127.0.0.1:8000"
         )
     return name, url.rstrip("/")
+
+
+def _named_flags(text: str) -> tuple[str, str]:
+    name, equals, flags = text.partition("=")
+    if not equals or not name or not flags.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give NAME=FLAGS, e.g. lookup=--no-async-scheduling"
+        )
+    return name, flags.strip()
 
 
 _passes = at_least(MIN_PASSES, "as the spread between passes needs two")
@@ -123,9 +133,10 @@ def quoting_plan(args: argparse.Namespace) -> QuotingPlan:
     """The plan of parsed options, checked before any server starts; ABError names the option."""
     lookup_knobs = parse_knobs(args.lookup_knobs)
     configs = catalogue(lookup_knobs)
-    urls, measured, _ = checked_servers(
-        args, configs, {"vllm": "stock_vllm", "hyperqwen": "patched_vllm"}
-    )
+    trees = {"vllm": "stock_vllm", "hyperqwen": "patched_vllm"}
+    _, _, started = checked_servers(args, configs, trees)
+    configs = with_own_args(configs, args.config_args, {config.name for config in started})
+    urls, measured, _ = checked_servers(args, configs, trees)
     workdir = Path(args.workdir)
     names = "all" if len(measured) == len(configs) else "+".join(c.name for c in measured)
     return QuotingPlan(
@@ -157,6 +168,9 @@ def equivalent_command(plan: QuotingPlan) -> str:
         command += [option, value] if value else []
     if start.vllm_args:
         command.append(f"--vllm-args={start.vllm_args}")
+    for config in plan.configs:
+        if config.own_vllm_args:
+            command.append(f"--config-args={config.name}={config.own_vllm_args}")
     if start.server_command != DEFAULT_SERVER_COMMAND:
         command += ["--server-command", start.server_command]
     command += ["--start-together"] * start.start_together
@@ -238,7 +252,8 @@ Configurations (--configs): vllm-off (stock vLLM, no speculation), ngram-k4/k8/k
 ngram_gpu-k4/k8/k15 (stock vLLM's n-gram proposers, n-grams of 2-5 tokens), hyperqwen-off
 (`hyperqwen serve single` with SPEC=off), lookup (the profile with --lookup-knobs),
 lookup-gpu (the same with LOOKUP_DEVICE=gpu) and hyperqwen-ngram (the profile with SPEC=ngram
-and the lookup knobs' DRAFT_TOKENS: vLLM's search on HyperQwen's build and flags). Each
+and the lookup knobs' DRAFT_TOKENS: vLLM's search on HyperQwen's build and flags);
+--config-args NAME=FLAGS gives one of them vLLM flags of its own (a graph mode, say). Each
 server is started here in turn (stock vLLM from --stock-vllm, the profile from --patched-vllm),
 all at once with --start-together, or given by --url NAME=URL. Per server: one warm-up
 request per kind, then --passes passes of every kind at C1, greedy. Recorded per kind: decode
@@ -373,6 +388,16 @@ def add_subcommands(actions) -> None:
     )
     add_run_files_options(
         parser, "quoting", "appended last; write --vllm-args='--max-model-len 4096'", env_file=True
+    )
+    parser.add_argument(
+        "--config-args",
+        type=_named_flags,
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="vLLM flags for configuration NAME's server alone, after --vllm-args (repeatable, "
+        "once per name), e.g. --config-args='lookup=--no-async-scheduling' to compare graph "
+        "or scheduling modes in one run; kept in the measurements under the configuration",
     )
     add_server_start_options(parser, side="the configuration's name")
     add_answer_options(parser, 600.0)

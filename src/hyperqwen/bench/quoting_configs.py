@@ -16,7 +16,7 @@ vllm-off: what the build alone changes).
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hyperqwen.bench.ab_argv import (
@@ -53,6 +53,8 @@ class ServerConfig:
     """vLLM's --speculative-config (build vllm)."""
     knob_values: dict[str, str] = field(default_factory=dict)
     """The profile's knobs over the environment's (build hyperqwen)."""
+    own_vllm_args: str = ""
+    """vLLM flags of this configuration alone, after the run's (`bench quoting --config-args`)."""
 
     @property
     def ngram_method(self) -> str | None:
@@ -65,6 +67,7 @@ class ServerConfig:
     ) -> tuple[list[str], dict[str, str]]:
         """The `vllm serve ...` arguments and the environment of this configuration's server,
         with parent's vllm/ first on PYTHONPATH."""
+        vllm_args = " ".join(filter(None, [vllm_args, self.own_vllm_args]))
         extra = shlex.split(vllm_args)
         if self.build == "vllm":
             spec = self.speculative_config
@@ -119,6 +122,35 @@ def catalogue(lookup_knobs: dict[str, str]) -> dict[str, ServerConfig]:
         ServerConfig(HYPERQWEN_NGRAM, "hyperqwen", HYPERQWEN_BASELINE, knob_values=vllms_search)
     )
     return {config.name: config for config in configs}
+
+
+def with_own_args(
+    configs: dict[str, ServerConfig], given: list[tuple[str, str]], started: set[str]
+) -> dict[str, ServerConfig]:
+    """The catalogue with --config-args NAME=FLAGS applied: each named configuration started
+    here gets its own vLLM flags (one option per name); anything else is refused by name."""
+    own: dict[str, str] = {}
+    for name, flags in given:
+        if name not in configs:
+            raise ABError(
+                f"--config-args {name}=...: no such configuration; name one of {', '.join(configs)}"
+            )
+        if name not in started:
+            raise ABError(
+                f"--config-args {name}=...: {name} is not started by this run (it is not in "
+                "--configs, or --url gives its server): its flags would change nothing"
+            )
+        if name in own:
+            raise ABError(f"--config-args {name}=... is given twice: give its flags in one")
+        try:
+            shlex.split(flags)
+        except ValueError as error:
+            raise ABError(f"--config-args {name}={flags!r} cannot be read: {error}") from None
+        own[name] = flags
+    return {
+        name: replace(config, own_vllm_args=own[name]) if name in own else config
+        for name, config in configs.items()
+    }
 
 
 def chosen(names: str, configs: dict[str, ServerConfig]) -> list[ServerConfig]:

@@ -210,6 +210,7 @@ def _record(config: ServerConfig) -> dict:
         "baseline": config.baseline,
         "speculative_config": config.speculative_config,
         "knobs": config.knob_values,
+        **({"own_vllm_args": config.own_vllm_args} if config.own_vllm_args else {}),
     }
 
 

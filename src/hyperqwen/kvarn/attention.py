@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperqwen.kvarn.layout import TileLayout, unpack_tile
-from hyperqwen.kvarn.quantize import TILE_TOKENS, dequantize_tile
+from hyperqwen.kvarn.layout import TILE_TOKENS, TileLayout
+from hyperqwen.kvarn.packing import unpack_tile
+from hyperqwen.kvarn.quantize import dequantize_tile
 
 
 @dataclass(frozen=True)

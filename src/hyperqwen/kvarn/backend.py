@@ -76,7 +76,7 @@ from vllm.v1.attention.backends.utils import NULL_BLOCK_ID, split_decodes_and_pr
 
 from hyperqwen.engine.kvarn_v_bits import value_bits
 from hyperqwen.kvarn.decode import decode_attention
-from hyperqwen.kvarn.layout import TileLayout
+from hyperqwen.kvarn.layout import TILE_TOKENS, TileLayout
 from hyperqwen.kvarn.prefill import prefill_attention
 from hyperqwen.kvarn.prefill_dequant import (
     PrefillPlan,
@@ -84,7 +84,6 @@ from hyperqwen.kvarn.prefill_dequant import (
     plan_prefill,
     prefill_by_dequantization,
 )
-from hyperqwen.kvarn.quantize import TILE_TOKENS
 from hyperqwen.kvarn.side_write import write_side_rows
 from hyperqwen.kvarn.sizing import serving_side_slots
 from hyperqwen.kvarn.slots import RequestStep, SlotAllocator

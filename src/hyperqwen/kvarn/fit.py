@@ -32,13 +32,13 @@ from hyperqwen.kvarn import (
     step_tensors,
     store,
 )
-from hyperqwen.kvarn.layout import HEAD_DIM_27B, TileLayout
+from hyperqwen.kvarn.layout import HEAD_DIM_27B, V_BITS, TileLayout
 
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 GROUP_27B, VERIFY_QUERIES = 6, 4
 
 
-def _launches(d: int, v_bits: int = quantize.V_BITS) -> dict:
+def _launches(d: int, v_bits: int = V_BITS) -> dict:
     """kernel name -> (jit function, pointer types, constexprs, num_warps, num_stages), as
     the launchers call them for bf16 data in tiles of `v_bits`-bit values."""
     layout = TileLayout(head_dim=d, v_bits=v_bits)

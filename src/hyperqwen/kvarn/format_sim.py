@@ -38,7 +38,8 @@ from functools import partial
 
 import torch
 
-from hyperqwen.kvarn.quantize import TILE_TOKENS, V_BITS, dequantize_tile, quantize_tile
+from hyperqwen.kvarn.layout import TILE_TOKENS, V_BITS
+from hyperqwen.kvarn.quantize import dequantize_tile, quantize_tile
 
 ATTENTION = "hyperqwen-kv-sim"  # the attention implementation name registered with transformers
 FP8_MAX = 448.0  # float8_e4m3fn's largest value

@@ -34,10 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def check_power_of_two(n: int, *, minimum: int = 1, what: str = "head_dim") -> None:
-    if n < minimum or n & (n - 1):
-        raise ValueError(f"{what}={n}: the Hadamard rotation needs a power of two >= {minimum}")
+from hyperqwen.kvarn.layout import check_power_of_two
 
 
 def hadamard_matrix(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:

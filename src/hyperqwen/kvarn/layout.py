@@ -42,13 +42,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from hyperqwen.kvarn.hadamard import check_power_of_two
-from hyperqwen.kvarn.quantize import TILE_TOKENS, V_BITS, QuantizedTile
-
+TILE_TOKENS = 128
+K_BITS, V_BITS = 4, 2  # bits per key and value code (values: V_BITS_CHOICES)
 SECTION_ALIGN = 16
 FP16_SECTIONS = ("k_scale", "k_zero", "k_token_scale", "v_scale", "v_zero")
 KV_HEADS_27B, FULL_ATTENTION_LAYERS_27B, HEAD_DIM_27B = 4, 16, 256
@@ -67,6 +67,11 @@ class SectionOffsets(NamedTuple):
     v_scale: int
     v_zero: int
     v_high: int
+
+
+def check_power_of_two(n: int, *, minimum: int = 1, what: str = "head_dim") -> None:
+    if n < minimum or n & (n - 1):
+        raise ValueError(f"{what}={n}: the Hadamard rotation needs a power of two >= {minimum}")
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,8 @@ class TileLayout:
         return SectionOffsets(*(offset for offset, _ in self.sections.values()))
 
     def check_pool(self, pool: torch.Tensor) -> None:
+        import torch  # here, not at the top: capacity's arithmetic imports this module
+
         if (
             pool.dtype != torch.uint8
             or pool.dim() != 3
@@ -133,48 +140,6 @@ class TileLayout:
                 f"{self.tile_bytes}] with contiguous tiles ({self.v_bits}-bit values); got "
                 f"{pool.dtype} {list(pool.shape)} stride {pool.stride()}"
             )
-
-
-def _section(raw: torch.Tensor, layout: TileLayout, name: str) -> torch.Tensor:
-    offset, size = layout.sections[name]
-    return raw[offset : offset + size]
-
-
-def pack_tile(tile: QuantizedTile, layout: TileLayout) -> torch.Tensor:
-    """The tile's bytes, uint8 [tile_bytes], padding zero (the reference for store.py)."""
-    raw = torch.zeros(layout.tile_bytes, dtype=torch.uint8)
-    k, v = tile.k_codes.to(torch.uint8), tile.v_codes.to(torch.uint8)
-    if int(v.max()) > layout.v_levels:
-        raise ValueError(f"value code {int(v.max())} in a tile of {layout.v_bits}-bit values")
-    _section(raw, layout, "k_codes")[:] = (k[:, 0::2] | k[:, 1::2] << 4).reshape(-1)
-    low = v & 3
-    v_bytes = low[:, 0::4] | low[:, 1::4] << 2 | low[:, 2::4] << 4 | low[:, 3::4] << 6
-    _section(raw, layout, "v_codes")[:] = v_bytes.reshape(-1)
-    if layout.v_bits == 3:
-        high = (v >> 2).reshape(layout.tokens, -1, 8)
-        planes = sum(high[..., i] << i for i in range(8))
-        _section(raw, layout, "v_high")[:] = planes.reshape(-1)
-    for name in FP16_SECTIONS:
-        _section(raw, layout, name)[:] = getattr(tile, name).to(torch.float16).view(torch.uint8)
-    return raw
-
-
-def unpack_tile(raw: torch.Tensor, layout: TileLayout) -> QuantizedTile:
-    """A tile's bytes (uint8 [tile_bytes], e.g. pool[block, head]) back to numbers."""
-    t, d = layout.tokens, layout.head_dim
-    k_bytes = _section(raw, layout, "k_codes").reshape(t, d // 2).to(torch.int64)
-    v_bytes = _section(raw, layout, "v_codes").reshape(t, d // 4).to(torch.int64)
-    k_codes = torch.stack((k_bytes & 15, k_bytes >> 4), dim=2).reshape(t, d)
-    v_codes = torch.stack([(v_bytes >> (2 * i)) & 3 for i in range(4)], dim=2).reshape(t, d)
-    if layout.v_bits == 3:
-        planes = _section(raw, layout, "v_high").reshape(t, d // 8).to(torch.int64)
-        high = torch.stack([(planes >> i) & 1 for i in range(8)], dim=2).reshape(t, d)
-        v_codes = v_codes | high << 2
-    numbers = {
-        name: _section(raw, layout, name).clone().view(torch.float16).to(torch.float64)
-        for name in FP16_SECTIONS
-    }
-    return QuantizedTile(k_codes=k_codes, v_codes=v_codes, **numbers)
 
 
 def bytes_per_token(layout: TileLayout, context: int | None = None) -> float:

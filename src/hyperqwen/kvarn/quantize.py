@@ -49,9 +49,8 @@ from dataclasses import dataclass
 import torch
 
 from hyperqwen.kvarn.hadamard import rotate_reference
+from hyperqwen.kvarn.layout import K_BITS, V_BITS
 
-TILE_TOKENS = 128
-K_BITS, V_BITS = 4, 2
 K_LEVELS, V_LEVELS = 2**K_BITS - 1, 2**V_BITS - 1
 BALANCE_ROUNDS = 1
 GRID_ROUNDS = 4

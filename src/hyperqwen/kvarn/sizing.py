@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 
-SIDE_TILE_TOKENS = 128  # kvarn/quantize.py's TILE_TOKENS (that module loads torch)
+from hyperqwen.kvarn.layout import TILE_TOKENS
+
 SINK_SLOTS_PER_SEQ = 2
 SIDE_DTYPE_BYTES = 2  # the model's bf16 or fp16
 
@@ -32,7 +33,7 @@ def side_slots(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     sink_slots: int,
-    tile: int = SIDE_TILE_TOKENS,
+    tile: int = TILE_TOKENS,
     speculative: bool = False,
 ) -> int:
     """Slots enough for any step (module docstring) plus `sink_slots` cached sinks."""
@@ -55,7 +56,7 @@ def serving_side_slots(
 
 def side_cache_bytes(slots: int, kv_heads: int, head_dim: int, layers: int) -> int:
     """K and V of `slots` tiles and a padding row, 16 bits, in each of `layers` layers."""
-    rows = slots * SIDE_TILE_TOKENS + 1
+    rows = slots * TILE_TOKENS + 1
     return 2 * rows * kv_heads * head_dim * SIDE_DTYPE_BYTES * layers
 
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperqwen.kvarn.quantize import TILE_TOKENS
+from hyperqwen.kvarn.layout import TILE_TOKENS
 
 # a pinned slot untouched this many steps is taken for an ended request's before any cached
 # sink is evicted: vLLM schedules every running request each step unless the token budget

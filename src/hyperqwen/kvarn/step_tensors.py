@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyperqwen.kvarn.quantize import TILE_TOKENS
+from hyperqwen.kvarn.layout import TILE_TOKENS
 from hyperqwen.kvarn.queued import queued_copy
 
 CANDIDATE_LISTS = 4  # blocks, slots, batch rows, tile ends
