@@ -55,6 +55,20 @@ def test_synthetic_acceptance_lands_in_vllms_speculative_config(tmp_path) -> Non
         with_synthetic_acceptance(argv, (0.5, 0.4))
     with pytest.raises(Exception, match="non-increasing"):
         with_synthetic_acceptance(argv, (0.3, 0.5, 0.6))
+    # rest: the rate of every position past the list (15 slots beside stock MTP's 3)
+    wide = ['--speculative-config={"method":"mtp","num_speculative_tokens":15}']
+    (done,) = with_synthetic_acceptance(wide, (0.77, 0.55, 0.40), 0.0)
+    rates = json.loads(done.removeprefix("--speculative-config="))["synthetic_acceptance_rates"]
+    assert rates == [0.77, 0.55, 0.40, *[0.0] * 12]
+    (done,) = with_synthetic_acceptance(inline, (0.5, 0.25), 0.0)  # nothing past: unchanged
+    assert json.loads(done.removeprefix("--speculative-config="))["synthetic_acceptance_rates"] == [
+        0.5,
+        0.25,
+    ]
+    with pytest.raises(Exception, match="must have length 15"):
+        with_synthetic_acceptance(wide, (0.77, 0.55, 0.40))
+    with pytest.raises(Exception, match="non-increasing"):
+        with_synthetic_acceptance(wide, (0.77, 0.55, 0.40), 0.5)
 
 
 SIZING_FLAGS = ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens")

@@ -170,6 +170,8 @@ def test_both_phases_in_one_run_without_speculation(
     argv = [*comparison, "--mode", "batch", "--cohorts", "1", "--prefill", "none"]
     assert run_in_process("bench", *argv, "--synthetic-acceptance", RATES) == 2
     assert "needs speculative decoding on at least one side" in capsys.readouterr().err
+    assert run_in_process("bench", *argv, "--synthetic-acceptance-rest", "0") == 2
+    assert "give --synthetic-acceptance too" in capsys.readouterr().err
     assert run_in_process("bench", *argv, "--stock-spec", "same") == 2
     error = capsys.readouterr().err
     assert "--stock-spec same: the patched side does not speculate" in error

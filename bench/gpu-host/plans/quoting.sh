@@ -117,7 +117,9 @@ step quoting-o-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting
   --out "$P/quoting-o-result.json"
 step ceiling-b ceiling_group b k4,k8,mtp-k3
 # GDN replay's cost a step where it serves by default's condition: the 27B geometry at C1 with
-# MTP's synthetic acceptance, 15 draft slots with vLLM's per-token state blocks against
+# MTP's synthetic acceptance (the slots past its 3 accept none: what 15 slots cost chat, not
+# what copying gains), 15 draft slots with vLLM's per-token state blocks against
 # GDN_REPLAY=1's one (its verify and fold kernels in every GDN layer), stock MTP k=3 beside
 step gdn-replay env AB_KV_MEM=4G AB_STOCK_ARGS="$stock_length" bash bench/gpu-host/ab_together.sh \
-  gdn-replay "$c1_single" 'DRAFT_TOKENS=15' 'DRAFT_TOKENS=15 GDN_REPLAY=1'
+  gdn-replay "$c1_single --synthetic-acceptance-rest 0" 'DRAFT_TOKENS=15' \
+  'DRAFT_TOKENS=15 GDN_REPLAY=1'

@@ -217,6 +217,16 @@ def cmd_ab(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = -1.0
+    if not 0.0 <= rate <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a rate in [0, 1], e.g. 0")
+    return rate
+
+
 def _rates(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(part) for part in text.split(","))
@@ -352,6 +362,14 @@ def add_ab_subcommand(actions) -> None:
         type=_rates,
         metavar="RATES",
         help="per-position draft acceptance rates, one per drafted token, non-increasing",
+    )
+    ab.add_argument(
+        "--synthetic-acceptance-rest",
+        type=_rate,
+        metavar="RATE",
+        help="the rate of every drafted position past --synthetic-acceptance's, on a side that "
+        "drafts more tokens than it lists (e.g. DRAFT_TOKENS=15 beside stock MTP's 3: 0 accepts "
+        "none of the extra slots, so both sides accept alike); without it such a side is refused",
     )
     ab.add_argument("--env-file", metavar="FILE", help="knobs of the profile (default ./.env)")
     add_workload_options(

@@ -159,17 +159,21 @@ def _refuse_spec_keys(argv: list[str]) -> None:
         )
 
 
-def synthetic_spec(config: dict, rates: tuple[float, ...]) -> dict:
+def synthetic_spec(config: dict, rates: tuple[float, ...], rest: float | None = None) -> dict:
     """A --speculative-config with vLLM 0.26's synthetic rejection sampling at these rates.
 
     rejection_sample_method "synthetic" accepts drafts at the given per-position rates
-    whatever the weights say, so dummy weights still measure speculative decoding. Rates vLLM
-    would refuse (not one per draft, outside [0, 1], increasing) are refused here by name.
+    whatever the weights say, so dummy weights still measure speculative decoding. rest, where
+    given, is the rate of each drafted position past the rates (a server with more draft slots
+    than the other side, e.g. DRAFT_TOKENS=15 against MTP's 3). Rates vLLM would refuse (not
+    one per draft, outside [0, 1], increasing) are refused here by name.
     """
     # Imported here: vLLM's config module is slow to import and only this check needs it.
     from vllm.config.speculative import SpeculativeConfig
 
     drafts = config.get("num_speculative_tokens")
+    if rest is not None and isinstance(drafts, int) and drafts > len(rates):
+        rates = (*rates, *[rest] * (drafts - len(rates)))
     try:
         SpeculativeConfig._resolve_synthetic_acceptance_rates(drafts, list(rates), None)
     except (ValueError, TypeError) as error:
@@ -181,7 +185,9 @@ def synthetic_spec(config: dict, rates: tuple[float, ...]) -> dict:
             "synthetic_acceptance_rates": list(rates)}  # fmt: skip
 
 
-def with_synthetic_acceptance(argv: list[str], rates: tuple[float, ...]) -> list[str]:
+def with_synthetic_acceptance(
+    argv: list[str], rates: tuple[float, ...], rest: float | None = None
+) -> list[str]:
     """argv with synthetic rejection sampling (synthetic_spec) in every --speculative-config."""
     _refuse_spec_keys(argv)
     patched = list(argv)
@@ -189,7 +195,7 @@ def with_synthetic_acceptance(argv: list[str], rates: tuple[float, ...]) -> list
         if index >= len(argv):
             raise ABError("--speculative-config at the end of the flags has no value")
         config = json.loads(argv[index][len(prefix) :])
-        patched[index] = prefix + compact(synthetic_spec(config, rates))
+        patched[index] = prefix + compact(synthetic_spec(config, rates, rest))
     return patched
 
 
@@ -295,7 +301,9 @@ def trace_dir(plan: ABPlan, side: str) -> Path:
 def serve_argv(side: str, plan: ABPlan, port: int) -> list[str]:
     argv = base_argv(side, plan, port)
     if plan.synthetic_acceptance and speculates(argv):
-        argv = with_synthetic_acceptance(argv, plan.synthetic_acceptance)
+        argv = with_synthetic_acceptance(
+            argv, plan.synthetic_acceptance, plan.synthetic_acceptance_rest
+        )
     if plan.profile_steps:
         argv += profiler_flags(trace_dir(plan, side), plan.profile_steps, PROFILE_DELAY_STEPS)
     return argv
@@ -321,6 +329,11 @@ def settled_stock_spec(plan: ABPlan) -> ABPlan:
 
 def check_synthetic_acceptance(plan: ABPlan) -> None:
     """Synthetic rates need a side that speculates; say so before any server starts."""
+    if plan.synthetic_acceptance_rest is not None and not plan.synthetic_acceptance:
+        raise ABError(
+            "--synthetic-acceptance-rest is the rate past --synthetic-acceptance's rates: give "
+            "--synthetic-acceptance too"
+        )
     if not plan.synthetic_acceptance:
         return
     sides = [side for side, argv in preview_commands(plan).items() if speculates(argv)]

@@ -138,6 +138,8 @@ def equivalent_command(
     if plan["synthetic_acceptance"]:
         rates = ",".join(f"{rate:g}" for rate in plan["synthetic_acceptance"])
         command += ["--synthetic-acceptance", rates]
+    if plan.get("synthetic_acceptance_rest") is not None:
+        command += ["--synthetic-acceptance-rest", f"{plan['synthetic_acceptance_rest']:g}"]
     if plan["vllm_args"]:
         command.append(f"--vllm-args={plan['vllm_args']}")
     command += ["--stock-spec", plan["stock_spec"]]

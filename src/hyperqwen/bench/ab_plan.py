@@ -40,6 +40,7 @@ PLAN_OPTIONS = (
     "temperature",
     "seed",
     "synthetic_acceptance",
+    "synthetic_acceptance_rest",
     "vllm_args",
     "stock_args",
     "stock_spec",
@@ -77,6 +78,8 @@ class ABPlan:
     temperature: float
     seed: int
     synthetic_acceptance: tuple[float, ...] | None
+    synthetic_acceptance_rest: float | None
+    """The rate of every drafted position past synthetic_acceptance's (None: refused)."""
     vllm_args: str
     stock_args: str
     stock_spec: str | None

@@ -14,7 +14,7 @@ from hyperqwen.bench.options import DATE_FORMAT
 
 STATE_SCHEMA = 1
 # Options newer than some saved stock halves, with the value those halves were measured with.
-OPTIONS_ADDED_LATER = {"sharegpt": False, "depths": []}
+OPTIONS_ADDED_LATER = {"sharegpt": False, "depths": [], "synthetic_acceptance_rest": None}
 
 
 def new_state(plan: dict) -> dict:
