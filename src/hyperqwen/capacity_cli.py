@@ -30,6 +30,7 @@ from hyperqwen.capacity import (
 from hyperqwen.capacity_fit import step_budgets
 from hyperqwen.capacity_probe import probe_machine
 from hyperqwen.engine.features import FEATURES
+from hyperqwen.exit_codes import EXIT_BAD_INPUT
 from hyperqwen.gpu import NoGpu, list_gpus
 from hyperqwen.kv_choices import KV_CACHE_DTYPES, KVARN_CHOICE, speculation_refusal
 from hyperqwen.launch import (
@@ -43,7 +44,6 @@ from hyperqwen.launch import (
 from hyperqwen.settings import MODES, LoadedSettings, SettingsError, StateDtype, load_settings
 from hyperqwen.vllm_flags import flag_value
 
-EXIT_BAD_INPUT = 2
 SLOT_COUNTS = (1, 2, 4)
 # Request lengths (prompt + answer) the batch table sizes: 640 is the batch benchmark's 128 in +
 # 512 out (bench/README.md), the others a long chat and a long document.

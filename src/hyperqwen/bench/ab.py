@@ -66,10 +66,8 @@ from hyperqwen.bench.results import (
 from hyperqwen.bench.server_process import HEALTH_POLL_S, ServerStartError
 from hyperqwen.bench.workload import DatasetMissing, load_sharegpt_prompts
 from hyperqwen.engine.features import FEATURES
+from hyperqwen.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED
 from hyperqwen.settings import MODES
-
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
 
 
 def validate(plan: ABPlan) -> None:

@@ -45,10 +45,10 @@ from hyperqwen.bench.workload import (
     load_sharegpt_prompts,
     served_token_ids,
 )
+from hyperqwen.exit_codes import EXIT_BAD_INPUT
 from hyperqwen.settings import MODES, SettingsError, load_settings
 
 EXIT_BENCH_FAILED = 1
-EXIT_BAD_INPUT = 2
 
 
 def equivalent_command(args: argparse.Namespace, cohorts: tuple[int, ...], url: str) -> list[str]:

@@ -40,9 +40,9 @@ from hyperqwen.bench.quoting_result import (
 from hyperqwen.bench.quoting_run import save
 from hyperqwen.bench.quoting_tasks import KINDS, salt
 from hyperqwen.bench.results import ResultFileError, aligned
+from hyperqwen.exit_codes import EXIT_BAD_INPUT
 from hyperqwen.launch import LOOKUP_MATCH, NGRAM_MATCH
 
-EXIT_BAD_INPUT = 2
 MAX_DRAFTS = 15
 DEFAULT_POLICIES = "lookup-k15,lookup-k8,lookup-k4,ngram-k15,ngram-k8,ngram-k4"
 # No model length limit in a replay: every answer fitted its server's.

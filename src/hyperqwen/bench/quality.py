@@ -28,11 +28,10 @@ from hyperqwen.bench.options import DATE_FORMAT, local_server
 from hyperqwen.bench.quality_ppl import PPL_SOURCES, measure_perplexity
 from hyperqwen.bench.run import served_model
 from hyperqwen.bench.workload import CHAT_PATH
+from hyperqwen.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED
 from hyperqwen.settings import SettingsError, load_settings
 
 QUALITY_SCHEMA = "hyperqwen.bench.quality/1"
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
 # Parser bookkeeping (and where the key comes from) that a result need not record.
 NOT_OPTIONS = {"func", "command", "bench_command", "env_file"}
 IFBENCH_ACCURACIES = (

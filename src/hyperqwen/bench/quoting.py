@@ -50,10 +50,9 @@ from hyperqwen.bench.quoting_run import (
 from hyperqwen.bench.quoting_tasks import KINDS, MAX_TOKENS, prompt_facts, quoting_tasks
 from hyperqwen.bench.results import ResultFileError
 from hyperqwen.bench.server_process import ServerStartError
+from hyperqwen.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED
 
 MIN_PASSES = 2  # the spread between passes needs two
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
 
 
 def _named_url(text: str) -> tuple[str, str]:

@@ -14,9 +14,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from hyperqwen.bench.quoting import EXIT_BAD_INPUT
 from hyperqwen.bench.quoting_result import ResultFileError, load_measurements, mismatches
 from hyperqwen.bench.quoting_run import MEASUREMENTS_KIND
+from hyperqwen.exit_codes import EXIT_BAD_INPUT
 
 
 def parse_side(text: str) -> tuple[Path, str]:

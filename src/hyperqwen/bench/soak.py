@@ -44,6 +44,7 @@ from hyperqwen.bench.options import DATE_FORMAT, local_server
 from hyperqwen.bench.rows import percentile
 from hyperqwen.bench.run import served_model
 from hyperqwen.checkpoint.shards import atomic_file
+from hyperqwen.exit_codes import EXIT_BAD_INPUT
 from hyperqwen.settings import SettingsError, load_settings
 
 OUTCOMES = ("ok", "dropped", "client_error", "rate_limited", "server_error", "lost")
@@ -58,7 +59,6 @@ MIX = {
     "malformed": 10,
 }
 EXIT_LOST = 1
-EXIT_BAD_INPUT = 2
 BURST_EVERY_S = 60.0
 PROGRESS_EVERY_S = 30.0
 MAX_TOKENS = 64

@@ -27,9 +27,8 @@ from hyperqwen.bench.stepmap import (
     segment,
     summarize_steps,
 )
+from hyperqwen.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED
 
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
 DEFAULT_STEPS = 24
 
 

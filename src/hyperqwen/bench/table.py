@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from hyperqwen.bench.results import ComparisonRow, ResultFileError, aligned, load_result
+from hyperqwen.exit_codes import EXIT_BAD_INPUT
 
-EXIT_BAD_INPUT = 2
 DEFAULT_ROWS = (
     "c1_decode",
     "c1_tpot",
