@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from loaded_settings import loaded
 
-from hyperqwen.bench.ab_argv import profile_launch
+from hyperqwen.bench.ab_argv import profile_launch, with_synthetic_acceptance
 from hyperqwen.capacity import attention_token_bytes, kv_mem_bytes
 from hyperqwen.checkpoint.geometry import PRESETS
 from hyperqwen.checkpoint.synthesize import synthesize
@@ -25,7 +25,7 @@ from hyperqwen.cli import build_parser
 from hyperqwen.kvarn import bench as kvarn_bench
 from hyperqwen.launch import build_launch
 from hyperqwen.settings import Settings
-from hyperqwen.vllm_flags import flag_value
+from hyperqwen.vllm_flags import flag_value, speculates
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = sorted((ROOT / "bench" / "gpu-host" / "plans").glob("*.sh"))
@@ -118,7 +118,10 @@ def check_ab_together(command: Planned, earlier: dict[str, Planned], vllm_serve,
         knobs = dict(word.split("=", 1) for word in variant.split() if not word.startswith("TREE="))
         values = {"GPU_UTIL": "0.3", "KV_MEM": pool, **knobs}  # ab_together's, roughly
         try:  # read and sized as bench ab does on the host (here for an assumed card)
-            profile_launch(model, 8000, args.mode, None, values, "--load-format dummy")
+            launch = profile_launch(model, 8000, args.mode, None, values, "--load-format dummy")
+            if args.synthetic_acceptance and speculates(launch.argv):  # one rate per draft
+                rest = args.synthetic_acceptance_rest
+                with_synthetic_acceptance(launch.argv, args.synthetic_acceptance, rest)
         except Exception as refused:  # a refusal of any kind is the plan's error
             pytest.fail(f"{where}, variant {variant!r}: {refused}")
     if "AB_STOCK_HALF" in command.env:  # an earlier run's half, measured the same way
@@ -159,7 +162,8 @@ def test_every_command_of_a_plan_passes_the_parser_that_reads_it(plan, tmp_path,
             args = cli_args(words[3:])
             if knobs:  # the profile's knobs, in the mode that command serves
                 check_knobs(knobs, getattr(args, "mode", None) or "single", f"step {command.step}")
-            for flags in (getattr(args, name, None) for name in ("vllm_args", "stock_args")):
+            own = [flags for _, flags in getattr(args, "config_args", [])]  # bench quoting's
+            for flags in [getattr(args, name, None) for name in ("vllm_args", "stock_args")] + own:
                 if flags:
                     check_vllm_flags(vllm_serve, flags, f"step {command.step}")
         elif words[:3] == PYTEST:
