@@ -35,6 +35,18 @@ def wait_for(condition: Callable[[], bool], what: str, limit_s: float = 300) -> 
         time.sleep(0.05)
 
 
+def processes_with(variable: str) -> list[int]:
+    """This user's processes whose environment holds `variable` (NAME=VALUE)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if variable.encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return found
+
+
 def c1_comparison(comparison: list[str], tmp_path: Path) -> list[str]:
     """A single-mode comparison of one C1 row whose stock half is kept in tmp_path/stock.json."""
     single = [*comparison, "--mode", "single", "--cohorts", "1", "--prefill", "none"]
@@ -278,3 +290,19 @@ def test_the_gpu_host_recipe_starts_stock_and_variants_together(comparison, tmp_
     assert document["stock"]["command"] == stock_command
     assert flag_value(document["patched"]["command"], "--gpu-memory-utilization") == "0.9"
     assert "c1_decode" in {row.name for row in rows}
+
+    # Every variant refused (15 drafts, 3 rates): the stock half, whose stand-in never gets
+    # healthy here, is stopped with its server instead of running out its start.
+    gate = tmp_path / "never-opened"
+    stopped = [*command[:2], "t3", *command[3:4], "DRAFT_TOKENS=15"]
+    refused_env = {**env, "AB_STOCK_ENV": f"FAKE_START_GATE={gate}"}
+    done = subprocess.run(stopped, cwd=host, env=refused_env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    out = tmp_path / "R" / "t3"
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "must have length 15" in (out / "v1.log").read_text()
+    assert (out / "variants.txt").read_text().splitlines()[-1] == (
+        "stock: stopped, as no variant was measured"
+    )
+    assert "healthy" not in (out / "stock.log").read_text()
+    assert not processes_with(f"FAKE_START_GATE={gate}"), "the stock server outlived its run"

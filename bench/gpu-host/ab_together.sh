@@ -15,6 +15,7 @@
 # vLLM (made once, DIR/vllm-patched) and its src/ first on the server's path (its plugin, where
 # it has one); this checkout's `bench ab` still drives it, with this launcher's argv and env.
 # Results and logs in $R/NAME/ (vN.json is the Nth variant's result, variants.txt names them).
+# Where no variant is measured (each refused or failed), the stock half is stopped, its server too.
 # Detached, from the repository root on the kit's host:
 #   bash bench/gpu-host/bg.sh NAME bash bench/gpu-host/ab_together.sh NAME 'OPTIONS' '' 'KNOB=1'
 # shellcheck disable=SC1091
@@ -69,14 +70,17 @@ for variant in "$@"; do # every TREE's vLLM before any server starts
 done
 bash bench/gpu-host/host_state.sh "$out/host-state-start.txt"
 read -ra stock_env <<< "${AB_STOCK_ENV:-}"
+stock_run=
 if [ -n "${AB_STOCK_HALF:-}" ]; then
   echo "stock: the half saved in $AB_STOCK_HALF" >> "$out/variants.txt"
 else
   echo "stock: env ${AB_STOCK_ENV:-(none)}; flags ${AB_STOCK_ARGS:-(none)}" >> "$out/variants.txt"
   env VLLM_CACHE_ROOT="$work/stock/cache" "${stock_env[@]}" python3 -m hyperqwen.cli bench ab \
     "${common[@]}" --phase stock --workdir "$work/stock" > "$out/stock.log" 2>&1 &
+  stock_run=$!
 fi
 index=0
+variant_runs=()
 for variant in "$@"; do
   index=$((index + 1))
   echo "v$index: ${variant:-the profile defaults}" >> "$out/variants.txt"
@@ -96,8 +100,8 @@ for variant in "$@"; do
     "${knobs[@]}" python3 -c "$this_checkout_cli" "$PWD/src" \
     bench ab "${common[@]}" "${tree_args[@]}" --phase patched --workdir "$work/v$index" \
     --out "$out/v$index.json" > "$out/v$index.log" 2>&1 &
+  variant_runs+=($!)
 done
-servers=$(jobs -p)
 # While they run, once a minute: what each process takes of the host. The servers waiting for
 # their turn still run their processes, and a C1 step is as much host work as GPU work.
 while sleep 60; do
@@ -105,7 +109,17 @@ while sleep 60; do
 done >> "$out/host-state-during.txt" 2>&1 &
 sampler=$!
 status=0
-for job in $servers; do wait "$job" || status=1; done
+measured=0
+for job in "${variant_runs[@]}"; do
+  if wait "$job"; then measured=1; else status=1; fi
+done
+# No variant measured (each refused or failed): the stock half alone compares nothing, so it
+# stops now rather than after its minutes of start and rows (bench ab stops its server on TERM).
+if [ "$measured" = 0 ] && [ -n "${stock_run:-}" ] && kill -0 "$stock_run" 2> /dev/null; then
+  echo "stock: stopped, as no variant was measured" >> "$out/variants.txt"
+  kill -TERM "$stock_run"
+fi
+[ -z "${stock_run:-}" ] || wait "$stock_run" || status=1
 kill "$sampler" 2> /dev/null
 bash bench/gpu-host/host_state.sh "$out/host-state-end.txt"
 # the stock half this run measured, for a later run's AB_STOCK_HALF

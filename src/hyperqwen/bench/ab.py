@@ -63,7 +63,7 @@ from hyperqwen.bench.results import (
     format_comparison,
     write_ratio_plot,
 )
-from hyperqwen.bench.server_process import HEALTH_POLL_S, ServerStartError
+from hyperqwen.bench.server_process import HEALTH_POLL_S, ServerStartError, terminated_as_exit
 from hyperqwen.bench.workload import DatasetMissing, load_sharegpt_prompts
 from hyperqwen.engine.features import FEATURES
 from hyperqwen.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED
@@ -193,7 +193,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
     plan = ABPlan.from_args(args)
     try:
         validate(plan)
-        result = compare_sides(plan)
+        with terminated_as_exit():  # `kill` stops this run's servers too (ab_together.sh)
+            result = compare_sides(plan)
     except (ABError, ServerStartError, BenchError) as error:
         print(f"hyperqwen bench ab: {error}", file=sys.stderr)
         bad_input = isinstance(error, ABError | ServerStartError | DatasetMissing)

@@ -13,6 +13,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,25 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind((SERVER_HOST, 0))
         return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def terminated_as_exit() -> Iterator[None]:
+    """Inside, SIGTERM raises SystemExit (128 + 15) in the main thread, so the `finally` of each
+    running server stops it: a benchmark killed with a plain `kill` would leave its servers
+    holding the GPU. The previous handler comes back on exit; off the main thread, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_on_term(signum, _frame) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def stop_group(process: subprocess.Popen) -> None:
