@@ -7,7 +7,11 @@
 # (docs/results/2026-12-07-h100-smollm2-quoting-lookup-any-match.json), quoting-l and -m
 # (bench/measurements/2026-12-07-h100-smollm2-quoting-{l,m}.json: under full graphs stock
 # vllm-off and hyperqwen-off with or without the patch all part from the default answers),
-# ceiling-b (bench/measurements/2026-12-07-h100-27b-quoting-ceiling-b.json). Steps:
+# ceiling-b (bench/measurements/2026-12-07-h100-27b-quoting-ceiling-b.json). Then (H100,
+# HQ_STEPS=smollm2,quoting-n,quoting-n-result,gdn-replay): quoting-n
+# (docs/results/2026-12-07-h100-smollm2-quoting-full-graphs-sync.json: without async scheduling
+# stock vllm-off still parts, and stock ngram-k15 on chat; lookup exact); gdn-replay refused at
+# once (3 synthetic rates for 15 drafts; it now gives --synthetic-acceptance-rest 0). Steps:
 #   quoting-j: SmolLM2 (real weights), 16 prompts a kind, two passes, default graphs: vLLM's
 #             ngram-k15 (stock, its defaults: the competitor a user has), hyperqwen-ngram
 #             (vLLM's search on HyperQwen's build and flags), lookup, and hyperqwen-off, the
@@ -101,9 +105,9 @@ quoting_without_full_graph_patch() {
   HYPERQWEN_PATCHES_DIR="$series" quoting_group m hyperqwen-off "$full_graphs"
 }
 step quoting-m quoting_without_full_graph_patch
-# Under full graphs only the servers with async scheduling (vLLM turns it off for n-gram and
-# lookup drafting) parted from their default answers: the same without it, and lookup's
-# any-match policy against stock's n-gram, both under full graphs
+# Under full graphs the servers with async scheduling (on without speculation; vLLM turns it
+# off for n-gram and lookup drafting) parted from their default answers: the same without it
+# (they still part), and lookup's any-match policy against stock's n-gram, both under full graphs
 # QUOTING_N_CONFIGS: lookup alone, where quoting-j's ngram-k15 in the same plan run is the stock side
 step quoting-n quoting_group n "${QUOTING_N_CONFIGS:-vllm-off,ngram-k15,lookup}" \
   "$full_graphs --no-async-scheduling"
