@@ -427,8 +427,11 @@ def test_lookup_knobs_reach_the_lookup_server_and_its_baseline_drops_speculation
     assert configs["lookup-gpu"].knob_values == {
         **configs["lookup"].knob_values, "LOOKUP_DEVICE": "gpu"}  # fmt: skip
     assert configs["lookup-gpu"].baseline == "hyperqwen-off"
-    gpu = catalogue(parse_knobs("SPEC=lookup DRAFT_TOKENS=15 LOOKUP_DEVICE=gpu"))
-    assert gpu["hyperqwen-off"].knob_values == {"SPEC": "off"}  # the baseline drops it too
+    assert configs["lookup-fill"].knob_values == {
+        **configs["lookup"].knob_values, "LOOKUP_FILL": "1"}  # fmt: skip
+    assert configs["lookup-fill"].baseline == "hyperqwen-off"
+    gpu = catalogue(parse_knobs("SPEC=lookup DRAFT_TOKENS=15 LOOKUP_DEVICE=gpu LOOKUP_FILL=1"))
+    assert gpu["hyperqwen-off"].knob_values == {"SPEC": "off"}  # the baseline drops them too
     ngrams = [name for name in configs if configs[name].ngram_method]
     assert ngrams == [f"{method}-k{k}" for method in ("ngram", "ngram_gpu") for k in (4, 8, 15)]
     assert configs["lookup"].baseline == configs["hyperqwen-ngram"].baseline == "hyperqwen-off"

@@ -172,6 +172,40 @@ def test_the_runner_keeps_the_token_buffer_and_fuses_after_mtp(patched_vllm):
     assert cut < source.index("orig = original_num_spec_per_req.get(req_id, 0)")
 
 
+def test_filled_every_step_proposes_the_whole_block(monkeypatch):
+    """LOOKUP_FILL=1 (HYPERQWEN_LOOKUP=fill): a match proposes what it proposes without it; no
+    match proposes what followed the last token's latest earlier occurrence, else that token
+    repeated; always the full width (so every step verifies one width), never past
+    max_model_len."""
+    drafts_per_row = 6
+    text = list(range(100, 140))
+    copying = np.array([*text, 7, *text[:8]], dtype=np.int32)
+    last_seen = np.array([5, 9, 6, 8, 9, 3, 4, 9], dtype=np.int32)  # 9 seen twice before: latest
+    unique = np.arange(500, 530, dtype=np.int32)
+
+    def lookup(context, fill=True, max_model_len=WIDTH):
+        return engine_lookup.propose(
+            context, *LOOKUP_MATCH, drafts_per_row, max_model_len, fill=fill
+        )
+
+    assert lookup(copying) == lookup(copying, fill=False) == text[8 : 8 + drafts_per_row]
+    assert lookup(last_seen, fill=False) == []
+    assert lookup(last_seen) == [3, 4, 9, 3, 4, 9]  # after the latest earlier 9, periodically
+    assert lookup(unique) == [529] * drafts_per_row
+    assert lookup(unique, max_model_len=len(unique) + 2) == [529, 529]
+    assert lookup(unique, max_model_len=len(unique)) == []
+    assert lookup(np.array([], dtype=np.int32)) == []
+    # through vLLM's proposer seam: every valid row drafts the full width, the others none
+    proposer = types.SimpleNamespace(min_n=2, max_n=12, max_model_len=64)
+    rows = np.zeros((2, 64), dtype=np.int32)
+    rows[0, :8], rows[1, :5] = last_seen, unique[:5]
+    arguments = (proposer, 2, [0], np.array([8, 5]), rows, 3)
+    monkeypatch.setenv(LOOKUP.env, "fill")
+    assert seams.ngram_drafts(*arguments) == [[3, 4, 9], []]
+    monkeypatch.setenv(LOOKUP.env, "1")
+    assert seams.ngram_drafts(*arguments) == [[], []]
+
+
 def test_any_match_proposes_the_whole_block():
     """DRAFT_TOKENS=15: a long match and a chance one of 3 tokens both propose 15 drafts, none
     proposes nothing, and no draft passes max_model_len."""

@@ -156,6 +156,9 @@ def test_speculative_and_compilation_json_accepted_by_vllm_config_classes(vllm_s
         ({"SPEC": "lookup", "LOOKUP_DEVICE": "gpu"}, "ngram_gpu", "gpu"),
         ({"SPEC": "lookup", "LOOKUP_DEVICE": "gpu", "LOOKUP": "0"}, "ngram_gpu", "gpu"),
         ({"SPEC": "mtp", "LOOKUP_DEVICE": "gpu"}, "mtp", "auto"),  # ignored (warned) there
+        ({"SPEC": "lookup", "LOOKUP_FILL": "1"}, "ngram", "fill"),
+        ({"SPEC": "lookup", "LOOKUP_FILL": "1", "LOOKUP_DEVICE": "gpu"}, "ngram_gpu", "gpu"),
+        ({"SPEC": "mtp", "LOOKUP_FILL": "1"}, "mtp", "auto"),  # ignored (warned) there
     ],
 )
 def test_lookup_device_picks_vllms_method_and_the_engine_path(values, method, env):
@@ -279,6 +282,12 @@ def test_bind_and_key_matrix(values, key, container, host, warns):
             "batch",
             {"SPEC": "lookup", "LOOKUP_DEVICE": "gpu"},
             "LOOKUP_DEVICE is a single-mode knob; ignored in batch mode.",
+        ),
+        (
+            "single",
+            {"SPEC": "lookup", "LOOKUP_DEVICE": "gpu", "LOOKUP_FILL": "1"},
+            "LOOKUP_FILL is ignored unless SPEC=lookup drafts on the CPU (LOOKUP_DEVICE=cpu): it "
+            "fills that proposer's draft slots.",
         ),
         (
             "single",

@@ -31,7 +31,8 @@
 #             answers), and lookup's speed there against stock ngram-k15 under the same graphs,
 #             in the same group (quoting-n-result: a stock user can turn full graphs on too)
 #   quoting-o: stock ngram-k15 (default graphs: under full ones it parted from its answers on
-#             chat in quoting-n) against lookup under full graphs, one group
+#             chat in quoting-n) against lookup under full graphs and lookup-fill (LOOKUP_FILL=1:
+#             every decode step one width, so full graphs under the default graph mode), one group
 #   ceiling-b: the 27B's k = 4, 8 and MTP's 3 (MTP's drafting cost; the k4/k8 policies'
 #             projections), three servers together
 #   gdn-replay: the 27B served at C1 with 15 draft slots, with and without GDN_REPLAY=1,
@@ -115,7 +116,8 @@ step quoting-n-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting
   --out "$P/quoting-n-result.json"
 # quoting-n: stock's n-gram under full graphs parted from its answers on chat, so stock's best
 # lossless n-gram keeps the default graphs: against it, in one group, lookup under full graphs
-step quoting-o quoting_group o ngram-k15,lookup "" \
+# and lookup-fill under the default ones
+step quoting-o quoting_group o ngram-k15,lookup,lookup-fill "" \
   "--config-args=lookup=$full_graphs --no-async-scheduling"
 step quoting-o-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-o.json \
   --out "$P/quoting-o-result.json"

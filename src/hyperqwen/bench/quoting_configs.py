@@ -5,12 +5,13 @@ speculation (`vllm-off`), and with its own n-gram proposers, `ngram` (CPU) and `
 k = 4, 8 and 15 drafts, each matching the project's SPEC=ngram n-gram lengths. HyperQwen's side
 is the project's profile (`hyperqwen serve single`, --patched-vllm) with the lookup knobs
 (--lookup-knobs; default SPEC=lookup DRAFT_TOKENS=15), the same drafting on the GPU
-(`lookup-gpu`: those knobs and LOOKUP_DEVICE=gpu, vLLM's ngram_gpu path with async
-scheduling), the same profile with vLLM's own n-gram search (`hyperqwen-ngram`: SPEC=ngram with
-the lookup knobs' DRAFT_TOKENS, so lookup's search and policy against vLLM's on one build and
-its flags), and the same profile with SPEC=off (`hyperqwen-off`). Each configuration names the
-one whose greedy text it must equal: the same build without speculation (hyperqwen-off's is
-vllm-off: what the build alone changes).
+(`lookup-gpu`: those knobs and LOOKUP_DEVICE=gpu, vLLM's ngram_gpu path with async scheduling),
+the same drafting proposing every step (`lookup-fill`: those knobs and LOOKUP_FILL=1: one verify
+width, full CUDA graphs for every decode step), the same profile with vLLM's own n-gram search
+(`hyperqwen-ngram`: SPEC=ngram with the lookup knobs' DRAFT_TOKENS, so lookup's search and
+policy against vLLM's on one build and its flags), and the same profile with SPEC=off
+(`hyperqwen-off`). Each configuration names the one whose greedy text it must equal: the same
+build without speculation (hyperqwen-off's is vllm-off: what the build alone changes).
 """
 
 from __future__ import annotations
@@ -33,13 +34,21 @@ VLLM_BASELINE = "vllm-off"
 HYPERQWEN_BASELINE = "hyperqwen-off"
 LOOKUP = "lookup"
 LOOKUP_GPU = "lookup-gpu"
+LOOKUP_FILL = "lookup-fill"
 HYPERQWEN_NGRAM = "hyperqwen-ngram"
-LOOKUP_CONFIGS = (LOOKUP, LOOKUP_GPU)
+LOOKUP_CONFIGS = (LOOKUP, LOOKUP_GPU, LOOKUP_FILL)
 NGRAM_METHODS = ("ngram", "ngram_gpu")
 NGRAM_DRAFTS = (4, 8, 15)
 DEFAULT_LOOKUP_KNOBS = "SPEC=lookup DRAFT_TOKENS=15"
 # Knobs of the lookup server that speculation alone uses: its baseline leaves them out.
-SPECULATION_KNOBS = ("SPEC", "DRAFT_TOKENS", "DRAFT_SAMPLE", "LOOKUP", "LOOKUP_DEVICE")
+SPECULATION_KNOBS = (
+    "SPEC",
+    "DRAFT_TOKENS",
+    "DRAFT_SAMPLE",
+    "LOOKUP",
+    "LOOKUP_DEVICE",
+    "LOOKUP_FILL",
+)
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,8 @@ def catalogue(lookup_knobs: dict[str, str]) -> dict[str, ServerConfig]:
     configs.append(ServerConfig(LOOKUP, "hyperqwen", HYPERQWEN_BASELINE, knob_values=lookup_knobs))
     on_gpu = {**lookup_knobs, "LOOKUP_DEVICE": "gpu"}
     configs.append(ServerConfig(LOOKUP_GPU, "hyperqwen", HYPERQWEN_BASELINE, knob_values=on_gpu))
+    filled = {**lookup_knobs, "LOOKUP_FILL": "1"}
+    configs.append(ServerConfig(LOOKUP_FILL, "hyperqwen", HYPERQWEN_BASELINE, knob_values=filled))
     vllms_search = {**off, "SPEC": "ngram"}
     if "DRAFT_TOKENS" in lookup_knobs:
         vllms_search["DRAFT_TOKENS"] = lookup_knobs["DRAFT_TOKENS"]

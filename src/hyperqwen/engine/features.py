@@ -84,11 +84,20 @@ MTP_DRAFTS = 3
 
 # LOOKUP_DEVICE's GPU value, also HYPERQWEN_LOOKUP's for SPEC=lookup drafting on the GPU
 LOOKUP_ON_GPU = "gpu"
+# HYPERQWEN_LOOKUP's value for SPEC=lookup with LOOKUP_FILL=1: every step proposes DRAFT_TOKENS
+LOOKUP_FILLED = "fill"
 
 
 def _lookup_ignored(settings: Any, mode: str) -> str | None:
     if settings.LOOKUP_DEVICE == LOOKUP_ON_GPU and (mode != "single" or settings.SPEC != "lookup"):
         return "LOOKUP_DEVICE is ignored unless SPEC=lookup (it picks where lookup drafts)."
+    if settings.LOOKUP_FILL == ON and (
+        mode != "single" or settings.SPEC != "lookup" or settings.LOOKUP_DEVICE == LOOKUP_ON_GPU
+    ):
+        return (
+            "LOOKUP_FILL is ignored unless SPEC=lookup drafts on the CPU (LOOKUP_DEVICE=cpu): it "
+            "fills that proposer's draft slots."
+        )
     # auto means "where it applies": only an explicit 1 that cannot apply warns
     if mode != "single" or settings.LOOKUP != ON:
         return None
@@ -109,7 +118,9 @@ def _lookup_launch(settings: Any, mode: str) -> str | None:
     if mode != "single":
         return None
     if settings.SPEC == "lookup":
-        return LOOKUP_ON_GPU if settings.LOOKUP_DEVICE == LOOKUP_ON_GPU else ON
+        if settings.LOOKUP_DEVICE == LOOKUP_ON_GPU:
+            return LOOKUP_ON_GPU
+        return LOOKUP_FILLED if settings.LOOKUP_FILL == ON else ON
     if settings.SPEC == "mtp" and settings.LOOKUP != OFF:
         return settings.LOOKUP
     return None
@@ -399,8 +410,25 @@ LOOKUP = Feature(
                 "env HYPERQWEN_LOOKUP (patched vLLM)",
             ),
         ),
+        (
+            "LOOKUP_FILL",
+            Knob(
+                OFF,
+                "With SPEC=lookup on the CPU, 1 proposes DRAFT_TOKENS drafts on every step, a step "
+                "without a match filling its slots with what followed the last token's latest "
+                "earlier occurrence (else that token repeated). Every decode step then verifies "
+                "the same width, which vLLM 0.26 replays as a full CUDA graph under the "
+                "launcher's FULL_AND_PIECEWISE (a step of another width runs piecewise, and "
+                "full graphs of every step are not safe: src/hyperqwen/engine/quoting.md); the "
+                "price is verifying DRAFT_TOKENS on steps that would verify none. Lossless "
+                "either way. Not measured on a GPU yet, so 0 is the default.",
+                values=(OFF, ON),
+                modes=SINGLE_MODE,
+                becomes="env HYPERQWEN_LOOKUP=fill (patched vLLM)",
+            ),
+        ),
     ),
-    more_values=(LOOKUP_ON_GPU,),
+    more_values=(LOOKUP_ON_GPU, LOOKUP_FILLED),
     launch=_lookup_launch,
     ignored=_lookup_ignored,
     status="on by default in single mode (LOOKUP=auto with SPEC=mtp and greedy drafts; also "

@@ -11,7 +11,11 @@ LOOKUP_DEVICE for SPEC=lookup):
   `ngram_gpu` path was the first home of this: on the H200 (SmolLM2-135M, 2026-12-01) it drafted
   at 0.47-0.49x the tokens/s of vLLM's CPU `ngram` on copy and chat prompts at C1 (0.22 against
   0.88 first-draft acceptance while copying), the async-scheduling loss vllm-project/vllm#37150
-  reports for that path.
+  reports for that path. With LOOKUP_FILL=1 (the variable is fill) a step without a match
+  proposes all the same (what followed the last token's latest earlier occurrence, else that
+  token repeated), so every decode step verifies one width: vLLM's uniform-decode batch, which
+  it replays as a full CUDA graph under FULL_AND_PIECEWISE, where a step of 1 token runs the
+  piecewise graph.
 - SPEC=lookup LOOKUP_DEVICE=gpu (the variable is gpu): vLLM's `ngram_gpu` runner path, async
   scheduling on, with this search and policy on the GPU and quoting's one-step-late cut instead
   of vLLM's waiting one (lookup_gpu.py, quoting.md's "Lookup alone": lossless on the H100,
@@ -35,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hyperqwen.engine.features import LOOKUP, ON, env_value
+from hyperqwen.engine.features import LOOKUP, LOOKUP_FILLED, ON, env_value
 from hyperqwen.kernels.lookup import find_suffix_match, fuse_with_mtp, suffix_match_on_host
 
 # Fused with MTP: matches of 2-12 tokens are found; one of LONG_MATCH or more is copied alone,
@@ -45,15 +49,26 @@ LONG_MATCH = 6
 
 
 def propose(
-    context: np.ndarray, min_n: int, max_n: int, num_drafts: int, max_model_len: int
+    context: np.ndarray,
+    min_n: int,
+    max_n: int,
+    num_drafts: int,
+    max_model_len: int,
+    fill: bool = False,
 ) -> list[int]:
     """One request's drafts from its tokens so far (prompt and accepted output): what followed
     the longest, latest earlier match of its last min_n..max_n tokens, num_drafts of them
     whatever the match's length (a cap on short matches lost speed: quoting.md, "Lookup's
-    match"); no match proposes nothing. Never past max_model_len."""
+    match"); no match proposes nothing, or with fill (LOOKUP_FILL) num_drafts all the same:
+    what followed the last token's latest earlier occurrence, else that token repeated, so
+    every step verifies one width. Never past max_model_len."""
     length = int(context.shape[0])
     n, start = suffix_match_on_host(context, min_n, max_n)
-    count = min(num_drafts, max_model_len - length) if n else 0
+    if not n and fill and length:
+        n, start = suffix_match_on_host(context, 1, 1)
+        if not n:  # the last token occurred nowhere before: it, repeated
+            start = length - 1
+    count = min(num_drafts, max_model_len - length) if n or (fill and length) else 0
     if count <= 0:
         return []
     return context[start + np.arange(count) % (length - start)].tolist()
@@ -63,14 +78,15 @@ def ngram_drafts(
     proposer, num_requests: int, valid_ngram_requests: list, num_tokens_no_spec, token_ids_cpu, k
 ) -> list[list[int]] | None:
     """vLLM's CPU n-gram proposer's drafts (batch_propose's arguments): `propose`'s for each
-    valid request, none for the others. Only at 1, which the launcher sets for SPEC=lookup: auto
-    leaves vLLM's own n-gram search alone (None)."""
-    if env_value(LOOKUP) != ON:
+    valid request, none for the others. Only at 1 or fill, which the launcher sets for
+    SPEC=lookup (fill with LOOKUP_FILL=1): auto leaves vLLM's own n-gram search alone (None)."""
+    value = env_value(LOOKUP)
+    if value not in (ON, LOOKUP_FILLED):
         return None
     valid = set(valid_ngram_requests)
     return [
         propose(token_ids_cpu[i, : num_tokens_no_spec[i]], proposer.min_n, proposer.max_n, k,
-                proposer.max_model_len)
+                proposer.max_model_len, fill=value == LOOKUP_FILLED)
         if i in valid
         else []
         for i in range(num_requests)
