@@ -303,12 +303,12 @@ class ServingKnobs(BaseModel):
         "ngram: vLLM's n-gram drafts, copied from the prompt (no extra weights); lookup: "
         "HyperQwen's copy drafts from vLLM's CPU n-gram proposer (or on the GPU: LOOKUP_DEVICE): "
         "what followed the longest, most recent earlier occurrence of the last 2-12 tokens (for "
-        "models without MTP; lossless; from 3 tokens it made 0.75-0.86x the tok/s of vLLM's "
-        "CPU ngram at 15 drafts on SmolLM2's copy tasks, drafting on fewer steps, "
-        "docs/results/2026-12-07-h100-smollm2-quoting-policy.json; from 2 is not yet served, "
-        "single-user/README.md); off: none. ngram and lookup keep vLLM's default graphs: "
-        "with full graphs of every step vLLM 0.26 answered chat prompts with garbage on the "
-        "H100 (docs/results/2026-12-06-h100-smollm2-quoting-full-graphs.json).",
+        "models without MTP; lossless; at 15 drafts it made 1.07-1.18x the tok/s of vLLM's CPU "
+        "ngram at 15 on SmolLM2's copy tasks, "
+        "docs/results/2026-12-07-h100-smollm2-quoting-lookup-any-match.json); off: none. ngram "
+        "and lookup keep vLLM's default graphs: with full graphs of every step vLLM 0.26 "
+        "answered chat prompts with garbage on the H100 "
+        "(docs/results/2026-12-06-h100-smollm2-quoting-full-graphs.json).",
         "--speculative-config",
         modes=SINGLE,
     )
