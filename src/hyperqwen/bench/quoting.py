@@ -12,7 +12,7 @@ import argparse
 import json
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hyperqwen.bench.ab_argv import PREVIEW_PORT, environment_knobs
@@ -87,13 +87,15 @@ def checked_servers(
     choice: str = "configuration",
     makes_model: str = "`hyperqwen bench smollm2 DIR` makes one",
     knobs_option: str = "--lookup-knobs",
+    own_args: Sequence[tuple[str, str]] = (),
 ) -> tuple[dict[str, str], list[ServerConfig], list[ServerConfig]]:
     """The servers a run measures from MODEL_DIR, --configs, --url and --vllm-args, as (the
     given urls, the measured configurations, those started here), checked before any server
     starts; ABError names the option. trees: the option (stock_vllm, patched_vllm) holding the
     vLLM tree of each build; first: a configuration measured first whatever --configs says;
     label, choice, makes_model, knobs_option: the bench's words for a configuration, for what
-    --url names, for how to make MODEL_DIR and for the option that gave the profile's knobs."""
+    --url names, for how to make MODEL_DIR and for the option that gave the profile's knobs;
+    own_args: --config-args' (NAME, FLAGS) pairs."""
     urls = dict(args.url)
     if unknown := [name for name in urls if name not in configs]:
         raise ABError(f"--url {unknown[0]}=...: no such {choice}; name one of {', '.join(configs)}")
@@ -101,6 +103,10 @@ def checked_servers(
     if first is not None and first not in measured:
         measured.insert(0, first)
     started = [config for config in measured if config.name not in urls]
+    if own_args:  # --config-args: each named configuration started here, its flags its own
+        own = with_own_args(configs, own_args, {config.name for config in started})
+        measured = [own[config.name] for config in measured]
+        started = [own[config.name] for config in started]
     if started and (not args.model or not (Path(args.model) / "config.json").is_file()):
         raise ABError(
             f"{label}{started[0].name} is started here, which needs MODEL_DIR (a model folder "
@@ -132,10 +138,12 @@ def quoting_plan(args: argparse.Namespace) -> QuotingPlan:
     """The plan of parsed options, checked before any server starts; ABError names the option."""
     lookup_knobs = parse_knobs(args.lookup_knobs)
     configs = catalogue(lookup_knobs)
-    trees = {"vllm": "stock_vllm", "hyperqwen": "patched_vllm"}
-    _, _, started = checked_servers(args, configs, trees)
-    configs = with_own_args(configs, args.config_args, {config.name for config in started})
-    urls, measured, _ = checked_servers(args, configs, trees)
+    urls, measured, _ = checked_servers(
+        args,
+        configs,
+        {"vllm": "stock_vllm", "hyperqwen": "patched_vllm"},
+        own_args=args.config_args,
+    )
     workdir = Path(args.workdir)
     names = "all" if len(measured) == len(configs) else "+".join(c.name for c in measured)
     return QuotingPlan(

@@ -17,6 +17,7 @@ build without speculation (hyperqwen-off's is vllm-off: what the build alone cha
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -136,7 +137,7 @@ def catalogue(lookup_knobs: dict[str, str]) -> dict[str, ServerConfig]:
 
 
 def with_own_args(
-    configs: dict[str, ServerConfig], given: list[tuple[str, str]], started: set[str]
+    configs: dict[str, ServerConfig], given: Sequence[tuple[str, str]], started: set[str]
 ) -> dict[str, ServerConfig]:
     """The catalogue with --config-args NAME=FLAGS applied: each named configuration started
     here gets its own vLLM flags (one option per name); anything else is refused by name."""

@@ -67,8 +67,8 @@ def propose(
     if not n and fill and length:
         n, start = suffix_match_on_host(context, 1, 1)
         if not n:  # the last token occurred nowhere before: it, repeated
-            start = length - 1
-    count = min(num_drafts, max_model_len - length) if n or (fill and length) else 0
+            n, start = 1, length - 1
+    count = min(num_drafts, max_model_len - length) if n else 0
     if count <= 0:
         return []
     return context[start + np.arange(count) % (length - start)].tolist()
