@@ -430,6 +430,9 @@ def test_lookup_knobs_reach_the_lookup_server_and_its_baseline_drops_speculation
     assert configs["lookup-fill"].knob_values == {
         **configs["lookup"].knob_values, "LOOKUP_FILL": "1"}  # fmt: skip
     assert configs["lookup-fill"].baseline == "hyperqwen-off"
+    assert configs["lookup-nofill"].knob_values == {
+        **configs["lookup"].knob_values, "LOOKUP_FILL": "0"}  # fmt: skip
+    assert configs["lookup-nofill"].baseline == "hyperqwen-off"
     gpu = catalogue(parse_knobs("SPEC=lookup DRAFT_TOKENS=15 LOOKUP_DEVICE=gpu LOOKUP_FILL=1"))
     assert gpu["hyperqwen-off"].knob_values == {"SPEC": "off"}  # the baseline drops them too
     ngrams = [name for name in configs if configs[name].ngram_method]

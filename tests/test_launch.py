@@ -151,14 +151,16 @@ def test_speculative_and_compilation_json_accepted_by_vllm_config_classes(vllm_s
 @pytest.mark.parametrize(
     ("values", "method", "env"),
     [
-        ({"SPEC": "lookup"}, "ngram", "1"),
-        ({"SPEC": "lookup", "LOOKUP_DEVICE": "cpu"}, "ngram", "1"),
+        ({"SPEC": "lookup"}, "ngram", "fill"),  # LOOKUP_FILL=auto fills on the CPU
+        ({"SPEC": "lookup", "LOOKUP_DEVICE": "cpu"}, "ngram", "fill"),
+        ({"SPEC": "lookup", "LOOKUP_FILL": "0"}, "ngram", "1"),
         ({"SPEC": "lookup", "LOOKUP_DEVICE": "gpu"}, "ngram_gpu", "gpu"),
         ({"SPEC": "lookup", "LOOKUP_DEVICE": "gpu", "LOOKUP": "0"}, "ngram_gpu", "gpu"),
         ({"SPEC": "mtp", "LOOKUP_DEVICE": "gpu"}, "mtp", "auto"),  # ignored (warned) there
         ({"SPEC": "lookup", "LOOKUP_FILL": "1"}, "ngram", "fill"),
         ({"SPEC": "lookup", "LOOKUP_FILL": "1", "LOOKUP_DEVICE": "gpu"}, "ngram_gpu", "gpu"),
         ({"SPEC": "mtp", "LOOKUP_FILL": "1"}, "mtp", "auto"),  # ignored (warned) there
+        ({"SPEC": "mtp", "LOOKUP_FILL": "auto"}, "mtp", "auto"),
     ],
 )
 def test_lookup_device_picks_vllms_method_and_the_engine_path(values, method, env):
@@ -312,10 +314,13 @@ def test_ignored_knobs_warn(mode, values, expected):
         {"SPEC": "ngram", "LOOKUP": "auto"},
         {"SPEC": "off", "LOOKUP": "auto"},
         {"LOOKUP": "auto", "DRAFT_SAMPLE": "probabilistic"},
+        {"SPEC": "lookup", "LOOKUP_DEVICE": "gpu", "LOOKUP_FILL": "auto"},
+        {"SPEC": "mtp", "LOOKUP_FILL": "auto"},
     ],
 )
 def test_lookup_auto_is_silent_where_it_does_not_apply(values):
-    """auto means "where it applies": only an explicit LOOKUP=1 that cannot apply warns."""
+    """auto means "where it applies": only an explicit LOOKUP=1 or LOOKUP_FILL=1 that cannot
+    apply warns."""
     warnings = build_launch(loaded(**values), "single", None).warnings
     assert not [w for w in warnings if w.startswith("LOOKUP")]
 
@@ -441,13 +446,14 @@ def test_linear_backend_values_are_vllms_but_ours():
 @pytest.mark.parametrize(
     ("mode", "values", "expected"),
     [
-        ("single", {"SPEC": "lookup"}, "1"),
+        ("single", {"SPEC": "lookup"}, "fill"),  # LOOKUP_FILL=auto: every step proposes
+        ("single", {"SPEC": "lookup", "LOOKUP_FILL": "0"}, "1"),
         ("single", {"LOOKUP": "1"}, "1"),  # fused into MTP's drafts
         ("single", {"LOOKUP": "auto"}, "auto"),  # the engine decides: MTP with greedy drafts
         ("single", {"LOOKUP": "auto", "DRAFT_SAMPLE": "probabilistic"}, "auto"),  # engine: off
         ("single", {"LOOKUP": "auto", "SPEC": "ngram"}, None),  # vLLM's own n-gram search
         ("single", {"LOOKUP": "auto", "SPEC": "off"}, None),
-        ("single", {"LOOKUP": "0", "SPEC": "lookup"}, "1"),  # SPEC=lookup is the search itself
+        ("single", {"LOOKUP": "0", "SPEC": "lookup"}, "fill"),  # SPEC=lookup is the search itself
         ("batch", {"LOOKUP": "auto"}, None),
         ("single", {"SPEC": "ngram"}, None),  # vLLM's own n-gram search
         ("single", {}, "auto"),  # quoting on by default where MTP drafts greedily

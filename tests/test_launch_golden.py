@@ -130,7 +130,8 @@ def test_lookup_auto_changes_only_its_own_variable(golden, case):
     others = {name: value for name, value in now["env"].items() if name != LOOKUP.env}
     assert others == {name: v for name, v in base["env"].items() if name != LOOKUP.env}
     single_mtp = mode == "single" and values["SPEC"] == "mtp"
-    expected = "1" if mode == "single" and values["SPEC"] == "lookup" else None
+    # SPEC=lookup is the search itself (LOOKUP_FILL=auto: it proposes every step)
+    expected = "fill" if mode == "single" and values["SPEC"] == "lookup" else None
     assert now["env"].get(LOOKUP.env) == ("auto" if single_mtp else expected)
 
 

@@ -11,7 +11,11 @@
 # HQ_STEPS=smollm2,quoting-n,quoting-n-result,gdn-replay): quoting-n
 # (docs/results/2026-12-07-h100-smollm2-quoting-full-graphs-sync.json: without async scheduling
 # stock vllm-off still parts, and stock ngram-k15 on chat; lookup exact); gdn-replay refused at
-# once (3 synthetic rates for 15 drafts; it now gives --synthetic-acceptance-rest 0). Steps:
+# once (3 synthetic rates for 15 drafts; it now gives --synthetic-acceptance-rest 0). Then (H100,
+# HQ_STEPS=smollm2,quoting-o,quoting-o-result,gdn-replay): quoting-o
+# (docs/results/2026-12-07-h100-smollm2-quoting-lookup-fill.json), gdn-replay's stock half and
+# DRAFT_TOKENS=15 (docs/results/2026-12-07-h100-27b-mtp-draft-tokens-15-c1.json; the device time
+# ran out before GDN_REPLAY=1's variant). Steps:
 #   quoting-j: SmolLM2 (real weights), 16 prompts a kind, two passes, default graphs: vLLM's
 #             ngram-k15 (stock, its defaults: the competitor a user has), hyperqwen-ngram
 #             (vLLM's search on HyperQwen's build and flags), lookup, and hyperqwen-off, the
@@ -33,6 +37,9 @@
 #   quoting-o: stock ngram-k15 (default graphs: under full ones it parted from its answers on
 #             chat in quoting-n) against lookup under full graphs and lookup-fill (LOOKUP_FILL=1:
 #             every decode step one width, so full graphs under the default graph mode), one group
+#   quoting-p: issue 24's SmolLM2 table at the default graphs, one group: hyperqwen-off (the
+#             lossless reference and chat's control), stock ngram-k15, lookup (LOOKUP_FILL's
+#             default, filled) and lookup-nofill (LOOKUP_FILL=0)
 #   ceiling-b: the 27B's k = 4, 8 and MTP's 3 (MTP's drafting cost; the k4/k8 policies'
 #             projections), three servers together
 #   gdn-replay: the 27B served at C1 with 15 draft slots, with and without GDN_REPLAY=1,
@@ -121,6 +128,11 @@ step quoting-o quoting_group o ngram-k15,lookup,lookup-fill "" \
   "--config-args=lookup=$full_graphs --no-async-scheduling"
 step quoting-o-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-o.json \
   --out "$P/quoting-o-result.json"
+# quoting-o: filled lookup at the default graphs as fast as lookup under full ones and exact:
+# filling became the default. The table issue 24 asks for, with filling's own gain beside it
+step quoting-p quoting_group p hyperqwen-off,ngram-k15,lookup,lookup-nofill
+step quoting-p-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-p.json \
+  --out "$P/quoting-p-result.json"
 step ceiling-b ceiling_group b k4,k8,mtp-k3
 # GDN replay's cost a step where it serves by default's condition: the 27B geometry at C1 with
 # MTP's synthetic acceptance (the slots past its 3 accept none: what 15 slots cost chat, not

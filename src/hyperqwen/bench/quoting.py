@@ -258,8 +258,8 @@ from a document, and open chat as the control. max_tokens per kind:
 Configurations (--configs): vllm-off (stock vLLM, no speculation), ngram-k4/k8/k15 and
 ngram_gpu-k4/k8/k15 (stock vLLM's n-gram proposers, n-grams of 2-5 tokens), hyperqwen-off
 (`hyperqwen serve single` with SPEC=off), lookup (the profile with --lookup-knobs),
-lookup-gpu (the same with LOOKUP_DEVICE=gpu), lookup-fill (the same with LOOKUP_FILL=1) and
-hyperqwen-ngram (the profile with SPEC=ngram
+lookup-gpu (the same with LOOKUP_DEVICE=gpu), lookup-fill and lookup-nofill (the same with
+LOOKUP_FILL=1 and 0) and hyperqwen-ngram (the profile with SPEC=ngram
 and the lookup knobs' DRAFT_TOKENS: vLLM's search on HyperQwen's build and flags);
 --config-args NAME=FLAGS gives one of them vLLM flags of its own (a graph mode, say). Each
 server is started here in turn (stock vLLM from --stock-vllm, the profile from --patched-vllm),
@@ -365,9 +365,9 @@ def add_subcommands(actions) -> None:
         default=DEFAULT_LOOKUP_KNOBS,
         metavar="'KNOBS'",
         help="the lookup configuration's knobs over the environment's (default %(default)r); "
-        "lookup-gpu takes the same and LOOKUP_DEVICE=gpu, lookup-fill the same and "
-        "LOOKUP_FILL=1; hyperqwen-off the same less SPEC, DRAFT_TOKENS, DRAFT_SAMPLE, LOOKUP, "
-        "LOOKUP_DEVICE and LOOKUP_FILL; hyperqwen-ngram hyperqwen-off's "
+        "lookup-gpu takes the same and LOOKUP_DEVICE=gpu, lookup-fill and lookup-nofill the "
+        "same and LOOKUP_FILL=1 and 0; hyperqwen-off the same less SPEC, DRAFT_TOKENS, "
+        "DRAFT_SAMPLE, LOOKUP, LOOKUP_DEVICE and LOOKUP_FILL; hyperqwen-ngram hyperqwen-off's "
         "with SPEC=ngram and these DRAFT_TOKENS",
     )
     parser.add_argument(

@@ -7,7 +7,8 @@ is the project's profile (`hyperqwen serve single`, --patched-vllm) with the loo
 (--lookup-knobs; default SPEC=lookup DRAFT_TOKENS=15), the same drafting on the GPU
 (`lookup-gpu`: those knobs and LOOKUP_DEVICE=gpu, vLLM's ngram_gpu path with async scheduling),
 the same drafting proposing every step (`lookup-fill`: those knobs and LOOKUP_FILL=1: one verify
-width, full CUDA graphs for every decode step), the same profile with vLLM's own n-gram search
+width, full CUDA graphs for every decode step; LOOKUP_FILL's default, auto, does the same) and only
+on a match (`lookup-nofill`: LOOKUP_FILL=0), the same profile with vLLM's own n-gram search
 (`hyperqwen-ngram`: SPEC=ngram with the lookup knobs' DRAFT_TOKENS, so lookup's search and
 policy against vLLM's on one build and its flags), and the same profile with SPEC=off
 (`hyperqwen-off`). Each configuration names the one whose greedy text it must equal: the same
@@ -36,8 +37,9 @@ HYPERQWEN_BASELINE = "hyperqwen-off"
 LOOKUP = "lookup"
 LOOKUP_GPU = "lookup-gpu"
 LOOKUP_FILL = "lookup-fill"
+LOOKUP_NOFILL = "lookup-nofill"
 HYPERQWEN_NGRAM = "hyperqwen-ngram"
-LOOKUP_CONFIGS = (LOOKUP, LOOKUP_GPU, LOOKUP_FILL)
+LOOKUP_CONFIGS = (LOOKUP, LOOKUP_GPU, LOOKUP_FILL, LOOKUP_NOFILL)
 NGRAM_METHODS = ("ngram", "ngram_gpu")
 NGRAM_DRAFTS = (4, 8, 15)
 DEFAULT_LOOKUP_KNOBS = "SPEC=lookup DRAFT_TOKENS=15"
@@ -127,6 +129,10 @@ def catalogue(lookup_knobs: dict[str, str]) -> dict[str, ServerConfig]:
     configs.append(ServerConfig(LOOKUP_GPU, "hyperqwen", HYPERQWEN_BASELINE, knob_values=on_gpu))
     filled = {**lookup_knobs, "LOOKUP_FILL": "1"}
     configs.append(ServerConfig(LOOKUP_FILL, "hyperqwen", HYPERQWEN_BASELINE, knob_values=filled))
+    unfilled = {**lookup_knobs, "LOOKUP_FILL": "0"}
+    configs.append(
+        ServerConfig(LOOKUP_NOFILL, "hyperqwen", HYPERQWEN_BASELINE, knob_values=unfilled)
+    )
     vllms_search = {**off, "SPEC": "ngram"}
     if "DRAFT_TOKENS" in lookup_knobs:
         vllms_search["DRAFT_TOKENS"] = lookup_knobs["DRAFT_TOKENS"]

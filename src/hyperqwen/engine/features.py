@@ -91,6 +91,7 @@ LOOKUP_FILLED = "fill"
 def _lookup_ignored(settings: Any, mode: str) -> str | None:
     if settings.LOOKUP_DEVICE == LOOKUP_ON_GPU and (mode != "single" or settings.SPEC != "lookup"):
         return "LOOKUP_DEVICE is ignored unless SPEC=lookup (it picks where lookup drafts)."
+    # auto fills where it applies; only an explicit 1 that cannot apply warns
     if settings.LOOKUP_FILL == ON and (
         mode != "single" or settings.SPEC != "lookup" or settings.LOOKUP_DEVICE == LOOKUP_ON_GPU
     ):
@@ -120,7 +121,7 @@ def _lookup_launch(settings: Any, mode: str) -> str | None:
     if settings.SPEC == "lookup":
         if settings.LOOKUP_DEVICE == LOOKUP_ON_GPU:
             return LOOKUP_ON_GPU
-        return LOOKUP_FILLED if settings.LOOKUP_FILL == ON else ON
+        return ON if settings.LOOKUP_FILL == OFF else LOOKUP_FILLED
     if settings.SPEC == "mtp" and settings.LOOKUP != OFF:
         return settings.LOOKUP
     return None
@@ -413,16 +414,23 @@ LOOKUP = Feature(
         (
             "LOOKUP_FILL",
             Knob(
-                OFF,
-                "With SPEC=lookup on the CPU, 1 proposes DRAFT_TOKENS drafts on every step, a step "
+                "auto",
+                "With SPEC=lookup on the CPU, propose DRAFT_TOKENS drafts on every step, a step "
                 "without a match filling its slots with what followed the last token's latest "
                 "earlier occurrence (else that token repeated). Every decode step then verifies "
                 "the same width, which vLLM 0.26 replays as a full CUDA graph under the "
                 "launcher's FULL_AND_PIECEWISE (a step of another width runs piecewise, and "
                 "full graphs of every step are not safe: src/hyperqwen/engine/quoting.md); the "
                 "price is verifying DRAFT_TOKENS on steps that would verify none. Lossless "
-                "either way. Not measured on a GPU yet, so 0 is the default.",
-                values=(OFF, ON),
+                "either way. auto: on wherever it applies (SPEC=lookup, LOOKUP_DEVICE=cpu), "
+                "since on SmolLM2 it drafted as fast as lookup under full graphs of every step "
+                "and faster than vLLM's best n-gram on every kind, chat included "
+                "(docs/results/2026-12-07-h100-smollm2-quoting-lookup-fill.json); 1: the same, "
+                "with a warning where it cannot apply; 0: propose only on a match. On a large "
+                "model a filled step costs a wide verify (the 27B geometry's k15 step against "
+                "k0: docs/results/2026-12-06-h100-27b-quoting-projection-k4-k8-mtp.json): if "
+                "chat slows there, 0.",
+                values=("auto", OFF, ON),
                 modes=SINGLE_MODE,
                 becomes="env HYPERQWEN_LOOKUP=fill (patched vLLM)",
             ),
