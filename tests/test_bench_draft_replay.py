@@ -48,7 +48,7 @@ def test_the_policies_are_lookups_and_vllms_search_at_their_widths() -> None:
     assert list(policy("ngram-k4")(tokens)) == text[6:10]
     short = np.asarray([1, 5, 6, 7, 2, 5, 6, 7], dtype=np.int64)  # a 3-token match
     assert list(policy("lookup-k15")(short)) == ([2, 5, 6, 7] * 4)[:15]  # all 15, periodic
-    for word in ("lookup-k0", "ngram-k16", "mtp-k3", "lookup"):
+    for word in ("lookup-k0", "ngram-k32", "mtp-k3", "lookup"):
         with pytest.raises(ValueError, match=word):
             policy(word)
 

@@ -19,8 +19,8 @@ from hyperqwen.engine.features import (
     LOOKUP,
     W4A16_LINEAR,
 )
-from hyperqwen.launch import LOOKUP_MATCH, build_launch, redact_argv
-from hyperqwen.settings import LinearBackend, StateDtype
+from hyperqwen.launch import LOOKUP_MATCH, DraftWidthRefusal, build_launch, redact_argv
+from hyperqwen.settings import LinearBackend, SettingsError, StateDtype, load_settings
 from hyperqwen.vllm_flags import FLAG_ALIASES, FlagToken, flag_keys, flag_value, read_flag
 
 SINGLE_COMBOS = [
@@ -503,3 +503,39 @@ def test_gdn_kernel_knobs_reach_the_engine_env_in_both_modes(mode, knob, variabl
     plan = build_launch(loaded(**{knob: "1"}), mode, None)
     assert plan.env[variable] == "1"
     assert variable not in " ".join(plan.argv)  # an environment variable, not a flag
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"SPEC": "lookup", "DRAFT_TOKENS": "31"},
+        {"SPEC": "lookup", "DRAFT_TOKENS": "24", "LOOKUP_FILL": "0"},
+        {"SPEC": "ngram", "DRAFT_TOKENS": "31"},
+    ],
+)
+def test_host_searches_take_drafts_past_the_gpu_kernels_width(vllm_serve, values):
+    """SPEC=ngram and SPEC=lookup on the CPU draft on the host: up to 31 reach vLLM."""
+    args = vllm_serve(build_launch(loaded(**values), "single", None).argv)
+    assert args.speculative_config["num_speculative_tokens"] == int(values["DRAFT_TOKENS"])
+
+
+@pytest.mark.parametrize(
+    ("values", "path"),
+    [
+        ({"DRAFT_TOKENS": "16"}, "SPEC=mtp"),
+        ({"SPEC": "lookup", "LOOKUP_DEVICE": "gpu", "DRAFT_TOKENS": "31"}, "LOOKUP_DEVICE=gpu"),
+    ],
+)
+def test_drafts_past_the_gpu_kernels_width_are_refused_by_name(values, path):
+    with pytest.raises(DraftWidthRefusal) as refusal:
+        build_launch(loaded(**values), "single", None)
+    message = str(refusal.value)
+    assert f"DRAFT_TOKENS={values['DRAFT_TOKENS']} is wider than" in message and path in message
+    assert "DRAFT_TOKENS=15 or fewer" in message
+    # batch mode never drafts: the knob is only warned about there
+    build_launch(loaded(**values), "batch", None)
+
+
+def test_drafts_past_the_settings_bound_are_refused(tmp_path):
+    with pytest.raises(SettingsError, match="DRAFT_TOKENS"):
+        load_settings({"SPEC": "lookup", "DRAFT_TOKENS": "32"}, tmp_path / "none.env")

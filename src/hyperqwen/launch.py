@@ -29,6 +29,7 @@ from hyperqwen.engine.features import (
     ON,
     OUR_LINEAR_BACKEND,
     V2_RUNNER,
+    draft_width_refusal,
     launch_env,
     serve_refusal as feature_refusal,
 )
@@ -101,6 +102,10 @@ def ssm_cache_dtype(settings: Settings, profile: Profile) -> str:
 
 class KvRefusal(SettingsError):
     """A KV choice that cannot serve with the other knobs; the message names both and the fix."""
+
+
+class DraftWidthRefusal(SettingsError):
+    """DRAFT_TOKENS wider than the drafting path takes; the message names the knob and the fix."""
 
 
 class RunnerRefusal(SettingsError):
@@ -362,6 +367,9 @@ def build_launch(
     refusal = speculation_refusal(kv_dtype, settings.SPEC, settings.DRAFT_TOKENS)
     if mode == "single" and refusal:
         raise KvRefusal(refusal)
+    width_refusal = draft_width_refusal(settings) if mode == "single" else None
+    if width_refusal:
+        raise DraftWidthRefusal(width_refusal)
     notices += model_runner(settings, mode, loaded.explicit)
     split = settings.GPU_SPLIT or profile.gpu_split
     tensor_parallel = settings.GPU_COUNT if split == "tp" else 1

@@ -314,17 +314,19 @@ class ServingKnobs(BaseModel):
     )
     DRAFT_TOKENS: int | None = knob(
         None,
-        "Tokens drafted per step. Default: 3 for mtp, 4 for ngram and lookup (15 projects "
-        'fastest, but each slot costs a GDN state: src/hyperqwen/engine/quoting.md, "Width"; '
-        "pure-attention models should set 15). With lookup only proposed drafts are verified, "
-        "so a long block costs verify work only where the context repeats. With SPEC=mtp and "
+        "Tokens drafted per step: 1-15, and up to 31 with SPEC=ngram or SPEC=lookup on the CPU "
+        "(LOOKUP_DEVICE=cpu), whose searches run on the host. Default: 3 for mtp, 4 for ngram "
+        "and lookup (15 projects fastest, but each slot costs a GDN state: "
+        'src/hyperqwen/engine/quoting.md, "Width"; pure-attention models should set 15 or '
+        "more). With lookup and LOOKUP_FILL=0 only proposed drafts are verified, so a long "
+        "block costs verify work only where the context repeats. With SPEC=mtp and "
         "quoting on, more than 3 is the widest block a copy fills while MTP drafts 3 "
         "(src/hyperqwen/engine/README.md's feature table). Each draft slot holds a GDN state per "
         "request: see hyperqwen capacity.",
         "--speculative-config num_speculative_tokens",
         modes=SINGLE,
         ge=1,
-        le=15,
+        le=31,
     )
     DRAFT_SAMPLE: DraftSample = knob(
         "greedy",

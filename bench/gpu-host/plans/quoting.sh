@@ -38,8 +38,11 @@
 #             chat in quoting-n) against lookup under full graphs and lookup-fill (LOOKUP_FILL=1:
 #             every decode step one width, so full graphs under the default graph mode), one group
 #   quoting-p: issue 24's SmolLM2 table at the default graphs, one group: hyperqwen-off (the
-#             lossless reference and chat's control), stock ngram-k15, lookup (LOOKUP_FILL's
-#             default, filled) and lookup-nofill (LOOKUP_FILL=0)
+#             lossless reference and chat's control), stock ngram-k15, lookup at 31 drafts
+#             (LOOKUP_FILL's default, filled; the CPU search takes up to 31, which replayed
+#             on quoting-j's answers makes more tokens a step than 15 on every kind:
+#             bench/measurements/2026-12-07-smollm2-draft-replay-k31.json)
+#             and lookup-nofill (the same, LOOKUP_FILL=0)
 #   ceiling-b: the 27B's k = 4, 8 and MTP's 3 (MTP's drafting cost; the k4/k8 policies'
 #             projections), three servers together
 #   gdn-replay: the 27B served at C1 with 15 draft slots, with and without GDN_REPLAY=1,
@@ -130,7 +133,8 @@ step quoting-o-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting
   --out "$P/quoting-o-result.json"
 # quoting-o: filled lookup at the default graphs as fast as lookup under full ones and exact:
 # filling became the default. The table issue 24 asks for, with filling's own gain beside it
-step quoting-p quoting_group p hyperqwen-off,ngram-k15,lookup,lookup-nofill
+step quoting-p quoting_group p hyperqwen-off,ngram-k15,lookup,lookup-nofill "" \
+  "--lookup-knobs=SPEC=lookup DRAFT_TOKENS=31"
 step quoting-p-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-p.json \
   --out "$P/quoting-p-result.json"
 step ceiling-b ceiling_group b k4,k8,mtp-k3

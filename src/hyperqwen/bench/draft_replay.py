@@ -43,7 +43,8 @@ from hyperqwen.bench.results import ResultFileError, aligned
 from hyperqwen.exit_codes import EXIT_BAD_INPUT
 from hyperqwen.launch import LOOKUP_MATCH, NGRAM_MATCH
 
-MAX_DRAFTS = 15
+# DRAFT_TOKENS' bound (the CPU searches take up to 31)
+MAX_DRAFTS = 31
 DEFAULT_POLICIES = "lookup-k15,lookup-k8,lookup-k4,ngram-k15,ngram-k8,ngram-k4"
 # No model length limit in a replay: every answer fitted its server's.
 UNLIMITED = 1 << 30

@@ -88,6 +88,32 @@ LOOKUP_ON_GPU = "gpu"
 LOOKUP_FILLED = "fill"
 
 
+# The widest DRAFT_TOKENS where a GPU kernel reads the drafts (MTP with quoting, GDN replay,
+# lookup on the GPU: kernels/lookup.py packs a draft count below 16 beside a position); the CPU
+# searches (SPEC=ngram, SPEC=lookup on the CPU) take up to the settings' bound.
+GPU_DRAFTS_MAX = 15
+
+
+def draft_width_refusal(settings: Any) -> str | None:
+    """Why DRAFT_TOKENS is too wide for SPEC (single mode), or None."""
+    drafts = settings.DRAFT_TOKENS
+    if drafts is None or drafts <= GPU_DRAFTS_MAX or settings.SPEC == "ngram":
+        return None
+    if settings.SPEC == "lookup" and settings.LOOKUP_DEVICE != LOOKUP_ON_GPU:
+        return None
+    path = (
+        "SPEC=lookup with LOOKUP_DEVICE=gpu"
+        if settings.SPEC == "lookup"
+        else f"SPEC={settings.SPEC}"
+    )
+    return (
+        f"DRAFT_TOKENS={drafts} is wider than {path} takes: its drafts pass through GPU kernels "
+        f"fitted to {GPU_DRAFTS_MAX} at most (src/hyperqwen/kernels/lookup.py). Use "
+        f"DRAFT_TOKENS={GPU_DRAFTS_MAX} or fewer, or SPEC=lookup on the CPU (LOOKUP_DEVICE=cpu), "
+        "whose search takes more."
+    )
+
+
 def _lookup_ignored(settings: Any, mode: str) -> str | None:
     if settings.LOOKUP_DEVICE == LOOKUP_ON_GPU and (mode != "single" or settings.SPEC != "lookup"):
         return "LOOKUP_DEVICE is ignored unless SPEC=lookup (it picks where lookup drafts)."
