@@ -511,12 +511,16 @@ def test_gdn_kernel_knobs_reach_the_engine_env_in_both_modes(mode, knob, variabl
         {"SPEC": "lookup", "DRAFT_TOKENS": "31"},
         {"SPEC": "lookup", "DRAFT_TOKENS": "24", "LOOKUP_FILL": "0"},
         {"SPEC": "ngram", "DRAFT_TOKENS": "31"},
+        {"SPEC": "off", "DRAFT_TOKENS": "31"},  # nothing drafts: nothing to refuse
     ],
 )
 def test_host_searches_take_drafts_past_the_gpu_kernels_width(vllm_serve, values):
     """SPEC=ngram and SPEC=lookup on the CPU draft on the host: up to 31 reach vLLM."""
     args = vllm_serve(build_launch(loaded(**values), "single", None).argv)
-    assert args.speculative_config["num_speculative_tokens"] == int(values["DRAFT_TOKENS"])
+    if values["SPEC"] == "off":
+        assert args.speculative_config is None
+    else:
+        assert args.speculative_config["num_speculative_tokens"] == int(values["DRAFT_TOKENS"])
 
 
 @pytest.mark.parametrize(

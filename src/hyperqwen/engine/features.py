@@ -97,7 +97,7 @@ GPU_DRAFTS_MAX = 15
 def draft_width_refusal(settings: Any) -> str | None:
     """Why DRAFT_TOKENS is too wide for SPEC (single mode), or None."""
     drafts = settings.DRAFT_TOKENS
-    if drafts is None or drafts <= GPU_DRAFTS_MAX or settings.SPEC == "ngram":
+    if drafts is None or drafts <= GPU_DRAFTS_MAX or settings.SPEC in ("ngram", "off"):
         return None
     if settings.SPEC == "lookup" and settings.LOOKUP_DEVICE != LOOKUP_ON_GPU:
         return None
