@@ -528,6 +528,8 @@ def test_host_searches_take_drafts_past_the_gpu_kernels_width(vllm_serve, values
     [
         ({"DRAFT_TOKENS": "16"}, "SPEC=mtp"),
         ({"SPEC": "lookup", "LOOKUP_DEVICE": "gpu", "DRAFT_TOKENS": "31"}, "LOOKUP_DEVICE=gpu"),
+        ({"SPEC": "lookup", "GDN_REPLAY": "1", "DRAFT_TOKENS": "31"}, "GDN_REPLAY=1"),
+        ({"SPEC": "ngram", "GDN_REPLAY": "1", "DRAFT_TOKENS": "16"}, "GDN_REPLAY=1"),
     ],
 )
 def test_drafts_past_the_gpu_kernels_width_are_refused_by_name(values, path):

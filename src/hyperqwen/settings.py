@@ -315,7 +315,9 @@ class ServingKnobs(BaseModel):
     DRAFT_TOKENS: int | None = knob(
         None,
         "Tokens drafted per step: 1-15, and up to 31 with SPEC=ngram or SPEC=lookup on the CPU "
-        "(LOOKUP_DEVICE=cpu), whose searches run on the host. Default: 3 for mtp, 4 for ngram "
+        "(LOOKUP_DEVICE=cpu), whose searches run on the host (a feature whose kernels read "
+        "the drafts may take fewer: it says so). "
+        "Default: 3 for mtp, 4 for ngram "
         "and lookup (15 projects fastest, but each slot costs a GDN state: "
         'src/hyperqwen/engine/quoting.md, "Width"; pure-attention models should set 15 or '
         "more). With lookup and LOOKUP_FILL=0 only proposed drafts are verified, so a long "

@@ -97,9 +97,17 @@ GPU_DRAFTS_MAX = 15
 def draft_width_refusal(settings: Any) -> str | None:
     """Why DRAFT_TOKENS is too wide for SPEC (single mode), or None."""
     drafts = settings.DRAFT_TOKENS
-    if drafts is None or drafts <= GPU_DRAFTS_MAX or settings.SPEC in ("ngram", "off"):
+    if drafts is None or drafts <= GPU_DRAFTS_MAX or settings.SPEC == "off":
         return None
-    if settings.SPEC == "lookup" and settings.LOOKUP_DEVICE != LOOKUP_ON_GPU:
+    if settings.GDN_REPLAY == ON:
+        return (
+            f"DRAFT_TOKENS={drafts} is wider than GDN_REPLAY=1 takes: its verify and fold "
+            f"kernels are tested to {GPU_DRAFTS_MAX} drafts (tests/test_kernel_gdn_replay.py). "
+            f"Use DRAFT_TOKENS={GPU_DRAFTS_MAX} or fewer, or GDN_REPLAY=0."
+        )
+    if settings.SPEC == "ngram" or (
+        settings.SPEC == "lookup" and settings.LOOKUP_DEVICE != LOOKUP_ON_GPU
+    ):
         return None
     path = (
         "SPEC=lookup with LOOKUP_DEVICE=gpu"
