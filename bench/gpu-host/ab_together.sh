@@ -102,10 +102,21 @@ for variant in "$@"; do
     --out "$out/v$index.json" > "$out/v$index.log" 2>&1 &
   variant_runs+=($!)
 done
+# Each run's logs (its servers' too) into $out as RUN-LOG: once a minute and at the end, so a run
+# cut short (the device time spent) still brings back where its servers' starts went.
+copy_logs() {
+  local run log
+  for run in "$work"/*/; do
+    for log in "$run"*.log; do
+      [ -f "$log" ] && cp "$log" "$out/$(basename "$run")-$(basename "$log")"
+    done
+  done
+}
 # While they run, once a minute: what each process takes of the host. The servers waiting for
 # their turn still run their processes, and a C1 step is as much host work as GPU work.
 while sleep 60; do
   bash bench/gpu-host/host_state.sh "$work/host-state-now.txt" && cat "$work/host-state-now.txt"
+  copy_logs
 done >> "$out/host-state-during.txt" 2>&1 &
 sampler=$!
 status=0
@@ -124,9 +135,5 @@ kill "$sampler" 2> /dev/null
 bash bench/gpu-host/host_state.sh "$out/host-state-end.txt"
 # the stock half this run measured, for a later run's AB_STOCK_HALF
 [ -z "${AB_STOCK_HALF:-}" ] && [ -f "$work/stock.json" ] && cp "$work/stock.json" "$out/stock-half.json"
-for run in "$work"/*/; do
-  for log in "$run"*.log; do
-    [ -f "$log" ] && cp "$log" "$out/$(basename "$run")-$(basename "$log")"
-  done
-done
+copy_logs
 exit $status
