@@ -45,9 +45,11 @@
 #             and lookup-nofill (the same, LOOKUP_FILL=0)
 #   ceiling-b: the 27B's k = 4, 8 and MTP's 3 (MTP's drafting cost; the k4/k8 policies'
 #             projections), three servers together
-#   gdn-replay: the 27B served at C1 with 15 draft slots, with and without GDN_REPLAY=1,
-#             against stock MTP (bench ab, $R/gdn-replay/): replay's step cost and pool, which
-#             decide DRAFT_TOKENS=15 as a default
+#   gdn-replay: the 27B served at C1 with the profile's defaults (3 draft slots) and with 15
+#             slots and GDN_REPLAY=1, against stock MTP (bench ab, $R/gdn-replay/): what the
+#             candidate default costs chat, and its pool, which decide DRAFT_TOKENS=15 as a
+#             default (15 slots without replay:
+#             docs/results/2026-12-07-h100-27b-mtp-draft-tokens-15-c1.json)
 # Then, on the CPU machine: quoting-ceiling-result with ceiling-a, ceiling-b and quoting-j's
 # result, which projects the 27B quoting speed (issue 24's target).
 # shellcheck source=bench/gpu-host/steps.sh
@@ -138,10 +140,10 @@ step quoting-p quoting_group p hyperqwen-off,ngram-k15,lookup,lookup-nofill "" \
 step quoting-p-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-p.json \
   --out "$P/quoting-p-result.json"
 step ceiling-b ceiling_group b k4,k8,mtp-k3
-# GDN replay's cost a step where it serves by default's condition: the 27B geometry at C1 with
+# The candidate default where it serves by default's condition: the 27B geometry at C1 with
 # MTP's synthetic acceptance (the slots past its 3 accept none: what 15 slots cost chat, not
-# what copying gains), 15 draft slots with vLLM's per-token state blocks against
-# GDN_REPLAY=1's one (its verify and fold kernels in every GDN layer), stock MTP k=3 beside
+# what copying gains), the profile as shipped (3 slots) against 15 slots with GDN_REPLAY=1's one
+# state block (its verify and fold kernels in every GDN layer), stock MTP k=3 beside. The 15
+# slots with vLLM's per-token blocks were measured on 2026-12-07 (the header's result).
 step gdn-replay env AB_KV_MEM=4G AB_STOCK_ARGS="$stock_length" bash bench/gpu-host/ab_together.sh \
-  gdn-replay "$c1_single --synthetic-acceptance-rest 0" 'DRAFT_TOKENS=15' \
-  'DRAFT_TOKENS=15 GDN_REPLAY=1'
+  gdn-replay "$c1_single --synthetic-acceptance-rest 0" '' 'DRAFT_TOKENS=15 GDN_REPLAY=1'
