@@ -3,11 +3,14 @@
 # and tests. GPU tests are deselected here; run them on a GPU host with `make test-gpu`.
 VENV ?= .venv
 BIN := $(VENV)/bin
+# pytest-xdist workers: CI's machine has two cores, and one pytest process left the second idle
+# while the suite grew toward CI's 90-minute limit. TEST_JOBS=0 runs in one process.
+TEST_JOBS ?= 2
 
 .PHONY: test test-gpu install tools lint docs
 
 test: install tools lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_JOBS)
 
 test-gpu: install
 	$(BIN)/pytest -m gpu
