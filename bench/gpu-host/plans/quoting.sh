@@ -135,7 +135,9 @@ step quoting-o-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting
   --out "$P/quoting-o-result.json"
 # quoting-o: filled lookup at the default graphs as fast as lookup under full ones and exact:
 # filling became the default. The table issue 24 asks for, with filling's own gain beside it
-step quoting-p quoting_group p hyperqwen-off,ngram-k15,lookup,lookup-nofill "" \
+# QUOTING_P_CONFIGS: fewer where the device budget is short (lookup-nofill first to go: it
+# shows filling's own gain only, not a criterion)
+step quoting-p quoting_group p "${QUOTING_P_CONFIGS:-hyperqwen-off,ngram-k15,lookup,lookup-nofill}" "" \
   "--lookup-knobs=SPEC=lookup DRAFT_TOKENS=31"
 step quoting-p-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-p.json \
   --out "$P/quoting-p-result.json"
