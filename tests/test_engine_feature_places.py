@@ -1,6 +1,6 @@
 """Issue 23's rule: no engine feature is named in more than two places outside its own code and
-the tests: its declaration (engine/features.py, or features_gdn.py or features_kv.py, which it
-imports: one place) and the docs generated from it.
+the tests: its declaration (engine/features.py, or features_gdn.py, features_kv.py or
+features_lookup.py, which it imports: one place) and the docs generated from it.
 
 What names a feature (its *spellings*, all read from its declaration, matched case-sensitively
 and never as part of a longer identifier, so `prompt_lookup_min` or a dict lookup in prose is no
@@ -57,6 +57,7 @@ DECLARATIONS = (
     DECLARATION,
     "src/hyperqwen/engine/features_gdn.py",
     "src/hyperqwen/engine/features_kv.py",
+    "src/hyperqwen/engine/features_lookup.py",
 )
 GENERATED = "generated docs"
 MOST_PLACES = 2

@@ -96,7 +96,13 @@ def test_no_profile_defaults_to_our_linear_backend():
     assert all(p.linear_backend != OUR_LINEAR_BACKEND for p in profiles)
 
 
-REGISTRY = ("features.py", "features_gdn.py", "features_kv.py", "feature_model.py")
+REGISTRY = (
+    "features.py",
+    "features_gdn.py",
+    "features_kv.py",
+    "features_lookup.py",
+    "feature_model.py",
+)
 
 
 @pytest.mark.parametrize("module", REGISTRY)

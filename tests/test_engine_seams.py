@@ -107,6 +107,7 @@ def test_with_every_feature_off_each_seam_is_vllms_path_and_imports_nothing():
             "hyperqwen.engine.features",
             "hyperqwen.engine.features_gdn",
             "hyperqwen.engine.features_kv",
+            "hyperqwen.engine.features_lookup",
             "hyperqwen.engine.seams",
         ],
     }

@@ -97,6 +97,7 @@ def test_good_engine_values_pass_and_load_only_the_declarations(plugin_path):
         "hyperqwen.engine.features",
         "hyperqwen.engine.features_gdn",
         "hyperqwen.engine.features_kv",
+        "hyperqwen.engine.features_lookup",
         "hyperqwen.vllm_plugin",
     ]
 
