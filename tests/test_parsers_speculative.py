@@ -1,10 +1,11 @@
 """vLLM 0.26.0's `qwen3` reasoning parser and `qwen3_coder` tool parser under speculative decoding.
 
-With speculation (MTP k=3, ngram k=4, lookup verify blocks up to 16 tokens) one engine step
-accepts several tokens, so the OpenAI streaming path hands the parsers deltas of 1 to 16 tokens
-(more when `stream_interval` or a slow client merges steps). Each model output below, in the
-real Qwen3.5 tokenizer's ids, is streamed in steps of every such size and must give the same
-reasoning, content and tool calls as the non-streaming path, and the same at every chunking.
+With speculation (MTP k=3, ngram k=4, lookup verify blocks up to 32 tokens: DRAFT_TOKENS=31 on
+the CPU) one engine step accepts several tokens, so the OpenAI streaming path hands the parsers
+deltas of 1 to 32 tokens (more when `stream_interval` or a slow client merges steps). Each
+model output below, in the real Qwen3.5 tokenizer's ids, is streamed in steps of every such size
+and must give the same reasoning, content and tool calls as the non-streaming path, and the same
+at every chunking.
 
 Everything on the way is vLLM's own code, run on the CPU:
 
@@ -79,7 +80,7 @@ COMPLETIONS = {
 OPENINGS = ("prompt", "output")
 IRREGULAR = (1, 4, 2, 16, 3, 5, 1, 8, 2, 7, 13, 1)
 CHUNKINGS = {
-    **{str(size): (size,) for size in (1, 2, 3, 4, 5, 8, 16)},
+    **{str(size): (size,) for size in (1, 2, 3, 4, 5, 8, 16, 32)},
     "irregular": IRREGULAR,
     "whole": (10_000,),  # one step for everything: merged steps, a slow client
 }
