@@ -7,10 +7,13 @@ function is defined, its own library's included, so it is set here, before anyth
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,25 +99,40 @@ def vllm_serve(vllm_cpu_platform):
 
 @pytest.fixture(scope="session")
 def vllm_wheel() -> Path:
-    """The pinned vLLM wheel, downloaded once (no dependencies) and reused from the cache."""
+    """The pinned vLLM wheel, downloaded once (no dependencies) and reused from the cache. One
+    process downloads at a time, into a staging folder renamed into place: pytest-xdist's
+    workers all ask for it at once on a clean machine, and none may read a half-written wheel."""
     cache = wheel_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
     pattern = f"vllm-{PINNED_VLLM}-*.whl"
-    if not any(cache.glob(pattern)):
-        cache.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", f"vllm=={PINNED_VLLM}"]
-        done = subprocess.run(
-            [*command, "--no-deps", "-d", str(cache)],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=900,  # a 0.5 GB wheel
-        )
-        if done.returncode != 0:
-            pytest.fail(
-                f"could not download vllm=={PINNED_VLLM} into {cache} (needs PyPI access, or "
-                f"put the wheel there by hand):\n{done.stderr[-2000:]}"
-            )
+    with open(cache / ".download.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not any(cache.glob(pattern)):
+            staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache))
+            try:
+                download_vllm_wheel(staging)
+                for wheel in staging.glob(pattern):
+                    wheel.rename(cache / wheel.name)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
     return sorted(cache.glob(pattern))[-1]
+
+
+def download_vllm_wheel(folder: Path) -> None:
+    """pip's download of the pinned vLLM wheel into FOLDER, or the test fails saying why."""
+    command = [sys.executable, "-m", "pip", "download", f"vllm=={PINNED_VLLM}"]
+    done = subprocess.run(
+        [*command, "--no-deps", "-d", str(folder)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=900,  # a 0.5 GB wheel
+    )
+    if done.returncode != 0:
+        pytest.fail(
+            f"could not download vllm=={PINNED_VLLM} into {folder.parent} (needs PyPI access, "
+            f"or put the wheel there by hand):\n{done.stderr[-2000:]}"
+        )
 
 
 @pytest.fixture(scope="session")
