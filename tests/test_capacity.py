@@ -18,6 +18,7 @@ from typing import get_args
 import pytest
 
 from hyperqwen.capacity import (
+    ACTIVATION_FLOOR_BYTES,
     ACTIVATION_SCALE,
     CUDA_GRAPH_BYTES,
     NON_TORCH_BYTES,
@@ -28,6 +29,7 @@ from hyperqwen.capacity import (
     GiB,
     Machine,
     MiB,
+    activation_bytes,
     attention_token_bytes,
     card_pool_bytes,
     gib,
@@ -119,6 +121,23 @@ def test_a_24_gb_card_by_hand():
     assert capacity.max_len(1) == (usable - 18) * 1600  # 15 state blocks and 3 in flight
     # 262,144 tokens (CTX=huge's old number) need 164 + 18 blocks: far beyond this card.
     assert not capacity.fits(262_144, 1)
+
+
+def test_a_smaller_step_keeps_the_measured_activation_floor():
+    # The linear count halves from 4,096 tokens a step to 2,048; the peak vLLM found did not
+    linear = 2 * (3 * 17_408 + 4 * 5_120) * ACTIVATION_SCALE
+    assert activation_bytes(G27, 4096) == math.ceil(4096 * linear) > ACTIVATION_FLOOR_BYTES
+    assert activation_bytes(G27, 2048) == ACTIVATION_FLOOR_BYTES > 2048 * linear
+
+
+def test_the_pool_vllm_refused_at_2048_tokens_a_step_is_not_promised_again():
+    """bench/measurements/2026-12-08-h100-capacity-sized-single-refused.json: the H100 at GPU_UTIL
+    0.2733 (0.9 of a 24 GB card), the prepared 27B (15.31 GiB loaded), 2,048 tokens a step:
+    vLLM left 4.16 GiB for the cache; the launcher had promised 4.75."""
+    h100 = Machine(CARDS_MIB[80] * MiB, "H100", G27, PREPARED_27B_WEIGHT_BYTES, "prepared 27B")
+    pool, how = card_pool_bytes(h100, 0.2733, 2048)
+    assert "21.60 GiB" in how
+    assert pool <= 4.16 * GiB
 
 
 @pytest.mark.parametrize(

@@ -447,3 +447,8 @@ def test_a_dummy_load_is_sized_as_the_shards_it_stands_in_for(which, spec, reque
     features = loaded_weight_bytes(model, settings, shards=False)
     assert declared > 0 and (features > 0) == (which == "prepared" and spec == "mtp")
     assert declared + features == loaded_weight_bytes(model, settings)
+    if features:
+        # the draft head's int8 rows as the engine holds them, bf16, and its int64 ids
+        lines = (model / folder.DRAFT_IDS_FILE).read_text().splitlines()
+        rows = sum(not line.startswith("#") for line in lines)
+        assert features == rows * (GEOMETRY.hidden_size * 2 + 8)

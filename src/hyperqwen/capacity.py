@@ -70,7 +70,8 @@ PREPARED_27B_WEIGHT_BYTES = int(15.31 * GiB)
 # reservation, 143,771 MiB against 139.8 GiB on the H200.
 CUDA_UNREPORTED_BYTES = 640 * MiB
 # vLLM keeps more than the checkpoint's tensors once loaded: "Model loading took 15.31 GiB" for
-# the prepared 27B whose config declares 14.93 GiB, 17.62 GiB for its base's 17.26 (H200, dummy
+# the prepared 27B whose config declares 14.93 GiB (its draft head counted at bf16, as the engine
+# holds it: drafter/step.py served_bytes), 17.62 GiB for its base's 17.26 (H200, dummy
 # weights: bench/measurements/2026-12-03-h200-capacity-logs.json and
 # 2026-12-03-h200-capacity-int8-refused.json). Read from vLLM's code and a meta-device build on the
 # CPU, not yet checked on a GPU: a bf16 mrope cos/sin cache of 4 x max_position x rotary_dim
@@ -92,6 +93,12 @@ CUDA_GRAPH_BYTES = 768 * MiB
 #   the MLP's tensors only, 0.42x of the measured peak (the Gated DeltaNet layers' chunked
 #   prefill temporaries are not in it), so its count is scaled by this until they are.
 ACTIVATION_SCALE = 2.4
+# - the profile run's peak does not shrink with the step as that count does: at 2,048 tokens a
+#   step the H100 left 4.16 GiB for the cache where the count promised 4.75 and vLLM refused the
+#   length (bench/measurements/2026-12-08-h100-capacity-sized-single-refused.json: activation and
+#   non-torch memory 1.48 GiB together, 1.55 at 4,096 tokens above). Until that term is found,
+#   a smaller step is sized at this floor.
+ACTIVATION_FLOOR_BYTES = 1280 * MiB
 
 
 def attention_token_bytes(
@@ -284,9 +291,10 @@ def activation_bytes(g: Geometry, batched_tokens: int, tp: int = 1) -> int:
     """Estimated peak activation of vLLM's profile run (gpu_model_runner.py: profile_run, a
     forward pass of max_num_batched_tokens tokens): the MLP's gate/up output (2 x
     intermediate) and its SiLU product (1 x) beside ~4 hidden-size tensors, bf16, per token,
-    scaled to the measured peak (ACTIVATION_SCALE)."""
+    scaled to the measured peak (ACTIVATION_SCALE), and never below the floor a smaller step
+    was measured at (ACTIVATION_FLOOR_BYTES)."""
     per_token = MODEL_DTYPE_BYTES * (3 * g.intermediate_size // tp + 4 * g.hidden_size)
-    return math.ceil(batched_tokens * per_token * ACTIVATION_SCALE)
+    return max(ACTIVATION_FLOOR_BYTES, math.ceil(batched_tokens * per_token * ACTIVATION_SCALE))
 
 
 def kv_mem_bytes(text: str) -> int:

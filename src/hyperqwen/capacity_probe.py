@@ -4,9 +4,9 @@
 Weights are counted from the safetensors headers, less the tensors vLLM will not load with
 these settings: the vision tower with VISION=0 (--language-model-only) and the MTP layer unless
 SPEC=mtp; the files an engine feature's prepare step writes count where its step says the
-server loads them (the draft head: prepare/marker.FEATURE_STEPS). Served with `--load-format
-dummy` (EXTRA_ARGS), vLLM reads no shard and fills the tensors config.json declares: those are
-counted instead, from the checkpoint layout and the quantization groups of the config (the
+server loads them, at the size the feature holds them in (the draft head:
+prepare/marker.FEATURE_STEPS). Served with `--load-format dummy` (EXTRA_ARGS), vLLM reads no
+shard and fills the tensors config.json declares: those are counted instead, from the checkpoint layout and the quantization groups of the config (the
 benches' config-only folders hold no shards at all). Either count gets the share more that vLLM
 was seen to keep after loading (capacity.LOAD_OVERHEAD_SHARE).
 """
@@ -106,7 +106,8 @@ def declared_weight_bytes(config: dict, geometry: Geometry, settings: Settings) 
 def loaded_weight_bytes(model_dir: Path, settings: Settings, shards: bool = True) -> int:
     """Bytes of the tensors vLLM loads from the folder's safetensors with these settings: the
     shards its index lists (every *.safetensors without one; none where `shards` is False) and
-    the engine features' model files the server loads with them."""
+    what the engine features hold for the model files the server loads with them (their
+    step's `served_bytes`: the draft head's int8 rows are widened to bf16 on load)."""
     index = model_dir / INDEX_NAME
     feature_files = {name for step in FEATURE_STEPS.values() for name in step.MODEL_FILES}
     if not shards:
@@ -115,16 +116,18 @@ def loaded_weight_bytes(model_dir: Path, settings: Settings, shards: bool = True
         names = set(json.loads(index.read_text())["weight_map"].values())
     else:
         names = {path.name for path in model_dir.glob("*.safetensors")} - feature_files
-    for step in FEATURE_STEPS.values():
-        if step.loads_model_files(settings):
-            names |= {name for name in step.MODEL_FILES if name.endswith(".safetensors")}
     skipped = [] if settings.VISION == "1" else [VISION_PREFIX + "."]
     if settings.SPEC != "mtp":
         skipped.append(MTP_PREFIX + ".")
-    return sum(
+    checkpoint = sum(
         entry.nbytes
         for name in sorted(names)
         if (model_dir / name).is_file()
         for tensor, entry in read_header(model_dir / name).tensors.items()
         if not tensor.startswith(tuple(skipped))
+    )
+    return checkpoint + sum(
+        step.served_bytes(model_dir)
+        for step in FEATURE_STEPS.values()
+        if step.loads_model_files(settings)
     )

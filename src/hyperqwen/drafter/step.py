@@ -8,13 +8,19 @@ MODEL_FILES; prepare removes them when the step is skipped.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hyperqwen.checkpoint.shards import read_header
 from hyperqwen.drafter import vocab
 from hyperqwen.engine.features import DRAFT_VOCAB
 from hyperqwen.prepare import folder
+
+# The model dtype the engine widens a prepared head's int8 rows to (engine/draft_vocab.py:
+# load_draft_head), bf16 for every checkpoint HyperQwen serves
+SERVED_ROW_BYTES = 2
 
 TITLE = "draft vocabulary ({size} ids) and draft head"
 MODEL_FILES = (folder.DRAFT_HEAD_FILE, folder.DRAFT_IDS_FILE)
@@ -29,6 +35,27 @@ class Plan:
 def loads_model_files(settings: Any) -> bool:
     """Whether the server loads the draft head: MTP drafts, the draft vocabulary not off."""
     return settings.SPEC == "mtp" and getattr(settings, DRAFT_VOCAB.knob) != "off"
+
+
+def served_bytes(model_dir: Path) -> int:
+    """GPU bytes the server holds for the draft head (the capacity budget's count; 0 where the
+    folder has none): its rows in the model dtype, whatever their stored width, and its ids."""
+    path = model_dir / folder.DRAFT_HEAD_FILE
+    if not path.is_file():
+        return 0
+    tensors = read_header(path).tensors
+    # head.PREFIX's names (head.py imports torch, which the launcher's budget does not)
+    stored = {name.removeprefix("draft_head."): entry for name, entry in tensors.items()}
+    if "weight_shape" in stored:  # int8 rows: their [N, hidden] is the tensor's value
+        shape = stored["weight_shape"]
+        with path.open("rb") as handle:
+            handle.seek(shape.begin)
+            rows, hidden = (int.from_bytes(handle.read(8), "little") for _ in range(2))
+        elements = rows * hidden
+    else:
+        elements = math.prod(stored["weight"].shape) if "weight" in stored else 0
+    ids = stored.get("token_ids")
+    return elements * SERVED_ROW_BYTES + (ids.nbytes if ids else 0)
 
 
 def plan(base: Any, options: Any, ranking: Path) -> Plan:

@@ -159,8 +159,9 @@ class Feature:
     other file that does is a place tests/test_engine_feature_places.py counts."""
     prepare_step: str = ""
     """Where it needs files in the model folder: the module of its `hyperqwen prepare` step,
-    named after the feature (TITLE, MODEL_FILES, `plan`, `write`, `loads_model_files`;
-    prepare/run.py runs it, the capacity budget counts the files the server loads)."""
+    named after the feature (TITLE, MODEL_FILES, `plan`, `write`, `loads_model_files`,
+    `served_bytes`; prepare/run.py runs it, the capacity budget counts what the server holds
+    for the files it loads)."""
 
     cards: str = ""
     """Which path each GPU architecture takes with it on, where that differs by card
