@@ -1,14 +1,15 @@
 """What the capacity budget reads from this machine: the card's memory and the model's size.
 
 `hyperqwen serve` calls `probe_machine` before it builds the launch; capacity.py stays pure.
-Weights are counted from the safetensors headers, less the tensors vLLM will not load with
-these settings: the vision tower with VISION=0 (--language-model-only) and the MTP layer unless
-SPEC=mtp; the files an engine feature's prepare step writes count where its step says the
-server loads them, at the size the feature holds them in (the draft head:
+Weights are counted from the safetensors headers, less the tensors vLLM will not load with these
+settings: the vision tower with VISION=0 (--language-model-only) and the MTP layer unless
+SPEC=mtp; the files an engine feature's prepare step writes count where its step says the server
+loads them, at the size the feature holds them in (the draft head:
 prepare/marker.FEATURE_STEPS). Served with `--load-format dummy` (EXTRA_ARGS), vLLM reads no
-shard and fills the tensors config.json declares: those are counted instead, from the checkpoint layout and the quantization groups of the config (the
-benches' config-only folders hold no shards at all). Either count gets the share more that vLLM
-was seen to keep after loading (capacity.LOAD_OVERHEAD_SHARE).
+shard and fills the tensors config.json declares: those are counted instead, from the checkpoint
+layout and the quantization groups of the config (the benches' config-only folders hold no
+shards at all). Either count gets the share more that vLLM was seen to keep after loading
+(capacity.LOAD_OVERHEAD_SHARE).
 """
 
 from __future__ import annotations
