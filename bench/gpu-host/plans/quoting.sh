@@ -15,7 +15,12 @@
 # HQ_STEPS=smollm2,quoting-o,quoting-o-result,gdn-replay): quoting-o
 # (docs/results/2026-12-07-h100-smollm2-quoting-lookup-fill.json), gdn-replay's stock half and
 # DRAFT_TOKENS=15 (docs/results/2026-12-07-h100-27b-mtp-draft-tokens-15-c1.json; the device time
-# ran out before GDN_REPLAY=1's variant). Steps:
+# ran out before GDN_REPLAY=1's variant). Then (H100, 2026-12-08,
+# HQ_STEPS=smollm2,quoting-p,quoting-p-result,gdn-replay): quoting-p
+# (docs/results/2026-12-08-h100-smollm2-quoting-lookup-k31.json: 1.89-2.23x stock n-gram k15 on
+# the copy kinds, but 93 of 160 answers parted from hyperqwen-off) and gdn-replay
+# (docs/results/2026-12-08-h100-27b-single-c1-gdn-replay-group.json and
+# -mtp-draft-tokens-15-gdn-replay-c1.json: 15 slots with GDN_REPLAY=1 at 0.53x stock). Steps:
 #   quoting-j: SmolLM2 (real weights), 16 prompts a kind, two passes, default graphs: vLLM's
 #             ngram-k15 (stock, its defaults: the competitor a user has), hyperqwen-ngram
 #             (vLLM's search on HyperQwen's build and flags), lookup, and hyperqwen-off, the
@@ -43,6 +48,8 @@
 #             on quoting-j's answers makes more tokens a step than 15 on every kind:
 #             bench/measurements/2026-12-07-smollm2-draft-replay-k31.json)
 #             and lookup-nofill (the same, LOOKUP_FILL=0)
+#   quoting-q, quoting-r: hyperqwen-off and lookup at 31 drafts in vLLM's batch-invariant mode,
+#             then with only cuBLAS's split-K off: is quoting-p's parting numeric
 #   ceiling-b: the 27B's k = 4, 8 and MTP's 3 (MTP's drafting cost; the k4/k8 policies'
 #             projections), three servers together
 #   gdn-replay: the 27B served at C1 with the profile's defaults (3 draft slots) and with 15
@@ -141,6 +148,21 @@ step quoting-p quoting_group p "${QUOTING_P_CONFIGS:-hyperqwen-off,ngram-k15,loo
   "--lookup-knobs=SPEC=lookup DRAFT_TOKENS=31"
 step quoting-p-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-p.json \
   --out "$P/quoting-p-result.json"
+# quoting-p: at 31 drafts lookup parted from hyperqwen-off on 93 of 160 answers (at 15, none).
+# Numeric or lossy? quoting-q serves both in vLLM's batch-invariant mode (on Hopper: cuBLAS
+# without split-K, batch-invariant softmax, mean and bmm); quoting-r with only cuBLAS's split-K
+# off, the cheaper setting a launcher could pass; each against its own hyperqwen-off
+# (`hyperqwen bench quoting-same` on the two groups)
+quoting_numeric() {
+  (export "${@:3}" && quoting_group "$1" "$2" "" "--lookup-knobs=SPEC=lookup DRAFT_TOKENS=31")
+}
+step quoting-q quoting_numeric q hyperqwen-off,lookup VLLM_BATCH_INVARIANT=1
+step quoting-q-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-q.json \
+  --out "$P/quoting-q-result.json"
+step quoting-r quoting_numeric r hyperqwen-off,lookup CUBLASLT_WORKSPACE_SIZE=1 \
+  CUBLAS_WORKSPACE_CONFIG=:16:8
+step quoting-r-result python3 -m hyperqwen.cli bench quoting-result "$P"/quoting-r.json \
+  --out "$P/quoting-r-result.json"
 step ceiling-b ceiling_group b k4,k8,mtp-k3
 # The candidate default where it serves by default's condition: the 27B geometry at C1 with
 # MTP's synthetic acceptance (the slots past its 3 accept none: what 15 slots cost chat, not

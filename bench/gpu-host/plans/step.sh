@@ -43,6 +43,12 @@ step hoststacks-feat python3 -m hyperqwen.cli bench hoststacks "$R"/feat/v1.json
 step hoststacks-defaults python3 -m hyperqwen.cli bench hoststacks "$R"/host/v3.json --top 40
 step stepmaps-feat stepmaps feat
 step stepmaps-host stepmaps host
+# GDN replay's step: 15 slots without and with GDN_REPLAY=1, profiled (its verify and fold kernels
+# took a chat step from 12.9 to 29.5 ms across two runs: engine/quoting.md, "What is built";
+# HQ_STEPS=replay,stepmaps-replay alone, ~10 min)
+step replay env AB_KV_MEM=4G AB_STOCK_ARGS="$stock_length" bash bench/gpu-host/ab_together.sh \
+  replay "$c1 --synthetic-acceptance-rest 0" 'DRAFT_TOKENS=15' 'DRAFT_TOKENS=15 GDN_REPLAY=1'
+step stepmaps-replay stepmaps replay
 step step-knobs-test python3 -m pytest -m gpu -x tests/test_step_knobs_gpu.py
 step gdn-kernels-test python3 -m pytest -m gpu -x tests/test_gdn_kernels_gpu.py
 step draft-vocab-test python3 -m pytest -m gpu tests/test_engine_draft_vocab_gpu.py

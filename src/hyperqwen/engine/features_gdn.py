@@ -120,8 +120,9 @@ GDN_REPLAY = Feature(
         "at large DRAFT_TOKENS, which `hyperqwen serve` sizes CTX with (`hyperqwen capacity`). "
         "Lossless on the H200 with a tiny model at 3 and 15 drafts, and at 15 with "
         "PREFIX_CACHE=1 (its state copies as folds; cached answers equal cold ones) "
-        "(bench/measurements/2026-12-05-h200-gdn-replay-passed.json); its speed is not "
-        "measured, so off.",
+        "(bench/measurements/2026-12-05-h200-gdn-replay-passed.json). Off: with 15 drafts "
+        "the 27B geometry's chat step took more than twice as long with it on an H100 "
+        "(docs/results/2026-12-08-h100-27b-mtp-draft-tokens-15-gdn-replay-c1.json).",
         modes=SINGLE_MODE,
     ),
     launch=_gdn_replay_launch,
@@ -139,8 +140,10 @@ GDN_REPLAY = Feature(
     "vLLM's classes, its align copies and its per-token-state kernel over multi-step runs; "
     "on the H200 (CUDA graphs included) its greedy answers equal replay off's at 3 and 15 "
     "drafts, and at 15 with prefix caching, where each cached answer also equals the cold one "
-    "(bench/measurements/2026-12-05-h200-gdn-replay-passed.json); not timed; "
-    "the launcher sizes CTX with its pool (capacity.py: checked against vLLM's own pool "
-    "functions on the CPU, `tests/test_capacity.py`; served: `tests/test_capacity_gpu.py -k "
-    "gdn_replay`: its first run started stock vLLM, a test fault since fixed, so not run)",
+    "(bench/measurements/2026-12-05-h200-gdn-replay-passed.json); timed on the H100 at 15 "
+    "drafts, C1: 0.53x stock MTP k3, where 15 drafts without it made 1.20x the day before "
+    "(docs/results/2026-12-08-h100-27b-mtp-draft-tokens-15-gdn-replay-c1.json); the "
+    "launcher sizes CTX with its pool (capacity.py: checked against vLLM's own pool "
+    "functions on the CPU, `tests/test_capacity.py`; served on the H100 at the computed "
+    "pool: bench/measurements/2026-12-07-h100-capacity-gdn-replay-pool-passed.json)",
 )
