@@ -17,10 +17,11 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from hyperqwen.engine.gdn_replay_align import boundary_folds
+from hyperqwen.engine.gdn_replay_align import boundary_folds, boundary_reachable
 
 BLOCK_SIZE = 4
 MAX_DRAFTS = 3
@@ -137,3 +138,26 @@ def test_boundary_folds_name_the_copies_vllms_postprocess_makes() -> None:
         "verify, in place",
         "verify, into another block",
     }
+
+
+def test_a_step_no_boundary_can_reach_skips_the_folds() -> None:
+    """boundary_reachable (host counts only) is False only where boundary_folds folds nothing
+    and clears nothing, whatever was accepted; and it is False on most decode steps."""
+    rng = random.Random(0)
+    skipped = 0
+    for _ in range(400):
+        step = random_step(rng, requests=1)
+        counts = [np.array(step[name], dtype=np.int32) for name in ("computed", "scheduled")]
+        draft = np.array(step["draft"], dtype=np.int32)
+        if boundary_reachable(*counts, draft, BLOCK_SIZE):
+            continue
+        skipped += 1
+        for accepted in range(1, 2 + int(draft[0])):  # every count the step could accept
+            i32 = {k: torch.tensor(v, dtype=torch.int32) for k, v in step.items()}
+            folds = boundary_folds(
+                torch.tensor([accepted], dtype=torch.int32), i32["state_idx"],
+                i32["scheduled"], i32["computed"], i32["draft"],
+                torch.arange(1, 12, dtype=torch.int32)[None], BLOCK_SIZE,
+            )  # fmt: skip
+            assert int(folds.sources[0]) == 0 and not bool(folds.clears[0]), step
+    assert skipped > 100

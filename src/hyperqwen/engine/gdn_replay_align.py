@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hyperqwen.engine.gdn_replay_state import saved_inputs
@@ -82,6 +83,17 @@ def boundary_folds(
         counts=torch.where(acts, counts, 0).to(int32),
         clears=reached & in_place,
     )
+
+
+def boundary_reachable(
+    computed: np.ndarray, scheduled: np.ndarray, draft: np.ndarray, block_size: int
+) -> bool:
+    """Whether any request's step can reach a block boundary (boundary_folds' `reached`) at the
+    most tokens it can accept (1 + its drafts), from the host's copies of the step's counts: a
+    request crosses one every block_size tokens, so most steps need no fold and launch none."""
+    running = computed.astype(np.int64) + scheduled - draft
+    most = computed.astype(np.int64) + scheduled  # running + (1 + drafts) - 1
+    return bool(((most // block_size) * block_size >= running).any())
 
 
 @dataclass(frozen=True)
@@ -207,6 +219,10 @@ def fold_boundaries(runner: Any, num_reqs: int, groups: list[Group]) -> None:
     if context is None or num_reqs == 0:
         return
     rows = slice(0, num_reqs)
+    counts = (context.num_computed_tokens_buf, context.num_scheduled_tokens_buf,
+              context.num_draft_tokens_buf)  # fmt: skip
+    if not boundary_reachable(*(buffer.np[rows] for buffer in counts), context.block_size):
+        return
     inputs = (
         runner.num_accepted_tokens.gpu[rows],
         context.mamba_state_idx_buf.gpu[rows],
