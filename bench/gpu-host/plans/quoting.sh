@@ -19,7 +19,7 @@
 # HQ_STEPS=smollm2,quoting-p,quoting-p-result,gdn-replay): quoting-p
 # (docs/results/2026-12-08-h100-smollm2-quoting-lookup-k31.json: 1.89-2.23x stock n-gram k15 on
 # the copy kinds, but 93 of 160 answers parted from hyperqwen-off) and gdn-replay
-# (docs/results/2026-12-08-h100-27b-single-c1-gdn-replay-group.json and
+# (docs/results/2026-12-08-h100-27b-single-c1-as-shipped.json and
 # -mtp-draft-tokens-15-gdn-replay-c1.json: 15 slots with GDN_REPLAY=1 at 0.53x stock). Steps:
 #   quoting-j: SmolLM2 (real weights), 16 prompts a kind, two passes, default graphs: vLLM's
 #             ngram-k15 (stock, its defaults: the competitor a user has), hyperqwen-ngram
