@@ -48,7 +48,8 @@ out as vLLM binds it (tests/test_engine_gdn_replay_seam.py); gdn_replay_fold int
 slot, prefix caching's `align` moves and boundary copies, against vLLM's per-token states amid
 a run (wired into vLLM's align path by engine/gdn_replay_align.py). Served on the H200
 (lossless) and timed on the H100, where 15 slots with it took a 27B chat step from 12.9 to 29.5
-ms (engine/quoting.md, "GDN replay", says what is wired, what was measured and what is left).
+ms, across two runs (engine/quoting.md, "GDN replay", says what is wired, what was measured
+and what is left).
 """
 
 from __future__ import annotations
