@@ -152,8 +152,8 @@ def test_a_step_no_boundary_can_reach_skips_the_folds() -> None:
         if boundary_reachable(*counts, draft, BLOCK_SIZE):
             continue
         skipped += 1
+        i32 = {k: torch.tensor(v, dtype=torch.int32) for k, v in step.items()}
         for accepted in range(1, 2 + int(draft[0])):  # every count the step could accept
-            i32 = {k: torch.tensor(v, dtype=torch.int32) for k, v in step.items()}
             folds = boundary_folds(
                 torch.tensor([accepted], dtype=torch.int32), i32["state_idx"],
                 i32["scheduled"], i32["computed"], i32["draft"],

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperqwen.checkpoint.shards import read_header
+from hyperqwen.checkpoint.w4a16_sizes import GROUP_SIZE
 from hyperqwen.drafter import vocab
 from hyperqwen.engine.features import DRAFT_VOCAB
 from hyperqwen.prepare import folder
@@ -43,19 +44,18 @@ def served_bytes(model_dir: Path) -> int:
     path = model_dir / folder.DRAFT_HEAD_FILE
     if not path.is_file():
         return 0
-    tensors = read_header(path).tensors
     # head.PREFIX's names (head.py imports torch, which the launcher's budget does not)
-    stored = {name.removeprefix("draft_head."): entry for name, entry in tensors.items()}
-    if "weight_shape" in stored:  # int8 rows: their [N, hidden] is the tensor's value
-        shape = stored["weight_shape"]
-        with path.open("rb") as handle:
-            handle.seek(shape.begin)
-            rows, hidden = (int.from_bytes(handle.read(8), "little") for _ in range(2))
-        elements = rows * hidden
+    stored = {
+        name.removeprefix("draft_head."): entry for name, entry in read_header(path).tensors.items()
+    }
+    if "weight_packed" in stored:  # int8 rows, as draft_head_int8.serve_refusal reads them:
+        # N rows of GROUP_SIZE x the scales' columns, from the header alone
+        rows, groups = stored["weight_packed"].shape[0], stored["weight_scale"].shape[1]
+        elements = rows * groups * GROUP_SIZE
     else:
         elements = math.prod(stored["weight"].shape) if "weight" in stored else 0
     ids = stored.get("token_ids")
-    return elements * SERVED_ROW_BYTES + (ids.nbytes if ids else 0)
+    return elements * SERVED_ROW_BYTES + (ids.nbytes if ids is not None else 0)
 
 
 def plan(base: Any, options: Any, ranking: Path) -> Plan:

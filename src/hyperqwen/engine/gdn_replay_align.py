@@ -91,8 +91,8 @@ def boundary_reachable(
     """Whether any request's step can reach a block boundary (boundary_folds' `reached`) at the
     most tokens it can accept (1 + its drafts), from the host's copies of the step's counts: a
     request crosses one every block_size tokens, so most steps need no fold and launch none."""
-    running = computed.astype(np.int64) + scheduled - draft
     most = computed.astype(np.int64) + scheduled  # running + (1 + drafts) - 1
+    running = most - draft
     return bool(((most // block_size) * block_size >= running).any())
 
 
